@@ -1,0 +1,502 @@
+"""Time `PPOTrainer.step()` on named workloads next to the compute floor of the same work.
+
+The floor is a hand-written PPO step on plain transformers that does only the model work no PPO
+step can avoid: a policy and a reference forward without grad over the batch, then, for each of
+`ppo_epochs` epochs, forward + backward + Adam step per mini-batch, with the LM head applied only
+where a response token is predicted and every mini-batch padded to its own longest row.
+
+Each (workload, method) runs in a fresh subprocess so that peak memory is measured alone:
+see `benchmarks/README.md` for how time, tokens/s and peak memory are defined.
+
+Usage:
+    python benchmarks/bench_step.py [--workloads w1 w2 sweep] [--steps 3] [--warmup 1]
+        [--device cpu|cuda] [--dtype fp32|bf16] [--methods step floor] [--output benchmarks/RESULTS.md]
+"""
+
+import argparse
+import copy
+import dataclasses
+import gc
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULT_MARKER = "BENCH_RESULT "
+METHODS = ("step", "floor")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# Classic PPO defaults (the same values PPOConfig uses), written here so the floor needs no trl_lite.
+LEARNING_RATE = 1.41e-5
+KL_COEF = 0.2
+GAMMA = 1.0
+LAM = 0.95
+CLIPRANGE = 0.2
+CLIPRANGE_VALUE = 0.2
+VF_COEF = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One benchmark shape: a random-init GPT-2 and a PPO batch of random token ids."""
+
+    name: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    batch_size: int
+    mini_batch_size: int
+    ppo_epochs: int
+    query_len: tuple = (8, 16)
+    response_len: tuple = (16, 32)
+    vocab_size: int = 50257
+    seed: int = 0
+
+
+W1 = Workload("w1", n_layer=2, n_embd=128, n_head=2, batch_size=16, mini_batch_size=4, ppo_epochs=4)
+W2 = Workload("w2", n_layer=12, n_embd=768, n_head=12, batch_size=8, mini_batch_size=4, ppo_epochs=2)
+
+
+def sweep_workloads() -> list:
+    """The w1 model as batch size doubles (4 mini-batches each), then as response length doubles."""
+    by_batch = [
+        dataclasses.replace(W1, name=f"sweep-b{b}", batch_size=b, mini_batch_size=b // 4) for b in (4, 8, 16, 32)
+    ]
+    by_length = [dataclasses.replace(W1, name=f"sweep-r{r}", response_len=(r // 2, r)) for r in (16, 32, 64, 128)]
+    return by_batch + by_length
+
+
+WORKLOAD_GROUPS = {"w1": lambda: [W1], "w2": lambda: [W2], "sweep": sweep_workloads}
+
+
+def make_batch(workload: Workload) -> tuple:
+    """Random queries, responses and scores with lengths drawn uniformly from the workload's ranges.
+
+    Token ids avoid the last id, which is the pad / end-of-text id of the model config.
+    Returns lists of `batch_size` 1-D LongTensors (queries, responses) and 0-d float tensors (scores).
+    """
+    g = torch.Generator().manual_seed(workload.seed)
+    queries, responses, scores = [], [], []
+    for _ in range(workload.batch_size):
+        lq = int(torch.randint(workload.query_len[0], workload.query_len[1] + 1, (1,), generator=g))
+        lr = int(torch.randint(workload.response_len[0], workload.response_len[1] + 1, (1,), generator=g))
+        queries.append(torch.randint(0, workload.vocab_size - 1, (lq,), generator=g))
+        responses.append(torch.randint(0, workload.vocab_size - 1, (lr,), generator=g))
+        scores.append(torch.randn((), generator=g))
+    return queries, responses, scores
+
+
+def make_lm(workload: Workload, device: str, dtype: torch.dtype):
+    """A random-init GPT2LMHeadModel of the workload's size, without dropout (same model for both methods)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    last_id = workload.vocab_size - 1
+    config = GPT2Config(
+        vocab_size=workload.vocab_size,
+        n_positions=max(1024, workload.query_len[1] + workload.response_len[1]),
+        n_embd=workload.n_embd,
+        n_layer=workload.n_layer,
+        n_head=workload.n_head,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=last_id,
+        eos_token_id=last_id,
+        pad_token_id=last_id,
+    )
+    torch.manual_seed(workload.seed)
+    return GPT2LMHeadModel(config).to(device=device, dtype=dtype)
+
+
+def pack_rows(queries: list, responses: list, rows: list, pad_id: int, device: str) -> dict:
+    """Right-pad `query + response` of the given rows to their own longest row.
+
+    Shapes, with n = len(rows), L = longest query+response, K = longest response:
+    input_ids, attention_mask (n, L); positions (n, K) index of the token that predicts response
+    token k; targets (n, K) response token k; mask (n, K) 1 where k < len(response).
+    """
+    seqs = [torch.cat([queries[i], responses[i]]) for i in rows]
+    q_lens = torch.tensor([len(queries[i]) for i in rows])
+    r_lens = torch.tensor([len(responses[i]) for i in rows])
+    longest, k_max = max(len(s) for s in seqs), int(r_lens.max())
+    input_ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), longest), dtype=torch.long)
+    for j, s in enumerate(seqs):
+        input_ids[j, : len(s)] = s
+        attention_mask[j, : len(s)] = 1
+    k = torch.arange(k_max).unsqueeze(0)
+    mask = k < r_lens.unsqueeze(1)
+    # Padded slots point at the last response-predicting position of their row: valid, and masked out.
+    positions = q_lens.unsqueeze(1) - 1 + torch.minimum(k, r_lens.unsqueeze(1) - 1)
+    targets = input_ids.gather(1, positions + 1)
+    batch = dict(input_ids=input_ids, attention_mask=attention_mask, positions=positions, targets=targets, mask=mask)
+    return {name: t.to(device) for name, t in batch.items()}
+
+
+def response_logprobs(lm, batch: dict, v_head=None) -> tuple:
+    """Log-probs (and values) of the response tokens, with the LM head only at response positions.
+
+    Shapes: log-probs (n, K) = gathered logit - logsumexp over the vocabulary; values (n, K) or None.
+    """
+    hidden = lm.transformer(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    index = batch["positions"].unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+    picked = hidden.gather(1, index)  # (n, K, H)
+    logits = lm.lm_head(picked)  # (n, K, V)
+    logprobs = logits.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+    values = v_head(picked).squeeze(-1) if v_head is not None else None
+    return logprobs, values
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `x` over the entries where `mask` is 1."""
+    return (x * mask).sum() / mask.sum()
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> tuple:
+    """Advantages (whitened over the mask) and returns; inputs (B, K) in response-token order."""
+    rewards, values = rewards * mask, values * mask
+    advantages = torch.zeros_like(rewards)
+    next_value = next_adv = torch.zeros_like(rewards[:, 0])
+    for k in reversed(range(rewards.shape[1])):
+        delta = rewards[:, k] + GAMMA * next_value - values[:, k]
+        advantages[:, k] = delta + GAMMA * LAM * next_adv
+        next_value, next_adv = values[:, k], advantages[:, k]
+    returns = advantages + values
+    mean = masked_mean(advantages, mask)
+    var = masked_mean((advantages - mean) ** 2, mask) * mask.sum() / (mask.sum() - 1)
+    return (advantages - mean) * torch.rsqrt(var + 1e-8) * mask, returns
+
+
+class FloorPPO:
+    """The unavoidable model work of one PPO step, hand-written on a plain GPT2LMHeadModel."""
+
+    def __init__(self, lm, mini_batch_size: int, ppo_epochs: int):
+        self.lm = lm.train()
+        self.ref = copy.deepcopy(lm).eval().requires_grad_(False)
+        param = next(lm.parameters())
+        self.v_head = nn.Linear(lm.config.n_embd, 1).to(device=param.device, dtype=param.dtype)
+        self.optimizer = torch.optim.Adam([*lm.parameters(), *self.v_head.parameters()], lr=LEARNING_RATE)
+        self.mini_batch_size = mini_batch_size
+        self.ppo_epochs = ppo_epochs
+        self.pad_id = lm.config.pad_token_id
+        self.device = param.device
+
+    def _pack(self, queries, responses, rows):
+        return pack_rows(queries, responses, rows, self.pad_id, self.device)
+
+    @torch.no_grad()
+    def _rollout(self, queries, responses, scores) -> dict:
+        """Old log-probs, values, advantages and returns, each (B, K_max) in response-token order."""
+        n, k_max = len(queries), max(len(r) for r in responses)
+        old = {key: torch.zeros(n, k_max, device=self.device) for key in ("logprobs", "ref", "values", "mask")}
+        for start in range(0, n, self.mini_batch_size):
+            rows = list(range(start, min(start + self.mini_batch_size, n)))
+            batch = self._pack(queries, responses, rows)
+            logprobs, values = response_logprobs(self.lm, batch, self.v_head)
+            ref, _ = response_logprobs(self.ref, batch)
+            k = batch["mask"].shape[1]
+            for key, t in (("logprobs", logprobs), ("ref", ref), ("values", values), ("mask", batch["mask"])):
+                old[key][start : start + len(rows), :k] = t
+        mask = old["mask"]
+        rewards = -KL_COEF * (old["logprobs"] - old["ref"]) * mask
+        last = torch.tensor([len(r) - 1 for r in responses], device=self.device)
+        rewards[torch.arange(n, device=self.device), last] += torch.stack(scores).to(self.device).float()
+        old["advantages"], old["returns"] = gae(rewards, old["values"], mask)
+        return old
+
+    def _train_minibatch(self, queries, responses, rows, old: dict):
+        """One forward + backward + Adam step on the clipped PPO loss of the given rows."""
+        batch = self._pack(queries, responses, rows)
+        mask = batch["mask"]
+        index = torch.tensor(rows, device=self.device)
+        take = {key: t[index, : mask.shape[1]] for key, t in old.items()}
+        logprobs, values = response_logprobs(self.lm, batch, self.v_head)
+        ratio = torch.exp(logprobs.float() - take["logprobs"])
+        adv = take["advantages"]
+        pg_loss = masked_mean(torch.max(-adv * ratio, -adv * ratio.clamp(1 - CLIPRANGE, 1 + CLIPRANGE)), mask)
+        v_old, ret = take["values"], take["returns"]
+        v_clip = torch.clamp(values.float(), v_old - CLIPRANGE_VALUE, v_old + CLIPRANGE_VALUE)
+        vf_loss = 0.5 * masked_mean(torch.max((values.float() - ret) ** 2, (v_clip - ret) ** 2), mask)
+        (pg_loss + VF_COEF * vf_loss).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self, queries: list, responses: list, scores: list) -> None:
+        """One PPO step: rollout forward passes, then `ppo_epochs` shuffled passes over mini-batches."""
+        old = self._rollout(queries, responses, scores)
+        n = len(queries)
+        for _ in range(self.ppo_epochs):
+            order = torch.randperm(n).tolist()
+            for start in range(0, n, self.mini_batch_size):
+                self._train_minibatch(queries, responses, order[start : start + self.mini_batch_size], old)
+
+
+def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtype):
+    """Build the models for `method` and return a function `(queries, responses, scores) -> None`."""
+    lm = make_lm(workload, device, dtype)
+    if method == "floor":
+        return FloorPPO(lm, workload.mini_batch_size, workload.ppo_epochs).step
+    from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+
+    ref_lm = copy.deepcopy(lm)
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(lm).to(device=device, dtype=dtype)
+    ref_model = AutoModelForCausalLMWithValueHead.from_pretrained(ref_lm).to(device=device, dtype=dtype)
+    config = PPOConfig(
+        batch_size=workload.batch_size,
+        mini_batch_size=workload.mini_batch_size,
+        ppo_epochs=workload.ppo_epochs,
+        learning_rate=LEARNING_RATE,
+        seed=workload.seed,
+    )
+    trainer = PPOTrainer(config, model, ref_model, tokenizer=None)
+    return trainer.step
+
+
+class PeakMemory:
+    """Peak memory growth, in MB, from `start()` to `peak_mb()`.
+
+    CUDA: torch's peak allocated bytes. CPU on Linux: the kernel's resident-set high-water mark
+    (VmHWM), reset to the current RSS at `start()`; elsewhere ru_maxrss growth (a lower bound).
+    """
+
+    def __init__(self, device: str):
+        self.device = device
+        self.baseline = 0.0
+        self.read_peak = None
+
+    def start(self) -> None:
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.baseline = torch.cuda.memory_allocated() / 2**20
+            self.read_peak = lambda: torch.cuda.max_memory_allocated() / 2**20
+        elif self._reset_hwm():
+            self.baseline = self._proc_status_mb("VmRSS")
+            self.read_peak = lambda: self._proc_status_mb("VmHWM")
+        else:
+            self.baseline = self._maxrss_mb()
+            self.read_peak = self._maxrss_mb
+
+    def peak_mb(self) -> float:
+        return self.read_peak() - self.baseline
+
+    @staticmethod
+    def _reset_hwm() -> bool:
+        """Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0)."""
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            return False
+        return True
+
+    @staticmethod
+    def _proc_status_mb(field: str) -> float:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+        raise RuntimeError(f"{field} not found in /proc/self/status")
+
+    @staticmethod
+    def _maxrss_mb() -> float:
+        # ru_maxrss is in kilobytes on Linux and in bytes on macOS.
+        scale = 2**20 if sys.platform == "darwin" else 2**10
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(workload: Workload, method: str, steps: int, warmup: int, device: str, dtype: str) -> dict:
+    """Run `warmup` then `steps` timed steps of `method` in this process; times in s, memory in MB."""
+    step_fn = make_step_fn(method, workload, device, DTYPES[dtype])
+    queries, responses, scores = make_batch(workload)
+    torch.manual_seed(workload.seed)
+    memory = PeakMemory(device)
+    memory.start()
+    times = []
+    for i in range(warmup + steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        step_fn(queries, responses, scores)
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    tokens = sum(len(q) + len(r) for q, r in zip(queries, responses))
+    median = statistics.median(times)
+    return {
+        "workload": workload.name,
+        "method": method,
+        "times_s": times,
+        "median_s": median,
+        "tokens_per_s": tokens / median,
+        "peak_mb": memory.peak_mb(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def run_isolated(workload: Workload, method: str, steps: int, warmup: int, device: str, dtype: str) -> dict:
+    """`measure()` in a fresh Python process, so that its peak memory is its own."""
+    spec = dict(workload=dataclasses.asdict(workload), method=method, steps=steps, warmup=warmup, device=device)
+    spec["dtype"] = dtype
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_MARKER):
+            return json.loads(line[len(RESULT_MARKER) :])
+    raise RuntimeError(
+        f"benchmark worker for {workload.name}/{method} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+    )
+
+
+def run_benchmark(workloads: list, methods=METHODS, steps: int = 3, warmup: int = 1, device="cpu", dtype="fp32"):
+    """Measure every (workload, method) in its own process; returns the result dicts in order."""
+    results = []
+    for workload in workloads:
+        for method in methods:
+            result = run_isolated(workload, method, steps, warmup, device, dtype)
+            print(
+                f"{workload.name:>10} {method:>5}: median {result['median_s']:.4f} s, "
+                f"peak {result['peak_mb']:.1f} MB",
+                flush=True,
+            )
+            results.append(result)
+    return results
+
+
+def _ratio(value: float, reference) -> str:
+    return f"{value / reference:.2f}" if reference else "-"
+
+
+def format_table(results: list) -> str:
+    """A markdown table: one row per (workload, method), ratios against the floor of the same workload."""
+    floors = {r["workload"]: r for r in results if r["method"] == "floor"}
+    lines = [
+        "| workload | method | median s | x floor | tokens/s | peak MB | x floor |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        floor = floors.get(r["workload"])
+        time_ratio = _ratio(r["median_s"], floor and floor["median_s"])
+        mem_ratio = _ratio(r["peak_mb"], floor and floor["peak_mb"])
+        lines.append(
+            f"| {r['workload']} | {r['method']} | {r['median_s']:.4f} | {time_ratio} | "
+            f"{r['tokens_per_s']:.0f} | {r['peak_mb']:.1f} | {mem_ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def describe_workloads(workloads: list) -> str:
+    """One markdown bullet per workload with its shapes."""
+    return "\n".join(
+        f"- `{w.name}`: GPT-2 {w.n_layer} x {w.n_embd} ({w.n_head} heads), vocabulary {w.vocab_size}, "
+        f"batch {w.batch_size}, mini-batch {w.mini_batch_size}, {w.ppo_epochs} PPO epochs, "
+        f"queries {w.query_len[0]}-{w.query_len[1]}, responses {w.response_len[0]}-{w.response_len[1]} tokens"
+        for w in workloads
+    )
+
+
+def machine_description(device: str) -> str:
+    """CPU model, core count, torch threads and library versions (and the GPU when on CUDA)."""
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if "model name" in line]
+        cpu = names[0] if names else cpu
+    parts = [
+        f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}",
+        "load average at start " + " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        f"Python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}",
+    ]
+    if device == "cuda":
+        parts.insert(0, f"GPU {torch.cuda.get_device_name()}")
+    return "; ".join(parts)
+
+
+def write_results(path: Path, heading: str, body: str) -> None:
+    """Replace the `## heading` section of the markdown file at `path` with `body`, keeping other sections."""
+    title = "# trl_lite benchmark results\n\nWritten by `benchmarks/bench_step.py`; do not edit by hand.\n"
+    sections = {}
+    if path.exists():
+        for chunk in path.read_text().split("\n## ")[1:]:
+            name, _, rest = chunk.partition("\n")
+            sections[name.strip()] = rest.strip()
+    sections[heading] = body.strip()
+    text = title + "".join(f"\n## {name}\n\n{content}\n" for name, content in sections.items())
+    path.write_text(text)
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    return value
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", nargs="+", default=["w1", "w2", "sweep"], choices=sorted(WORKLOAD_GROUPS))
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--steps", type=_non_negative_int, default=3, help="timed steps (median reported)")
+    parser.add_argument("--warmup", type=_non_negative_int, default=1, help="untimed steps before timing")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: fp32 on cpu, bf16 on cuda")
+    parser.add_argument("--output", type=Path, default=REPO_ROOT / "benchmarks" / "RESULTS.md")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.device == "cuda" and not args.worker and not torch.cuda.is_available():
+        parser.error("--device cuda was given but torch.cuda.is_available() is False")
+    args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    return args
+
+
+def worker_main(spec_json: str) -> None:
+    """Entry point of the measuring subprocess: prints one result line for the parent."""
+    spec = json.loads(spec_json)
+    fields = spec.pop("workload")
+    workload = Workload(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    result = measure(workload, **spec)
+    print(RESULT_MARKER + json.dumps(result), flush=True)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args.worker)
+        return
+    workloads = [w for group in args.workloads for w in WORKLOAD_GROUPS[group]()]
+    machine = machine_description(args.device)
+    print(f"machine: {machine}", flush=True)
+    results = run_benchmark(workloads, args.methods, args.steps, args.warmup, args.device, args.dtype)
+    table = format_table(results)
+    print(table)
+    settings = f"{args.steps} timed steps after {args.warmup} warm-up, median; {time.strftime('%Y-%m-%d')}"
+    body = f"Machine: {machine}\n\n{settings}\n\n{describe_workloads(workloads)}\n\n{table}"
+    heading = f"{args.device} {args.dtype}: {' '.join(args.workloads)}"
+    write_results(args.output, heading, body)
+    print(f"written to {args.output}")
+
+
+if __name__ == "__main__":
+    main()

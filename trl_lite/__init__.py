@@ -1,0 +1,26 @@
+"""trl_lite: PPO for language models with the classic ``PPOTrainer.step()`` API."""
+
+__version__ = "0.1.0"
+
+from .core import LengthSampler, set_seed
+from .models import (
+    AutoModelForCausalLMWithValueHead,
+    AutoModelForSeq2SeqLMWithValueHead,
+    PreTrainedModelWrapper,
+    create_reference_model,
+)
+from .trainer import AdaptiveKLController, FixedKLController, PPOConfig, PPOTrainer, RunningMoments
+
+__all__ = [
+    "AdaptiveKLController",
+    "AutoModelForCausalLMWithValueHead",
+    "AutoModelForSeq2SeqLMWithValueHead",
+    "FixedKLController",
+    "LengthSampler",
+    "PPOConfig",
+    "PPOTrainer",
+    "PreTrainedModelWrapper",
+    "RunningMoments",
+    "create_reference_model",
+    "set_seed",
+]

@@ -1,0 +1,303 @@
+"""Pure tensor functions of PPO for language models: log-probs, masked statistics, KL estimators,
+KL-shaped rewards, GAE and the clipped losses.
+
+Nothing here holds state or knows about devices, processes or models; every function is tested
+against an independent float64 reference in ``tests/test_core.py``. Section numbers refer to
+``PPO_SPEC.md``.
+
+Shape names: ``B`` rows, ``L`` positions of a per-token tensor (the ``T = S - 1`` next-token
+positions of the spec, or any sub-range of them), ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+KL_PENALTIES = ("kl", "abs", "mse", "full")
+
+# Rows of logits handled at once by the chunked vocabulary reductions: bounds the transient
+# (rows, V) float32 copies to a few MB whatever the batch and sequence size.
+_VOCAB_CHUNK_ROWS = 256
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, gather: bool = True) -> torch.Tensor:
+    """Log-probability of ``labels`` under ``logits``.
+
+    Computed as the chosen logit minus the log-sum-exp of its row, so no full-vocabulary
+    log-softmax copy is made. With ``gather=False`` the full log-softmax is returned instead.
+
+    Shape: logits ``(..., V)``, labels ``(...)`` -> ``(...)`` (``(..., V)`` without gather).
+    """
+    if not gather:
+        return F.log_softmax(logits, dim=-1)
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        # Half-precision log-sum-exp loses about two digits; the caller's tensor stays as it is.
+        logits = logits.float()
+    chosen = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)
+    return chosen - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the categorical distribution at every position, in nats.
+
+    ``H = logsumexp(z) - sum_v softmax(z)_v z_v``, evaluated in row chunks so the softmax copy
+    stays small. Shape: ``(..., V)`` -> ``(...)``.
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(flat.shape[0], dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
+    for start in range(0, flat.shape[0], _VOCAB_CHUNK_ROWS):
+        z = flat[start : start + _VOCAB_CHUNK_ROWS].to(out.dtype)
+        out[start : start + _VOCAB_CHUNK_ROWS] = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)
+    return out.reshape(logits.shape[:-1])
+
+
+def full_kl_from_logits(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    """Exact KL(p || q) between the next-token distributions of ``logits`` (p) and ``ref_logits`` (q).
+
+    ``sum_v p(v) (log p(v) - log q(v))``, in row chunks. Shape: ``(..., V)`` twice -> ``(...)``.
+    """
+    flat_p = logits.reshape(-1, logits.shape[-1])
+    flat_q = ref_logits.reshape(-1, ref_logits.shape[-1])
+    out = torch.empty(flat_p.shape[0], dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
+    for start in range(0, flat_p.shape[0], _VOCAB_CHUNK_ROWS):
+        logp = F.log_softmax(flat_p[start : start + _VOCAB_CHUNK_ROWS].to(out.dtype), -1)
+        logq = F.log_softmax(flat_q[start : start + _VOCAB_CHUNK_ROWS].to(out.dtype), -1)
+        out[start : start + _VOCAB_CHUNK_ROWS] = (logp.exp() * (logp - logq)).sum(-1)
+    return out.reshape(logits.shape[:-1])
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` where ``mask`` is 1, over ``axis`` (all elements when None).
+
+    Shape: values and mask broadcastable, e.g. ``(B, L)``; result ``()`` or with ``axis`` removed.
+    """
+    if axis is None:
+        return (values * mask).sum() / mask.sum()
+    return (values * mask).sum(axis) / mask.sum(axis)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``values`` where ``mask`` is 1 (all axes), Bessel-corrected when ``unbiased``.
+
+    With a single unmasked element the unbiased variance is undefined; it is returned as 0
+    (no host sync is spent on checking the count). Shape: ``(B, L)`` twice -> ``()``.
+    """
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        count = mask.sum()
+        variance = variance * count / (count - 1).clamp(min=1)
+    return variance
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Scale ``values`` to unit masked variance; also centre them when ``shift_mean``.
+
+    Statistics come from the unmasked elements only (unbiased variance); masked elements are
+    transformed too but carry no meaning. Shape: ``(B, L)`` twice -> ``(B, L)``.
+    """
+    mean = masked_mean(values, mask)
+    var = masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened
+
+
+def clip_by_value(x: torch.Tensor, tensor_min, tensor_max) -> torch.Tensor:
+    """Elementwise clamp of ``x`` to ``[tensor_min, tensor_max]``; bounds may be tensors."""
+    return torch.max(torch.min(x, torch.as_tensor(tensor_max, dtype=x.dtype, device=x.device)),
+                     torch.as_tensor(tensor_min, dtype=x.dtype, device=x.device))
+
+
+def kl_estimate(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    kl_penalty: str = "kl",
+    full_kl: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token KL estimate between policy and reference (PPO_SPEC section 4).
+
+    ``"kl"``: ``lp - ref``; ``"abs"``: ``|lp - ref|``; ``"mse"``: ``0.5 (lp - ref)^2``; ``"full"``: the
+    exact KL of the full next-token distributions, which the caller computes with
+    :func:`full_kl_from_logits` and passes as ``full_kl``. Shape: ``(B, L)`` -> ``(B, L)``.
+    """
+    if kl_penalty == "kl":
+        return logprobs - ref_logprobs
+    if kl_penalty == "abs":
+        return (logprobs - ref_logprobs).abs()
+    if kl_penalty == "mse":
+        return 0.5 * (logprobs - ref_logprobs) ** 2
+    if kl_penalty == "full":
+        if full_kl is None:
+            raise ValueError('kl_penalty="full" needs full_kl (from full_kl_from_logits), got None.')
+        return full_kl
+    raise ValueError(f"kl_penalty must be one of {KL_PENALTIES}, got {kl_penalty!r}.")
+
+
+def last_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last 1 in every row of ``mask`` (0 for a row of zeros). Shape: ``(B, L)`` -> ``(B,)``."""
+    positions = torch.arange(mask.shape[-1], device=mask.device)
+    return (positions * (mask > 0)).amax(-1)
+
+
+def compute_kl_rewards(
+    scores: torch.Tensor,
+    kl: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL-shaped per-token rewards (PPO_SPEC section 4).
+
+    ``non_score_reward = -kl_coef * kl`` inside the mask; each row's score is added at its last
+    action position. Shape: scores ``(B,)``, kl and mask ``(B, L)`` -> rewards and
+    non_score_reward ``(B, L)``, both zero outside the mask.
+    """
+    non_score_reward = -kl_coef * kl * mask
+    has_action = mask.any(-1)
+    score_at_end = torch.zeros_like(non_score_reward)
+    score_at_end.scatter_(-1, last_index(mask).unsqueeze(-1), (scores * has_action).unsqueeze(-1).to(kl.dtype))
+    return non_score_reward + score_at_end, non_score_reward
+
+
+def compute_gae(
+    values: torch.Tensor,
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (PPO_SPEC section 5), before whitening.
+
+    Values and rewards are zeroed outside the mask; then for ``t = L-1 .. 0``:
+    ``delta_t = r_t + gamma V_{t+1} - V_t`` (``V_L = 0``), ``A_t = delta_t + gamma lam A_{t+1}``;
+    ``returns = A + V``. Shape: ``(B, L)`` three times -> advantages, returns ``(B, L)``.
+    """
+    values = values * mask
+    rewards = rewards * mask
+    length = rewards.shape[-1]
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(rewards[:, 0])
+    next_advantage = torch.zeros_like(rewards[:, 0])
+    # The recursion runs backwards in time; rows stay vectorised.
+    for t in reversed(range(length)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = next_advantage
+        next_value = values[:, t]
+    return advantages, advantages + values
+
+
+def ppo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate policy loss (PPO_SPEC section 6).
+
+    ``ratio = exp(lp - lp_old)``; loss ``= masked_mean(max(-A ratio, -A clamp(ratio, 1 +- eps)))``.
+    Shape: ``(B, L)`` four times -> loss ``()`` and detached statistics ``()``: clipfrac,
+    approxkl (``0.5 masked_mean((lp - lp_old)^2)``), policykl (``masked_mean(lp_old - lp)``),
+    ratio (masked mean).
+    """
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    loss = masked_mean(torch.max(unclipped, clipped), mask)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((clipped > unclipped).to(logprobs.dtype), mask),
+            "approxkl": 0.5 * masked_mean(log_ratio**2, mask),
+            "policykl": masked_mean(-log_ratio, mask),
+            "ratio": masked_mean(ratio, mask),
+        }
+    return loss, stats
+
+
+def ppo_value_loss(
+    vpreds: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss (PPO_SPEC section 6).
+
+    ``v_clip = clamp(v, v_old +- c)``; loss ``= 0.5 masked_mean(max((v - R)^2, (v_clip - R)^2))``.
+    Shape: ``(B, L)`` four times -> loss ``()`` and detached clipfrac ``()``.
+    """
+    vpred_clipped = clip_by_value(vpreds, old_values - cliprange_value, old_values + cliprange_value)
+    loss_unclipped = (vpreds - returns) ** 2
+    loss_clipped = (vpred_clipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.max(loss_unclipped, loss_clipped), mask)
+    with torch.no_grad():
+        stats = {"clipfrac": masked_mean((loss_clipped > loss_unclipped).to(vpreds.dtype), mask)}
+    return loss, stats
+
+
+def flatten_dict(nested: Mapping, sep: str = "/", prefix: str = "") -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"a/b": 1}``."""
+    flat = {}
+    for key, value in nested.items():
+        name = f"{prefix}{sep}{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            flat.update(flatten_dict(value, sep, name))
+        else:
+            flat[name] = value
+    return flat
+
+
+def stack_dicts(stats_dicts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack a list of dicts with the same keys into one dict of stacked tensors.
+
+    0-d values become a ``(N,)`` tensor; 1-D values of different lengths are concatenated.
+    """
+    keys = stats_dicts[0].keys()
+    stacked = {}
+    for key in keys:
+        items = [torch.as_tensor(d[key]) for d in stats_dicts]
+        stacked[key] = torch.stack(items) if items[0].dim() == 0 else torch.cat([t.flatten() for t in items])
+    return stacked
+
+
+def stats_to_np(stats: Mapping) -> dict:
+    """Detach statistics to numpy / Python floats (0-d values become floats), keeping the keys."""
+    out = {}
+    for key, value in stats.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu()
+            if value.dtype in (torch.bfloat16, torch.float16):
+                value = value.float()
+            value = value.numpy()
+        if isinstance(value, np.ndarray) and value.ndim == 0:
+            value = float(value)
+        out[key] = value
+    return out
+
+
+class LengthSampler:
+    """Draws an integer uniformly from ``[min_value, max_value)`` (the upper bound is excluded, as in the classic API)."""
+
+    def __init__(self, min_value: int, max_value: int):
+        if not max_value > min_value:
+            raise ValueError(f"LengthSampler needs max_value > min_value, got min_value={min_value}, max_value={max_value}.")
+        self.values = list(range(min_value, max_value))
+
+    def __call__(self) -> int:
+        return int(np.random.choice(self.values))
+
+
+def set_seed(seed: int) -> None:
+    """Seed Python's ``random``, NumPy and torch (CPU and every GPU)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.cuda.manual_seed_all(seed)

@@ -1,0 +1,394 @@
+"""The wrapper base class (loading, saving, hub upload) and reference-model creation.
+
+`PreTrainedModelWrapper` holds a transformers model (or a PEFT model around one) in `pretrained_model`
+and adds small extra modules, named in `supported_modules` (the value head, `v_head`). Checkpoints keep
+the classic layout: the extra modules' tensors sit next to the base weights in the transformers
+weight file(s) under their own prefix (`v_head.summary.weight`, ...). A PEFT model saves only its
+adapter, so the extra modules go to `v_head.safetensors` beside it.
+"""
+
+import json
+import logging
+import os
+import re
+import tempfile
+from copy import deepcopy
+
+import torch
+from huggingface_hub import HfApi
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.integrations import is_deepspeed_zero3_enabled
+from transformers.utils import cached_file, is_peft_available
+
+if is_peft_available():
+    from peft import PeftConfig, PeftModel, get_peft_model
+
+logger = logging.getLogger(__name__)
+
+# Name of the file holding the extra modules of a PEFT checkpoint (the adapter file holds no base weights).
+EXTRA_MODULES_FILE = "v_head.safetensors"
+# Files that may hold the extra modules' tensors, searched in this order; the last four are the classic layouts.
+_EXTRA_MODULE_SOURCES = (
+    EXTRA_MODULES_FILE,
+    "model.safetensors.index.json",
+    "model.safetensors",
+    "pytorch_model.bin.index.json",
+    "pytorch_model.bin",
+)
+# Keyword arguments of `from_pretrained` that locate files on the hub; reused to find the value-head file.
+_HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
+# Of those, the ones that describe the adapter repository rather than its base model.
+_ADAPTER_ONLY_HUB_KWARGS = ("revision", "subfolder")
+# Prefix of the wrapped model's entries in the wrapper's own `state_dict()`.
+_WRAPPED_PREFIX = "pretrained_model."
+
+# Names of the first parameter of decoder layer `{layer}` in common architectures, tried in order.
+LAYER_PATTERNS = (
+    "transformer.h.{layer}",  # GPT-2, GPT-J, BLOOM, Falcon
+    "model.decoder.layers.{layer}",  # OPT, BART-style decoders
+    "gpt_neox.layers.{layer}",  # GPT-NeoX, Pythia
+    "model.layers.{layer}",  # Llama, Mistral, Qwen, Gemma
+    "encoder.block.{layer}",  # T5 (shares the embeddings and the first encoder blocks)
+)
+
+
+def is_peft_model(model) -> bool:
+    """True when `model` is a `peft.PeftModel` (always False when peft is not installed)."""
+    return is_peft_available() and isinstance(model, PeftModel)
+
+
+def _check_wrappable(model, argument: str) -> None:
+    """Raise TypeError unless `model` is a transformers `PreTrainedModel` or a `peft.PeftModel`."""
+    if not (isinstance(model, PreTrainedModel) or is_peft_model(model)):
+        raise TypeError(
+            f"{argument} must be a transformers.PreTrainedModel or a peft.PeftModel, got {type(model).__name__}"
+        )
+
+
+def _resolve_file(name_or_path: str, filename: str, hub_kwargs: dict):
+    """Local path of `filename` in a local directory or hub repository, or None when it has no such file."""
+    return cached_file(
+        name_or_path,
+        filename,
+        _raise_exceptions_for_missing_entries=False,
+        _raise_exceptions_for_connection_errors=False,
+        **hub_kwargs,
+    )
+
+
+def _read_tensors(path: str, prefixes: tuple) -> dict:
+    """The tensors whose names start with one of `prefixes` in a safetensors or torch weight file."""
+    if path.endswith(".safetensors"):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            return {key: f.get_tensor(key) for key in f.keys() if key.startswith(prefixes)}
+    state_dict = torch.load(path, map_location="cpu", weights_only=True)
+    return {key: value for key, value in state_dict.items() if key.startswith(prefixes)}
+
+
+def load_extra_modules_state_dict(name_or_path: str, module_names, hub_kwargs: dict | None = None) -> dict:
+    """Find the extra modules' tensors (e.g. `v_head.summary.weight`) saved with a checkpoint.
+
+    Looks in `v_head.safetensors`, then in the transformers weight file(s), sharded or not, safetensors
+    or torch pickles (the classic layout). Returns the first non-empty match, or `{}` when the
+    checkpoint is a plain transformers one.
+    """
+    hub_kwargs = hub_kwargs or {}
+    prefixes = tuple(f"{name}." for name in module_names)
+    for filename in _EXTRA_MODULE_SOURCES:
+        path = _resolve_file(name_or_path, filename, hub_kwargs)
+        if path is None:
+            continue
+        if filename.endswith(".index.json"):
+            with open(path) as f:
+                weight_map = json.load(f)["weight_map"]
+            # Only the shards that hold extra-module tensors are opened (or downloaded).
+            shards = sorted({shard for key, shard in weight_map.items() if key.startswith(prefixes)})
+            tensors = {}
+            for shard in shards:
+                tensors.update(_read_tensors(_resolve_file(name_or_path, shard, hub_kwargs), prefixes))
+        else:
+            tensors = _read_tensors(path, prefixes)
+        if tensors:
+            return tensors
+    return {}
+
+
+class PreTrainedModelWrapper(nn.Module):
+    """A transformers (or PEFT) model plus extra modules, with transformers-style loading and saving.
+
+    Subclasses set `transformers_parent_class` (the Auto class used to load a name or path),
+    `supported_args` (their own keyword arguments, split from those of transformers) and create the
+    modules named in `supported_modules`.
+    """
+
+    transformers_parent_class = None
+    supported_args = ()
+    supported_modules = ("v_head",)
+
+    def __init__(self, pretrained_model, **kwargs):
+        super().__init__()
+        _check_wrappable(pretrained_model, "pretrained_model")
+        self.pretrained_model = pretrained_model
+        self.config = pretrained_model.config
+        self.is_peft_model = is_peft_model(pretrained_model)
+        self.is_encoder_decoder = bool(getattr(self.config, "is_encoder_decoder", False))
+        self.supports_gradient_checkpointing = bool(
+            getattr(self.transformers_model, "supports_gradient_checkpointing", False)
+        )
+
+    @property
+    def transformers_model(self) -> PreTrainedModel:
+        """The transformers model itself: `pretrained_model`, or for a PEFT model the model it adapts.
+
+        PEFT injects its adapter layers (e.g. LoRA) into this model in place, so calling it or its
+        submodules still applies the adapter.
+        """
+        if self.is_peft_model:
+            return self.pretrained_model.get_base_model()
+        return self.pretrained_model
+
+    @classmethod
+    def _split_kwargs(cls, kwargs: dict):
+        """Split `kwargs` into (this wrapper's `supported_args`, everything else)."""
+        supported = {key: value for key, value in kwargs.items() if key in cls.supported_args}
+        unsupported = {key: value for key, value in kwargs.items() if key not in cls.supported_args}
+        return supported, unsupported
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """Build the wrapper from a hub name, a local directory, a transformers model or a PEFT model.
+
+        Keyword arguments in `supported_args` configure the wrapper; `peft_config` (a `peft.PeftConfig`)
+        wraps the model in a new adapter; `is_trainable` (default False, as in peft) applies when
+        loading a saved adapter; every other argument goes to transformers' `from_pretrained`.
+        A directory saved by `save_pretrained` (or by classic TRL) restores the value head too; a plain
+        transformers checkpoint or model object gets a freshly initialised one.
+        """
+        wrapper_kwargs, hf_kwargs = cls._split_kwargs(kwargs)
+        peft_config = hf_kwargs.pop("peft_config", None)
+        is_trainable = hf_kwargs.pop("is_trainable", False)
+        _check_peft_config(peft_config)
+        source = pretrained_model_name_or_path
+        if isinstance(source, (str, os.PathLike)):
+            source = os.fspath(source)
+            pretrained_model = cls._load_from_name(source, model_args, hf_kwargs, is_trainable, peft_config)
+        else:
+            _check_wrappable(source, "pretrained_model_name_or_path (when not a str or path)")
+            pretrained_model = source
+        if peft_config is not None:
+            pretrained_model = _add_adapter(pretrained_model, peft_config)
+        model = cls(pretrained_model, **wrapper_kwargs)
+        if isinstance(source, str):
+            hub_kwargs = {key: hf_kwargs[key] for key in _HUB_KWARGS if key in hf_kwargs}
+            state_dict = load_extra_modules_state_dict(source, cls.supported_modules, hub_kwargs)
+            if not state_dict:
+                logger.warning(
+                    "No %s weights found in %s: freshly initialised.", ", ".join(cls.supported_modules), source
+                )
+            model.post_init(state_dict)
+        return model
+
+    @classmethod
+    def _load_from_name(cls, source: str, model_args, hf_kwargs: dict, is_trainable: bool, peft_config):
+        """Load a transformers model, or a base model plus its saved PEFT adapter, from a name or path."""
+        hub_kwargs = {key: hf_kwargs[key] for key in _HUB_KWARGS if key in hf_kwargs}
+        if _resolve_file(source, "adapter_config.json", hub_kwargs) is None:
+            return cls.transformers_parent_class.from_pretrained(source, *model_args, **hf_kwargs)
+        if peft_config is not None:
+            raise ValueError(
+                f"peft_config was given but {source} already holds a PEFT adapter; pass peft_config=None to load it"
+            )
+        adapter_config = PeftConfig.from_pretrained(source, **hub_kwargs)
+        base_name = adapter_config.base_model_name_or_path
+        if not base_name:
+            raise ValueError(
+                f"the adapter in {source} does not name its base model (base_model_name_or_path is empty); "
+                "load the base model yourself and pass PeftModel.from_pretrained(base, adapter_dir)"
+            )
+        base_kwargs = {key: value for key, value in hf_kwargs.items() if key not in _ADAPTER_ONLY_HUB_KWARGS}
+        base = cls.transformers_parent_class.from_pretrained(base_name, *model_args, **base_kwargs)
+        return PeftModel.from_pretrained(base, source, is_trainable=is_trainable, **hub_kwargs)
+
+    def post_init(self, state_dict: dict) -> None:
+        """Load the extra modules' weights from a state dict keyed like `v_head.summary.weight`.
+
+        Modules without keys in `state_dict` keep their current (fresh) weights; a module with keys
+        must match them exactly.
+        """
+        for name in self.supported_modules:
+            prefix = f"{name}."
+            module_state = {key[len(prefix) :]: value for key, value in state_dict.items() if key.startswith(prefix)}
+            if module_state:
+                getattr(self, name).load_state_dict(module_state, strict=True)
+
+    def _checkpoint_state_dicts(self, state_dict: dict | None):
+        """Split a wrapper state dict into (wrapped model's entries, extra modules' entries).
+
+        Accepts the wrapper's own `state_dict()` (the default; also what `accelerator.get_state_dict`
+        returns) or one already in checkpoint naming.
+        """
+        if state_dict is None:
+            state_dict = self.state_dict()
+        prefixes = tuple(f"{name}." for name in self.supported_modules)
+        extra = {key: value for key, value in state_dict.items() if key.startswith(prefixes)}
+        base = {
+            key[len(_WRAPPED_PREFIX) :] if key.startswith(_WRAPPED_PREFIX) else key: value
+            for key, value in state_dict.items()
+            if not key.startswith(prefixes)
+        }
+        return base, extra
+
+    def save_pretrained(self, save_directory, **kwargs):
+        """Save the model so that `from_pretrained(save_directory)` restores it, value head included.
+
+        A transformers model is saved by its own `save_pretrained` with the value-head tensors added to
+        its weight file(s); a PEFT model saves its adapter and `v_head.safetensors`. `state_dict`, if
+        given, is a wrapper state dict (e.g. from `accelerator.get_state_dict(model)`); other keyword
+        arguments go to the underlying `save_pretrained`.
+        """
+        base_state, extra_state = self._checkpoint_state_dicts(kwargs.pop("state_dict", None))
+        if not self.is_peft_model:
+            state_dict = {**base_state, **extra_state}
+            return self.pretrained_model.save_pretrained(save_directory, state_dict=state_dict, **kwargs)
+        result = self.pretrained_model.save_pretrained(save_directory, state_dict=base_state, **kwargs)
+        if kwargs.get("is_main_process", True):
+            os.makedirs(save_directory, exist_ok=True)
+            tensors = {key: value.detach().cpu().contiguous() for key, value in extra_state.items()}
+            save_file(tensors, os.path.join(save_directory, EXTRA_MODULES_FILE), metadata={"format": "pt"})
+        return result
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        commit_message: str | None = None,
+        private: bool | None = None,
+        token: str | bool | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+        **save_kwargs,
+    ):
+        """Upload what `save_pretrained` writes (value head included) to the hub repository `repo_id`."""
+        api = HfApi(token=token)
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as tmp_dir:
+            self.save_pretrained(tmp_dir, **save_kwargs)
+            return api.upload_folder(
+                repo_id=repo_id,
+                folder_path=tmp_dir,
+                commit_message=commit_message or "Upload model with value head",
+                revision=revision,
+                create_pr=create_pr,
+            )
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, **kwargs):
+        """Turn on activation checkpointing in the transformers model (kwargs go to torch's checkpoint)."""
+        model = self.transformers_model
+        if hasattr(model, "activation_checkpointing_enable"):
+            # transformers 5 renamed the method and deprecated the old name.
+            model.activation_checkpointing_enable(
+                activation_checkpointing_kwargs=gradient_checkpointing_kwargs, **kwargs
+            )
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs, **kwargs)
+
+    def gradient_checkpointing_disable(self):
+        """Turn off activation checkpointing in the transformers model."""
+        model = self.transformers_model
+        if hasattr(model, "activation_checkpointing_disable"):
+            model.activation_checkpointing_disable()
+        else:
+            model.gradient_checkpointing_disable()
+
+    def generate(self, *args, **kwargs):
+        """Generate with the wrapped model (its `generate`, adapter included); the value head is not used."""
+        return self.pretrained_model.generate(*args, **kwargs)
+
+
+def _check_peft_config(peft_config) -> None:
+    """Raise unless `peft_config` is None or a `peft.PeftConfig` (ImportError when peft is missing)."""
+    if peft_config is None:
+        return
+    if not is_peft_available():
+        raise ImportError("peft_config needs the peft package: pip install peft")
+    if not isinstance(peft_config, PeftConfig):
+        raise TypeError(f"peft_config must be a peft.PeftConfig (e.g. LoraConfig), got {type(peft_config).__name__}")
+
+
+def _add_adapter(model, peft_config):
+    """Wrap a transformers model in a new PEFT adapter; a model that already is a PeftModel is kept."""
+    if is_peft_model(model):
+        logger.warning("peft_config is ignored: the model already is a PeftModel with its own adapter.")
+        return model
+    return get_peft_model(model, peft_config)
+
+
+def _layer_regex(pattern: str, num_shared_layers: int):
+    """Regex matching parameter names inside layer `num_shared_layers` of `pattern` (dot-delimited)."""
+    return re.compile(r"(^|\.)" + re.escape(pattern.format(layer=num_shared_layers)) + r"\.")
+
+
+def _check_reference_arguments(model, num_shared_layers, pattern) -> None:
+    """Raise ValueError/TypeError for arguments `create_reference_model` cannot honour."""
+    if is_deepspeed_zero3_enabled():
+        raise ValueError(
+            "create_reference_model cannot copy a model partitioned by DeepSpeed ZeRO-3; "
+            "load the reference model separately with from_pretrained"
+        )
+    if getattr(model, "is_peft_model", False) or is_peft_model(model):
+        raise ValueError(
+            "create_reference_model does not copy PEFT models: the reference of a PEFT model is the same "
+            "model with its adapter disabled (pass ref_model=None to the trainer)"
+        )
+    if num_shared_layers is not None and (
+        not isinstance(num_shared_layers, int) or isinstance(num_shared_layers, bool) or num_shared_layers < 0
+    ):
+        raise ValueError(f"num_shared_layers must be None or an int >= 0, got {num_shared_layers!r}")
+    if pattern is not None and (not isinstance(pattern, str) or "{layer}" not in pattern):
+        raise ValueError(
+            f"pattern must be a str containing '{{layer}}' (e.g. 'transformer.h.{{layer}}'), got {pattern!r}"
+        )
+
+
+def _first_unshared_index(names: list, num_shared_layers: int, pattern) -> int:
+    """Index in `names` of the first parameter of layer `num_shared_layers`; ValueError when absent."""
+    patterns = [pattern] if pattern is not None else LAYER_PATTERNS
+    for candidate in patterns:
+        regex = _layer_regex(candidate, num_shared_layers)
+        for index, name in enumerate(names):
+            if regex.search(name):
+                return index
+    raise ValueError(
+        f"no parameter matches layer {num_shared_layers} of pattern(s) {list(patterns)}: num_shared_layers must be "
+        "smaller than the number of layers, and pattern must match the model's parameter names"
+    )
+
+
+def create_reference_model(model: nn.Module, num_shared_layers: int | None = None, pattern: str | None = None):
+    """A frozen copy of `model` in eval mode, to compute the reference log-probabilities of PPO.
+
+    With `num_shared_layers=n`, every parameter before layer `n` (the embeddings and layers `0..n-1`,
+    located with `pattern`, e.g. "transformer.h.{layer}", or with `LAYER_PATTERNS`) is not copied but
+    shared: the reference holds the policy's own Parameter objects, and these are frozen in the policy
+    too (as in classic TRL), which saves their memory and their optimizer state.
+    """
+    _check_reference_arguments(model, num_shared_layers, pattern)
+    ref_model = deepcopy(model)
+    if num_shared_layers is not None:
+        names = [name for name, _ in model.named_parameters()]
+        shared = dict(list(model.named_parameters())[: _first_unshared_index(names, num_shared_layers, pattern)])
+        shared_ids = {id(param) for param in shared.values()}
+        for param in shared.values():
+            param.requires_grad_(False)
+        # Walk the duplicates too: a tied alias (e.g. GPT-2's lm_head.weight = wte.weight) must point at
+        # the shared Parameter as well, or the copy would keep its own duplicate of it.
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if id(param) in shared_ids:
+                module_name, _, attribute = name.rpartition(".")
+                setattr(ref_model.get_submodule(module_name), attribute, param)
+    for param in ref_model.parameters():
+        param.requires_grad_(False)
+    return ref_model.eval()

@@ -1,0 +1,227 @@
+"""Language models with a value head: one scalar value per token next to the next-token logits."""
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+from .modeling_base import PreTrainedModelWrapper
+
+# Config attributes of architectures whose forward post-processes the LM head output (soft-capping,
+# scaling); for these the fast path (backbone + LM head at chosen positions) would differ from forward.
+_LOGIT_POSTPROCESSING_ATTRIBUTES = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+_INIT_STRATEGIES = (None, "normal")
+
+
+def _hidden_size(config) -> int:
+    """Width of the last hidden state the value head reads (the decoder's, for encoder-decoders)."""
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for attribute in ("hidden_size", "n_embd", "d_model"):
+        size = getattr(text_config, attribute, None)
+        if isinstance(size, int):
+            return size
+    raise ValueError(
+        f"cannot find the hidden size in {type(config).__name__}: expected one of hidden_size, n_embd, d_model"
+    )
+
+
+class ValueHead(nn.Module):
+    """Optional dropout, then a linear map from each hidden state to one value.
+
+    Shapes: hidden states (B, S, H) -> values (B, S). The head computes in its own dtype (float32
+    unless cast), so low-precision hidden states are upcast first.
+    """
+
+    def __init__(self, config, summary_dropout_prob: float | None = None):
+        super().__init__()
+        if summary_dropout_prob is None:
+            summary_dropout_prob = getattr(config, "summary_dropout_prob", None)
+        if summary_dropout_prob is not None and not 0.0 <= summary_dropout_prob < 1.0:
+            raise ValueError(f"summary_dropout_prob must be None or in [0, 1), got {summary_dropout_prob!r}")
+        self.dropout = nn.Dropout(summary_dropout_prob) if summary_dropout_prob else nn.Identity()
+        self.summary = nn.Linear(_hidden_size(config), 1)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Values (B, S) from hidden states (B, S, H)."""
+        # Moving to the head's device covers models split over devices (device_map), whose last layer
+        # may not sit where the head does.
+        hidden_states = hidden_states.to(device=self.summary.weight.device, dtype=self.summary.weight.dtype)
+        return self.summary(self.dropout(hidden_states)).squeeze(-1)
+
+
+def _check_logits_positions(logits_positions, batch_size: int) -> None:
+    """Raise unless `logits_positions` is an integer tensor of shape (batch_size, K)."""
+    if not isinstance(logits_positions, torch.Tensor) or logits_positions.is_floating_point():
+        raise TypeError(f"logits_positions must be an integer torch.Tensor, got {logits_positions!r}")
+    if logits_positions.dim() != 2 or logits_positions.shape[0] != batch_size:
+        raise ValueError(
+            f"logits_positions must have shape (batch_size={batch_size}, K), got {tuple(logits_positions.shape)}"
+        )
+
+
+def gather_positions(tensor: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rows of `tensor` (B, S, D) at sequence `positions` (B, K) -> (B, K, D)."""
+    index = positions.to(tensor.device).unsqueeze(-1).expand(-1, -1, tensor.shape[-1])
+    return tensor.gather(1, index)
+
+
+class _ValueHeadModel(PreTrainedModelWrapper):
+    """What both value-head wrappers share: the head, its initialisation and the output tuple."""
+
+    supported_args = ("summary_dropout_prob", "v_head_initializer_range", "v_head_init_strategy")
+
+    def __init__(self, pretrained_model, **kwargs):
+        super().__init__(pretrained_model)
+        head_kwargs, unknown = self._split_kwargs(kwargs)
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__} got unexpected keyword arguments {sorted(unknown)}; "
+                f"accepted: {list(self.supported_args)}"
+            )
+        self._check_architecture()
+        self.v_head = ValueHead(self.config, summary_dropout_prob=head_kwargs.get("summary_dropout_prob"))
+        self._init_weights(
+            head_kwargs.get("v_head_initializer_range", 0.2), head_kwargs.get("v_head_init_strategy", None)
+        )
+        output_embeddings = self.transformers_model.get_output_embeddings()
+        if output_embeddings is not None:
+            # Sit where the last hidden states come out, for models spread over devices.
+            self.v_head.to(output_embeddings.weight.device)
+
+    def _check_architecture(self) -> None:
+        """Raise ValueError if the model is (not) an encoder-decoder when the wrapper expects the opposite."""
+        expects_encoder_decoder = self.transformers_parent_class is AutoModelForSeq2SeqLM
+        if self.is_encoder_decoder != expects_encoder_decoder:
+            kind = "an encoder-decoder" if self.is_encoder_decoder else "a decoder-only"
+            other = f"AutoModelFor{'Seq2SeqLM' if self.is_encoder_decoder else 'CausalLM'}WithValueHead"
+            raise ValueError(
+                f"{type(self).__name__} cannot wrap {kind} model ({type(self.config).__name__}); use {other}"
+            )
+
+    def _init_weights(self, v_head_initializer_range: float = 0.2, v_head_init_strategy: str | None = None) -> None:
+        """Initialise the head: None keeps torch's Linear default, "normal" draws N(0, range^2) weights, zero bias."""
+        if v_head_init_strategy not in _INIT_STRATEGIES:
+            raise ValueError(f"v_head_init_strategy must be one of {_INIT_STRATEGIES}, got {v_head_init_strategy!r}")
+        if v_head_init_strategy == "normal":
+            self.v_head.summary.weight.data.normal_(mean=0.0, std=v_head_initializer_range)
+            self.v_head.summary.bias.data.zero_()
+
+    @staticmethod
+    def _outputs(lm_logits, loss, value, past_key_values, return_past_key_values: bool):
+        """The classic output tuple; logits in float32 so log-probabilities are computed in full precision."""
+        lm_logits = lm_logits.float()
+        if return_past_key_values:
+            return lm_logits, loss, value, past_key_values
+        return lm_logits, loss, value
+
+    def _prepare_kwargs(self, past_key_values, return_past_key_values: bool, kwargs: dict) -> dict:
+        """Forward kwargs: the cache only when asked for or given (it costs memory in training)."""
+        kwargs.setdefault("use_cache", return_past_key_values or past_key_values is not None)
+        # Prompt-learning adapters (prefix tuning, ...) build their own past_key_values.
+        if not (self.is_peft_model and self.pretrained_model.active_peft_config.is_prompt_learning):
+            kwargs["past_key_values"] = past_key_values
+        return kwargs
+
+
+class AutoModelForCausalLMWithValueHead(_ValueHeadModel):
+    """A decoder-only language model (transformers or PEFT) with a value head on its last hidden state.
+
+    `model(input_ids, attention_mask=...)` returns `(lm_logits, loss, value)`: logits (B, S, V) in
+    float32, the transformers loss (None without `labels`), values (B, S). With
+    `logits_positions` (B, K), logits are computed only at those positions: (B, K, V).
+    """
+
+    transformers_parent_class = AutoModelForCausalLM
+
+    def forward(
+        self,
+        input_ids=None,
+        past_key_values=None,
+        attention_mask=None,
+        return_past_key_values: bool = False,
+        logits_positions: torch.Tensor | None = None,
+        **kwargs,
+    ):
+        """Logits, loss and values; other kwargs (position_ids, labels, ...) go to the transformers model.
+
+        Shapes: input_ids, attention_mask (B, S); logits_positions (B, K) of indices into S.
+        Returns lm_logits (B, S, V), or (B, K, V) at `logits_positions`; loss or None; value (B, S);
+        and past_key_values last when `return_past_key_values`.
+        """
+        kwargs = self._prepare_kwargs(past_key_values, return_past_key_values, kwargs)
+        parts = self._backbone_and_lm_head(kwargs) if logits_positions is not None else None
+        if parts is not None:
+            backbone, lm_head = parts
+            outputs = backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            hidden_states = outputs.last_hidden_state  # (B, S, H), after the final layer norm
+            _check_logits_positions(logits_positions, hidden_states.shape[0])
+            # Only (B, K, H) hidden states go through the LM head: no (B, S, V) tensor is built.
+            lm_logits, loss = lm_head(gather_positions(hidden_states, logits_positions)), None
+        else:
+            outputs = self.pretrained_model(
+                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **kwargs
+            )
+            hidden_states = outputs.hidden_states[-1]
+            lm_logits, loss = outputs.logits, outputs.loss
+            if logits_positions is not None:
+                _check_logits_positions(logits_positions, lm_logits.shape[0])
+                lm_logits = gather_positions(lm_logits, logits_positions)
+        value = self.v_head(hidden_states)
+        return self._outputs(lm_logits, loss, value, outputs.past_key_values, return_past_key_values)
+
+    def _backbone_and_lm_head(self, kwargs: dict):
+        """(backbone, LM head) for the fast path, or None when it would not reproduce `forward`.
+
+        The backbone is the transformers model's base model (`base_model_prefix`), whose last hidden
+        state is what the LM head reads. Not used with `labels` (the loss needs every position),
+        with prompt-learning adapters (they act in the PEFT forward) or with logit post-processing.
+        """
+        if "labels" in kwargs:
+            return None
+        if self.is_peft_model and self.pretrained_model.active_peft_config.is_prompt_learning:
+            return None
+        model = self.transformers_model
+        if any(getattr(model.config, name, None) not in (None, 1) for name in _LOGIT_POSTPROCESSING_ATTRIBUTES):
+            return None
+        backbone = getattr(model, getattr(model, "base_model_prefix", ""), None)
+        lm_head = model.get_output_embeddings()
+        if not isinstance(backbone, nn.Module) or backbone is model or lm_head is None:
+            return None
+        return backbone, lm_head
+
+
+class AutoModelForSeq2SeqLMWithValueHead(_ValueHeadModel):
+    """An encoder-decoder language model (transformers or PEFT) with a value head on the decoder.
+
+    `model(input_ids, attention_mask=..., decoder_input_ids=...)` returns `(lm_logits, loss, value)`:
+    logits (B, S_dec, V) in float32, loss or None, values (B, S_dec).
+    """
+
+    transformers_parent_class = AutoModelForSeq2SeqLM
+
+    def forward(
+        self,
+        input_ids=None,
+        past_key_values=None,
+        attention_mask=None,
+        return_past_key_values: bool = False,
+        logits_positions: torch.Tensor | None = None,
+        **kwargs,
+    ):
+        """Logits, loss and decoder values; other kwargs (decoder_input_ids, labels, ...) go to the model.
+
+        Shapes: input_ids, attention_mask (B, S_enc); decoder_input_ids (B, S_dec); logits_positions
+        (B, K) of decoder positions. Returns lm_logits (B, S_dec, V) or (B, K, V); loss or None;
+        value (B, S_dec); past_key_values last when `return_past_key_values`.
+        The full forward runs even with `logits_positions`, whose logits are then gathered: decoder
+        lengths in PPO are short, and the LM head input differs between architectures (T5 rescales it).
+        """
+        kwargs = self._prepare_kwargs(past_key_values, return_past_key_values, kwargs)
+        outputs = self.pretrained_model(
+            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **kwargs
+        )
+        value = self.v_head(outputs.decoder_hidden_states[-1])
+        lm_logits = outputs.logits
+        if logits_positions is not None:
+            _check_logits_positions(logits_positions, lm_logits.shape[0])
+            lm_logits = gather_positions(lm_logits, logits_positions)
+        return self._outputs(lm_logits, outputs.loss, value, outputs.past_key_values, return_past_key_values)

@@ -1,0 +1,163 @@
+"""``PPOConfig``: every hyperparameter of a PPO run, with the classic names and defaults, validated once."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core import KL_PENALTIES
+
+
+def _default_exp_name() -> str:
+    return os.path.splitext(os.path.basename(sys.argv[0]))[0] or "trl_lite"
+
+
+@dataclass
+class PPOConfig:
+    """Configuration of :class:`~trl_lite.PPOTrainer` (the classic ``trl.PPOConfig`` fields).
+
+    Batch sizes are per process: ``batch_size`` triplets go into each ``step()`` call, split
+    into mini-batches of ``mini_batch_size`` rows; ``gradient_accumulation_steps`` mini-batches
+    make one optimizer step (``backward_batch_size`` rows).
+    """
+
+    # Run bookkeeping
+    exp_name: str = field(default_factory=_default_exp_name, metadata={"help": "Name of this experiment."})
+    seed: int = field(default=0, metadata={"help": "Seed for python, numpy and torch."})
+    log_with: str | None = field(
+        default=None, metadata={"help": "Tracker for accelerate: 'wandb', 'tensorboard', 'all' or None."}
+    )
+    task_name: str | None = field(default=None, metadata={"help": "Name of the task, logged with the run."})
+    model_name: str | None = field(default=None, metadata={"help": "Name of the model, logged with the run."})
+    query_dataset: str | None = field(default=None, metadata={"help": "Name of the query dataset, logged with the run."})
+    reward_model: str | None = field(default=None, metadata={"help": "Name of the reward model, logged with the run."})
+    remove_unused_columns: bool = field(
+        default=True, metadata={"help": "Drop dataset columns the collator does not use (classic field; see docs)."}
+    )
+    tracker_kwargs: dict[str, Any] = field(default_factory=dict, metadata={"help": "kwargs for init_trackers."})
+    accelerator_kwargs: dict[str, Any] = field(default_factory=dict, metadata={"help": "kwargs for Accelerator."})
+    project_kwargs: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "kwargs for accelerate's ProjectConfiguration (e.g. logging_dir)."}
+    )
+    tracker_project_name: str = field(default="trl", metadata={"help": "Project name for the trackers."})
+    push_to_hub_if_best_kwargs: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "Accepted for compatibility; trl_lite never pushes on its own."}
+    )
+    # Schedule
+    steps: int = field(default=20000, metadata={"help": "Number of training steps (used by scripts)."})
+    learning_rate: float = field(default=1.41e-5, metadata={"help": "Adam learning rate."})
+    # KL control
+    adap_kl_ctrl: bool = field(default=True, metadata={"help": "Adaptive KL control (Ziegler et al.) or fixed."})
+    init_kl_coef: float = field(default=0.2, metadata={"help": "Initial KL penalty coefficient."})
+    kl_penalty: str = field(
+        default="kl", metadata={"help": "KL estimator: 'kl' (lp-ref), 'abs', 'mse' (0.5*(lp-ref)^2) or 'full'."}
+    )
+    target: float = field(default=6.0, metadata={"help": "Target KL for the adaptive controller."})
+    horizon: float = field(default=10000.0, metadata={"help": "Horizon of the adaptive controller."})
+    # Advantages and losses
+    gamma: float = field(default=1.0, metadata={"help": "Discount factor."})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
+    cliprange: float = field(default=0.2, metadata={"help": "Clip range of the policy ratio."})
+    cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value prediction."})
+    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
+    # Batching
+    batch_size: int = field(default=128, metadata={"help": "Triplets per step() call, per process."})
+    forward_batch_size: int | None = field(
+        default=None, metadata={"help": "Deprecated alias of mini_batch_size, kept for old scripts."}
+    )
+    mini_batch_size: int = field(default=128, metadata={"help": "Rows per forward/backward pass."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Mini-batches per optimizer step."})
+    world_size: int | None = field(default=None, metadata={"help": "Set by the trainer: number of processes."})
+    ppo_epochs: int = field(default=4, metadata={"help": "Optimisation epochs over each batch."})
+    max_grad_norm: float | None = field(default=None, metadata={"help": "Clip the global gradient norm to this."})
+    optimize_cuda_cache: bool | None = field(default=None, metadata={"help": "Deprecated alias of optimize_device_cache."})
+    optimize_device_cache: bool = field(default=False, metadata={"help": "Free the device cache after each step."})
+    early_stopping: bool = field(default=False, metadata={"help": "Stop the epochs when policykl > 1.5 target_kl."})
+    target_kl: float = field(default=1.0, metadata={"help": "KL target of early stopping."})
+    compare_steps: int = field(default=1, metadata={"help": "Accepted for compatibility (hub pushes only)."})
+    ratio_threshold: float = field(default=10.0, metadata={"help": "Skip mini-batches whose mean ratio exceeds this."})
+    # Score shaping
+    use_score_scaling: bool = field(default=False, metadata={"help": "Divide scores by their running std."})
+    use_score_norm: bool = field(default=False, metadata={"help": "With score scaling, also subtract the running mean."})
+    score_clip: float | None = field(default=None, metadata={"help": "Clip scores to [-score_clip, score_clip]."})
+    whiten_rewards: bool = field(default=False, metadata={"help": "Whiten rewards (without shifting) before GAE."})
+    # Memory
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "Enable gradient checkpointing."})
+    # Set by the trainer
+    is_encoder_decoder: bool | None = field(default=None, metadata={"help": "Set by the trainer."})
+    is_peft_model: bool | None = field(default=None, metadata={"help": "Set by the trainer."})
+    backward_batch_size: int | None = field(
+        default=None, metadata={"help": "Derived: mini_batch_size * gradient_accumulation_steps."}
+    )
+    global_backward_batch_size: int | None = field(default=None, metadata={"help": "Set by the trainer."})
+    global_batch_size: int | None = field(default=None, metadata={"help": "Set by the trainer."})
+
+    def __post_init__(self):
+        if self.forward_batch_size is not None:
+            self.mini_batch_size = self.forward_batch_size
+        if self.optimize_cuda_cache is not None:
+            self.optimize_device_cache = self.optimize_cuda_cache
+        self.validate()
+        self.backward_batch_size = self.mini_batch_size * self.gradient_accumulation_steps
+
+    def validate(self) -> None:
+        """Raise ``ValueError``/``TypeError`` naming the first bad field, its value and what is accepted."""
+        for name in ("batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs", "steps"):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("learning_rate", "target", "horizon", "target_kl", "ratio_threshold"):
+            _check_positive_float(name, getattr(self, name))
+        for name in ("init_kl_coef", "cliprange", "cliprange_value", "vf_coef"):
+            _check_float(name, getattr(self, name), minimum=0.0)
+        for name in ("gamma", "lam"):
+            _check_float(name, getattr(self, name), minimum=0.0, maximum=1.0)
+        for name in ("max_grad_norm", "score_clip"):
+            if getattr(self, name) is not None:
+                _check_positive_float(name, getattr(self, name))
+        if self.kl_penalty not in KL_PENALTIES:
+            raise ValueError(f"kl_penalty must be one of {KL_PENALTIES}, got {self.kl_penalty!r}.")
+        if self.log_with not in (None, "wandb", "tensorboard", "comet_ml", "mlflow", "aim", "clearml", "dvclive", "all"):
+            raise ValueError(
+                f"log_with must be None or an accelerate tracker name ('wandb', 'tensorboard', 'all', ...), got {self.log_with!r}."
+            )
+        if self.mini_batch_size > self.batch_size:
+            raise ValueError(
+                f"mini_batch_size ({self.mini_batch_size}) must not exceed batch_size ({self.batch_size})."
+            )
+        backward_batch_size = self.mini_batch_size * self.gradient_accumulation_steps
+        if self.batch_size % backward_batch_size != 0:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of mini_batch_size * gradient_accumulation_steps "
+                f"({self.mini_batch_size} * {self.gradient_accumulation_steps} = {backward_batch_size})."
+            )
+        if self.use_score_norm and not self.use_score_scaling:
+            raise ValueError("use_score_norm=True needs use_score_scaling=True (normalisation uses the running moments).")
+        for name in ("tracker_kwargs", "accelerator_kwargs", "project_kwargs", "push_to_hub_if_best_kwargs"):
+            if not isinstance(getattr(self, name), dict):
+                raise TypeError(f"{name} must be a dict, got {type(getattr(self, name)).__name__}.")
+
+
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__}).")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value}.")
+
+
+def _check_float(name: str, value, minimum: float | None = None, maximum: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__}).")
+    low_ok = minimum is None or value >= minimum
+    high_ok = maximum is None or value <= maximum
+    if not math.isfinite(value) or not (low_ok and high_ok):
+        accepted = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise ValueError(f"{name} must be a finite number {accepted}, got {value}.")
+
+
+def _check_positive_float(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a positive number, got {value!r} ({type(value).__name__}).")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite number, got {value}.")
