@@ -91,7 +91,7 @@ def ref_gae(values, rewards, mask, gamma, lam):
 def ref_policy_terms(lp, old_lp, adv, mask, cliprange):
     """Per-element clipped surrogate and statistics of PPO_SPEC section 6, element by element."""
     losses, clipped, approx, policy, ratios = [], [], [], [], []
-    for new, old, a, m in zip(lp.flatten().tolist(), old_lp.flatten().tolist(), adv.flatten().tolist(), mask.flatten().tolist()):
+    for new, old, a, m in zip(*(x.flatten().tolist() for x in (lp, old_lp, adv, mask))):
         if not m:
             continue
         ratio = math.exp(new - old)
@@ -136,7 +136,7 @@ def ref_policy_loss_autograd(lp, old_lp, adv, mask, cliprange):
 def ref_value_terms(v, old_v, returns, mask, cliprange_value):
     """Per-element clipped value loss and clip fraction of PPO_SPEC section 6."""
     losses, clipped = [], []
-    for vn, vo, r, m in zip(v.flatten().tolist(), old_v.flatten().tolist(), returns.flatten().tolist(), mask.flatten().tolist()):
+    for vn, vo, r, m in zip(*(x.flatten().tolist() for x in (v, old_v, returns, mask))):
         if not m:
             continue
         v_clip = min(max(vn, vo - cliprange_value), vo + cliprange_value)
@@ -355,7 +355,7 @@ def test_clip_by_value_tensor_bounds():
     low = torch.randn(5, 6, generator=g, dtype=torch.float64) - 0.5
     high = low + torch.rand(5, 6, generator=g, dtype=torch.float64) * 2.0
     out = core.clip_by_value(x, low, high)
-    ref = [min(max(xi, lo), hi) for xi, lo, hi in zip(x.flatten().tolist(), low.flatten().tolist(), high.flatten().tolist())]
+    ref = [min(max(xi, lo), hi) for xi, lo, hi in zip(*(t.flatten().tolist() for t in (x, low, high)))]
     np.testing.assert_array_equal(out.flatten().numpy(), ref)
     assert (out == low).any() and (out == high).any() and ((out > low) & (out < high)).any()
 
@@ -490,7 +490,8 @@ def test_compute_gae_brute_force(gamma, lam):
     ref_adv, ref_ret = ref_gae(values, rewards, mask, gamma, lam)
     np.testing.assert_allclose(advantages.numpy(), ref_adv, rtol=0, atol=F64_TOL)
     np.testing.assert_allclose(returns.numpy(), ref_ret, rtol=0, atol=F64_TOL)
-    np.testing.assert_allclose(returns.numpy(), advantages.numpy() + values.numpy() * mask.numpy(), rtol=0, atol=F64_TOL)
+    masked_values = values.numpy() * mask.numpy()
+    np.testing.assert_allclose(returns.numpy(), advantages.numpy() + masked_values, rtol=0, atol=F64_TOL)
     # Positions after the last action see no reward and no value: their advantage is zero.
     assert (advantages[1, 4:] == 0).all()
 

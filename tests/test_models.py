@@ -9,7 +9,7 @@ import torch
 from peft import LoraConfig, PeftModel
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tiny_models import VOCAB_SIZE, make_gpt2, make_t5
+from tiny_models import VOCAB_SIZE, make_gpt2
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -49,7 +49,12 @@ def gather_rows(tensor, positions):
 def lora_config():
     """A LoRA adapter on GPT-2's attention with random (non-zero) B, so that it changes the outputs."""
     return LoraConfig(
-        r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False, task_type="CAUSAL_LM"
+        r=4,
+        lora_alpha=8,
+        target_modules=["c_attn"],
+        fan_in_fan_out=True,
+        init_lora_weights=False,
+        task_type="CAUSAL_LM",
     )
 
 
@@ -166,7 +171,8 @@ def test_fast_path_falls_back_without_backbone_and_with_labels(gpt2):
     _, loss, _ = model(input_ids, labels=input_ids, logits_positions=POSITIONS)
     assert loss is not None
     gpt2.base_model_prefix = "missing"  # no backbone attribute: full forward, then gather
-    logits, _, _ = model(input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_positions=POSITIONS)
+    inputs = dict(attention_mask=attention_mask, position_ids=position_ids)
+    logits, _, _ = model(input_ids, logits_positions=POSITIONS, **inputs)
     assert lm_head_inputs == [(3, 9, 32)] * 3
     torch.testing.assert_close(logits, gather_rows(full_logits, POSITIONS), rtol=0, atol=0)
 
@@ -193,22 +199,27 @@ def test_past_key_values_continue_the_sequence(gpt2):
 # Construction ------------------------------------------------------------------------------------
 
 
-def test_from_pretrained_splits_head_and_transformers_kwargs(tmp_path):
-    make_gpt2(n_layer=1, n_embd=1024).save_pretrained(tmp_path)
+def test_from_pretrained_splits_head_and_transformers_kwargs(gpt2, tmp_path):
+    gpt2.save_pretrained(tmp_path)
     model = AutoModelForCausalLMWithValueHead.from_pretrained(
-        str(tmp_path),
-        dtype=torch.float64,
-        summary_dropout_prob=0.1,
-        v_head_init_strategy="normal",
-        v_head_initializer_range=0.5,
+        str(tmp_path), dtype=torch.float64, summary_dropout_prob=0.1, v_head_init_strategy="normal"
     )
     assert model.pretrained_model.dtype == torch.float64 and model.v_head.summary.weight.dtype == torch.float32
     assert model.v_head.dropout.p == 0.1
+
+
+def test_value_head_init_strategies():
+    wide = make_gpt2(n_layer=1, n_embd=1024)
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(
+        wide, v_head_init_strategy="normal", v_head_initializer_range=0.5
+    )
     weight = model.v_head.summary.weight
-    assert abs(weight.std().item() - 0.5) < 0.05 and abs(weight.mean().item()) < 0.05  # 1024 draws of N(0, 0.5^2)
+    # 1024 draws of N(0, 0.5^2): the sample std and mean are within ~0.011 and ~0.016 of 0.5 and 0.
+    assert abs(weight.std().item() - 0.5) < 0.05 and abs(weight.mean().item()) < 0.07
     assert torch.count_nonzero(model.v_head.summary.bias) == 0
-    default = AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path))
+    default = AutoModelForCausalLMWithValueHead.from_pretrained(wide)
     assert default.v_head.summary.weight.abs().max() <= 1024**-0.5  # torch's Linear default: U(-1/sqrt(H), 1/sqrt(H))
+    assert default.v_head.summary.weight.std() < 0.05
 
 
 def test_bad_arguments_are_rejected(gpt2, t5):
@@ -221,7 +232,12 @@ def test_bad_arguments_are_rejected(gpt2, t5):
     with pytest.raises(TypeError, match="unexpected keyword"):
         AutoModelForCausalLMWithValueHead(gpt2, v_head_size=3)
     with pytest.raises(ValueError, match="v_head_init_strategy"):
-        AutoModelForCausalLMWithValueHead.from_pretrained(gpt2, v_head_init_strategy="xavier")
+        AutoModelForCausalLMWithValueHead.from_pretrained(gpt2, peft_config=lora_config(), v_head_init_strategy="x")
+    assert not any("lora_" in name for name, _ in gpt2.named_parameters())  # rejected before the adapter was added
+    with pytest.raises(ValueError, match="summary_dropout_prob"):
+        AutoModelForCausalLMWithValueHead(gpt2, summary_dropout_prob=-0.1)
+    with pytest.raises(ValueError, match="v_head_initializer_range"):
+        AutoModelForCausalLMWithValueHead(gpt2, v_head_initializer_range=-1.0)
     with pytest.raises(ValueError, match="AutoModelForSeq2SeqLMWithValueHead"):
         AutoModelForCausalLMWithValueHead.from_pretrained(t5)
     with pytest.raises(ValueError, match="AutoModelForCausalLMWithValueHead"):
@@ -291,6 +307,8 @@ def test_peft_save_and_load_round_trip(gpt2, tmp_path):
     files = set(os.listdir(tmp_path / "adapter"))
     assert {"adapter_config.json", "adapter_model.safetensors", "v_head.safetensors"} <= files
     assert "model.safetensors" not in files  # the base weights stay in the base checkpoint
+    with pytest.raises(ValueError, match="peft_config"):
+        AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path / "adapter"), peft_config=lora_config())
     loaded = AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path / "adapter"), is_trainable=True)
     assert isinstance(loaded.pretrained_model, PeftModel)
     assert_state_dicts_equal(loaded.state_dict(), model.state_dict())
@@ -299,6 +317,11 @@ def test_peft_save_and_load_round_trip(gpt2, tmp_path):
     for got, expected in zip(loaded(input_ids), model(input_ids)):
         if expected is not None:
             torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # A PeftModel object is wrapped as it is.
+    rewrapped = AutoModelForCausalLMWithValueHead.from_pretrained(loaded.pretrained_model)
+    assert rewrapped.is_peft_model and rewrapped.pretrained_model is loaded.pretrained_model
+    with pytest.raises(ValueError, match="peft_config"):
+        AutoModelForCausalLMWithValueHead.from_pretrained(loaded.pretrained_model, peft_config=lora_config())
 
 
 def base_tensors(model) -> dict:
@@ -336,7 +359,8 @@ def test_plain_checkpoint_gets_fresh_head_with_warning(gpt2, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger=modeling_base.__name__):
         model = AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path))
     assert "freshly initialised" in caplog.text
-    assert_state_dicts_equal(model.pretrained_model.state_dict(), AutoModelForCausalLM.from_pretrained(tmp_path).state_dict())
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert_state_dicts_equal(model.pretrained_model.state_dict(), plain.state_dict())
     assert model.v_head.summary.weight.shape == (1, 32)
 
 
@@ -394,6 +418,15 @@ def test_reference_model_shares_the_first_layers(pattern):
     assert ref.pretrained_model.lm_head.weight is model.pretrained_model.transformer.wte.weight
     input_ids = torch.randint(3, VOCAB_SIZE, (2, 5))
     torch.testing.assert_close(ref(input_ids)[0], model(input_ids)[0], rtol=0, atol=0)
+
+
+def test_reference_model_default_pattern_for_t5(t5):
+    model = AutoModelForSeq2SeqLMWithValueHead.from_pretrained(t5)
+    ref = create_reference_model(model, num_shared_layers=1)
+    shared = {name for name, param in model.named_parameters() if ref.get_parameter(name) is param}
+    assert "pretrained_model.shared.weight" in shared
+    assert all(name == "pretrained_model.shared.weight" or ".encoder.block.0." in name for name in shared)
+    assert len(shared) > 1 and ref.pretrained_model.lm_head.weight is t5.shared.weight
 
 
 def test_reference_model_rejects_bad_arguments(gpt2):

@@ -128,7 +128,7 @@ class PreTrainedModelWrapper(nn.Module):
     supported_args = ()
     supported_modules = ("v_head",)
 
-    def __init__(self, pretrained_model, **kwargs):
+    def __init__(self, pretrained_model):
         super().__init__()
         _check_wrappable(pretrained_model, "pretrained_model")
         self.pretrained_model = pretrained_model
@@ -319,10 +319,9 @@ def _check_peft_config(peft_config) -> None:
 
 
 def _add_adapter(model, peft_config):
-    """Wrap a transformers model in a new PEFT adapter; a model that already is a PeftModel is kept."""
+    """Wrap a transformers model in a new PEFT adapter (ValueError for a model that already is a PeftModel)."""
     if is_peft_model(model):
-        logger.warning("peft_config is ignored: the model already is a PeftModel with its own adapter.")
-        return model
+        raise ValueError("peft_config was given but the model already is a PeftModel; pass peft_config=None")
     return get_peft_model(model, peft_config)
 
 
@@ -376,19 +375,15 @@ def create_reference_model(model: nn.Module, num_shared_layers: int | None = Non
     too (as in classic TRL), which saves their memory and their optimizer state.
     """
     _check_reference_arguments(model, num_shared_layers, pattern)
-    ref_model = deepcopy(model)
+    memo = {}
     if num_shared_layers is not None:
-        names = [name for name, _ in model.named_parameters()]
-        shared = dict(list(model.named_parameters())[: _first_unshared_index(names, num_shared_layers, pattern)])
-        shared_ids = {id(param) for param in shared.values()}
-        for param in shared.values():
-            param.requires_grad_(False)
-        # Walk the duplicates too: a tied alias (e.g. GPT-2's lm_head.weight = wte.weight) must point at
-        # the shared Parameter as well, or the copy would keep its own duplicate of it.
-        for name, param in model.named_parameters(remove_duplicate=False):
-            if id(param) in shared_ids:
-                module_name, _, attribute = name.rpartition(".")
-                setattr(ref_model.get_submodule(module_name), attribute, param)
+        named = list(model.named_parameters())
+        first_unshared = _first_unshared_index([name for name, _ in named], num_shared_layers, pattern)
+        # deepcopy returns the object itself for anything already in its memo, so the shared Parameters
+        # (and tied aliases of them, e.g. GPT-2's lm_head.weight) are reused, never copied.
+        memo = {id(param): param for _, param in named[:first_unshared]}
+    ref_model = deepcopy(model, memo)
+    # This also freezes the shared Parameters in the policy, which holds the very same objects.
     for param in ref_model.parameters():
         param.requires_grad_(False)
     return ref_model.eval()

@@ -64,6 +64,19 @@ def gather_positions(tensor: torch.Tensor, positions: torch.Tensor) -> torch.Ten
     return tensor.gather(1, index)
 
 
+def _check_head_kwargs(kwargs: dict) -> None:
+    """Raise ValueError for value-head arguments out of range (before any model is loaded or adapted)."""
+    dropout = kwargs.get("summary_dropout_prob")
+    if dropout is not None and not 0.0 <= dropout < 1.0:
+        raise ValueError(f"summary_dropout_prob must be None or in [0, 1), got {dropout!r}")
+    strategy = kwargs.get("v_head_init_strategy")
+    if strategy not in _INIT_STRATEGIES:
+        raise ValueError(f"v_head_init_strategy must be one of {_INIT_STRATEGIES}, got {strategy!r}")
+    initializer_range = kwargs.get("v_head_initializer_range", 0.2)
+    if not isinstance(initializer_range, (int, float)) or initializer_range < 0:
+        raise ValueError(f"v_head_initializer_range must be a number >= 0, got {initializer_range!r}")
+
+
 class _ValueHeadModel(PreTrainedModelWrapper):
     """What both value-head wrappers share: the head, its initialisation and the output tuple."""
 
@@ -77,6 +90,7 @@ class _ValueHeadModel(PreTrainedModelWrapper):
                 f"{type(self).__name__} got unexpected keyword arguments {sorted(unknown)}; "
                 f"accepted: {list(self.supported_args)}"
             )
+        _check_head_kwargs(head_kwargs)
         self._check_architecture()
         self.v_head = ValueHead(self.config, summary_dropout_prob=head_kwargs.get("summary_dropout_prob"))
         self._init_weights(
@@ -86,6 +100,12 @@ class _ValueHeadModel(PreTrainedModelWrapper):
         if output_embeddings is not None:
             # Sit where the last hidden states come out, for models spread over devices.
             self.v_head.to(output_embeddings.weight.device)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """See `PreTrainedModelWrapper.from_pretrained`; value-head arguments are checked first."""
+        _check_head_kwargs(kwargs)
+        return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
     def _check_architecture(self) -> None:
         """Raise ValueError if the model is (not) an encoder-decoder when the wrapper expects the opposite."""
@@ -99,8 +119,6 @@ class _ValueHeadModel(PreTrainedModelWrapper):
 
     def _init_weights(self, v_head_initializer_range: float = 0.2, v_head_init_strategy: str | None = None) -> None:
         """Initialise the head: None keeps torch's Linear default, "normal" draws N(0, range^2) weights, zero bias."""
-        if v_head_init_strategy not in _INIT_STRATEGIES:
-            raise ValueError(f"v_head_init_strategy must be one of {_INIT_STRATEGIES}, got {v_head_init_strategy!r}")
         if v_head_init_strategy == "normal":
             self.v_head.summary.weight.data.normal_(mean=0.0, std=v_head_initializer_range)
             self.v_head.summary.bias.data.zero_()

@@ -182,8 +182,7 @@ class PPOTrainer:
 
         unwrapped = self.accelerator.unwrap_model(self.model)
         self._vocab_size = unwrapped.pretrained_model.get_input_embeddings().num_embeddings
-        base = unwrapped.pretrained_model.get_base_model() if self.is_peft_model else unwrapped.pretrained_model
-        self._pass_position_ids = "position_ids" in inspect.signature(base.forward).parameters
+        self._pass_position_ids = "position_ids" in inspect.signature(unwrapped.transformers_model.forward).parameters
         self._pad_id = _pad_token_id(tokenizer, unwrapped.config)
         self._padding_side = getattr(tokenizer, "padding_side", "right") or "right"
 
@@ -256,7 +255,11 @@ class PPOTrainer:
         stats["ppo/learning_rate"] = self.optimizer.param_groups[0]["lr"]
 
         # 7. Controller and scheduler (section 7)
-        self.kl_ctl.update(stats["objective/kl"], config.batch_size * self.accelerator.num_processes)
+        if math.isfinite(stats["objective/kl"]):
+            self.kl_ctl.update(stats["objective/kl"], config.batch_size * self.accelerator.num_processes)
+        else:
+            # A non-finite KL (a NaN in the rollout pass) would make kl_coef NaN for every later step.
+            warnings.warn(f"objective/kl is {stats['objective/kl']}; the KL coefficient is left unchanged.", stacklevel=2)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.current_step += 1
@@ -1008,13 +1011,13 @@ class _ResumableLoader:
 
 def _signature_columns(model: PreTrainedModelWrapper) -> set[str]:
     """Dataset columns kept by ``remove_unused_columns``: the model's forward arguments plus the classic text columns."""
-    base = model.pretrained_model.get_base_model() if model.is_peft_model else model.pretrained_model
-    return set(inspect.signature(base.forward).parameters) | {"label", "query", "response"}
+    return set(inspect.signature(model.transformers_model.forward).parameters) | {"label", "query", "response"}
 
 
 def _check_constructor_args(config, model, ref_model, tokenizer, optimizer, lr_scheduler, num_shared_layers):
     if not isinstance(config, PPOConfig):
         raise TypeError(f"config must be a PPOConfig, got {type(config).__name__}.")
+    config.validate()  # fields may have been changed after the config was built
     if not isinstance(model, SUPPORTED_MODELS):
         raise TypeError(
             "model must be an AutoModelForCausalLMWithValueHead or AutoModelForSeq2SeqLMWithValueHead "
