@@ -20,7 +20,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.utils import cached_file, is_peft_available
 
 if is_peft_available():
@@ -332,7 +331,9 @@ def _layer_regex(pattern: str, num_shared_layers: int):
 
 def _check_reference_arguments(model, num_shared_layers, pattern) -> None:
     """Raise ValueError/TypeError for arguments `create_reference_model` cannot honour."""
-    if is_deepspeed_zero3_enabled():
+    # ZeRO-3 marks the parameters it has partitioned with `ds_id`; a model not yet prepared copies fine
+    # even while a ZeRO-3 config is active (PPOTrainer creates the reference before `prepare`).
+    if any(hasattr(param, "ds_id") for param in model.parameters()):
         raise ValueError(
             "create_reference_model cannot copy a model partitioned by DeepSpeed ZeRO-3; "
             "load the reference model separately with from_pretrained"

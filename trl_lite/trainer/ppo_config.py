@@ -101,10 +101,10 @@ class PPOConfig:
         if self.optimize_cuda_cache is not None:
             self.optimize_device_cache = self.optimize_cuda_cache
         self.validate()
-        self.backward_batch_size = self.mini_batch_size * self.gradient_accumulation_steps
 
     def validate(self) -> None:
-        """Raise ``ValueError``/``TypeError`` naming the first bad field, its value and what is accepted."""
+        """Raise ``ValueError``/``TypeError`` naming the first bad field, its value and what is accepted;
+        then derive ``backward_batch_size``."""
         for name in ("batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs", "steps"):
             _check_positive_int(name, getattr(self, name))
         for name in ("learning_rate", "target", "horizon", "target_kl", "ratio_threshold"):
@@ -122,6 +122,10 @@ class PPOConfig:
             raise ValueError(
                 f"log_with must be None or an accelerate tracker name ('wandb', 'tensorboard', 'all', ...), got {self.log_with!r}."
             )
+        for name in ("adap_kl_ctrl", "early_stopping", "use_score_scaling", "use_score_norm", "whiten_rewards",
+                     "gradient_checkpointing", "remove_unused_columns", "optimize_device_cache"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if self.mini_batch_size > self.batch_size:
             raise ValueError(
                 f"mini_batch_size ({self.mini_batch_size}) must not exceed batch_size ({self.batch_size})."
@@ -137,6 +141,7 @@ class PPOConfig:
         for name in ("tracker_kwargs", "accelerator_kwargs", "project_kwargs", "push_to_hub_if_best_kwargs"):
             if not isinstance(getattr(self, name), dict):
                 raise TypeError(f"{name} must be a dict, got {type(getattr(self, name)).__name__}.")
+        self.backward_batch_size = backward_batch_size
 
 
 def _check_positive_int(name: str, value) -> None:

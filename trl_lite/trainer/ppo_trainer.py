@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, is_deepspeed_available
+from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration, is_deepspeed_available
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
@@ -315,17 +315,18 @@ class PPOTrainer:
                 given = len(response_masks) if isinstance(response_masks, (list, tuple)) else type(response_masks).__name__
                 raise ValueError(f"response_masks must be a list of {n} tensors (one per response), got {given}.")
             for i, (m, r) in enumerate(zip(response_masks, responses)):
-                if not isinstance(m, torch.Tensor) or m.shape != r.shape:
-                    shape = tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__
+                if not isinstance(m, torch.Tensor):
+                    raise TypeError(f"response_masks[{i}] must be a tensor of 0/1 like responses[{i}], got {type(m).__name__}.")
+                if m.shape != r.shape:
                     raise ValueError(
-                        f"response_masks[{i}] must be a tensor of shape {tuple(r.shape)} (that of responses[{i}]), got {shape}."
+                        f"response_masks[{i}] must have the shape of responses[{i}], {tuple(r.shape)}, got {tuple(m.shape)}."
                     )
                 if not ((m == 0) | (m == 1)).all():
                     raise ValueError(f"response_masks[{i}] must hold only 0 and 1, got values {m.unique().tolist()}.")
         n_actions = self._count_actions(responses, response_masks)
         if n_actions < 2:
             raise ValueError(
-                f"the batch has {n_actions} action token(s) (response tokens with mask 1"
+                f"responses/response_masks: the batch has {n_actions} action token(s) (response tokens with mask 1"
                 f"{', excluding the first and last decoder token' if self.is_encoder_decoder else ''}); "
                 "advantage whitening needs at least 2."
             )
@@ -689,16 +690,15 @@ class PPOTrainer:
         model.eval()
         for idx in torch.arange(batch, device=self.current_device).split(self.config.mini_batch_size):
             lp, val, logits, w = self._forward_rows(model, rows, idx, return_logits=return_logits)
-            c, ok = cols[idx, :w], valid[idx, :w] & rows.action_mask[idx, :w].bool()
-            logprobs[idx] = logprobs[idx].scatter(1, c, lp * ok)
-            values[idx] = values[idx].scatter(1, c, val * ok)
-            masks[idx] = masks[idx].scatter(1, c, ok.float())
+            ok = valid[idx, :w] & rows.action_mask[idx, :w].bool()
+            # Only the action entries are written: the clamped compact padding repeats column T - 1,
+            # and a scatter with repeated indices may keep the padding's zero over a real action.
+            r, c = idx.unsqueeze(1).expand(-1, w)[ok], cols[idx, :w][ok]
+            logprobs[r, c], values[r, c], masks[r, c] = lp[ok], val[ok], 1.0
             if return_logits:
                 if logits_out is None:
                     logits_out = torch.zeros(batch, length, logits.shape[-1], device=self.current_device)
-                block = logits_out[idx]
-                block.scatter_(1, c.unsqueeze(-1).expand(-1, -1, logits.shape[-1]), logits.float() * ok.unsqueeze(-1))
-                logits_out[idx] = block
+                logits_out[r, c] = logits[ok].float()
         return logprobs, logits_out, values, masks
 
     def compute_rewards(self, scores, logprobs, ref_logprobs, masks, full_kl=None):
@@ -727,8 +727,11 @@ class PPOTrainer:
         pg_loss, vf_loss, stats = self.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns)
         loss = pg_loss + self.config.vf_coef * vf_loss
         self.accelerator.backward(loss)
-        if self.accelerator.sync_gradients and self._gradients_finite():
-            self.optimizer.step()
+        if self.accelerator.sync_gradients:
+            if self._gradients_finite():
+                self.optimizer.step()
+            else:
+                self._skip("the gradient norm is not finite")
         self.optimizer.zero_grad()
         return stats
 
@@ -1054,9 +1057,11 @@ def _build_accelerator(config: PPOConfig) -> Accelerator:
         else:
             kwargs.setdefault("cpu", True)
     project_config = ProjectConfiguration(**config.project_kwargs)
+    # step() accumulates over its own mini-batches; the end of the user's dataloader must not force a sync.
+    accumulation = GradientAccumulationPlugin(num_steps=config.gradient_accumulation_steps, sync_with_dataloader=False)
     return Accelerator(
         log_with=config.log_with,
-        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        gradient_accumulation_plugin=accumulation,
         project_config=project_config,
         kwargs_handlers=handlers,
         **kwargs,
@@ -1068,8 +1073,11 @@ def _fill_deepspeed_config(accelerator: Accelerator, config: PPOConfig) -> None:
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
     ds_config["train_micro_batch_size_per_gpu"] = config.mini_batch_size
     ds_config["gradient_accumulation_steps"] = config.gradient_accumulation_steps
-    if config.max_grad_norm is not None:
-        ds_config["gradient_clipping"] = config.max_grad_norm
+    # accelerate replaces an unset ("auto") gradient_clipping with 1.0; 0.0 turns DeepSpeed's clipping off.
+    ds_config["gradient_clipping"] = config.max_grad_norm if config.max_grad_norm is not None else 0.0
+    if ds_config.get("zero_optimization", {}).get("stage") == 3:
+        # save_pretrained gathers the full weights through accelerator.get_state_dict, which needs this.
+        ds_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     ds_config["train_batch_size"] = config.mini_batch_size * config.gradient_accumulation_steps * accelerator.num_processes
 
 
