@@ -5,6 +5,13 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_DISABLED", "true")
+# Tiny models gain nothing from intra-op threads, and under `pytest -n 2` on 2 cores threads of the
+# two workers would fight each other; subprocesses the tests start inherit this too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 from tiny_models import make_gpt2, make_t5, make_tokenizer  # noqa: E402
 

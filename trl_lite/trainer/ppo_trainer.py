@@ -892,6 +892,9 @@ class PPOTrainer:
             shutil.rmtree(tmp)
         accelerator.wait_for_everyone()
         accelerator.save_state(tmp, safe_serialization=True)
+        # Every process writes its own files into tmp (RNG states, DeepSpeed shards): all must be
+        # done before the main process renames tmp into place.
+        accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             state = {
                 "current_step": self.current_step,
