@@ -1,0 +1,357 @@
+"""Behaviour of PPOTrainer: what step() moves, the KL controllers, score shaping, early stopping,
+encoder-decoder and PEFT models, generation, logging, saving and the dataloader.
+
+Exact numeric agreement of step() with the plain spec formulation is in test_step_reference.py.
+"""
+
+import glob
+import math
+
+import pytest
+import torch
+from tiny_models import make_gpt2, make_t5, make_tokenizer, random_batch
+
+from trl_lite import (
+    AdaptiveKLController,
+    AutoModelForCausalLMWithValueHead,
+    AutoModelForSeq2SeqLMWithValueHead,
+    FixedKLController,
+    PPOConfig,
+    PPOTrainer,
+)
+
+
+def make_trainer(batch_size=4, mini_batch_size=2, model=None, tokenizer=None, **config_kwargs):
+    config_kwargs.setdefault("learning_rate", 1e-3)
+    config_kwargs.setdefault("ppo_epochs", 2)
+    config = PPOConfig(batch_size=batch_size, mini_batch_size=mini_batch_size, **config_kwargs)
+    model = model or AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2())
+    return PPOTrainer(config, model, tokenizer=tokenizer or make_tokenizer())
+
+
+def snapshot(module):
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def test_step_moves_policy_and_value_head_but_not_the_reference():
+    trainer = make_trainer()
+    policy_before = snapshot(trainer.model)
+    ref_before = snapshot(trainer.ref_model)
+    stats = trainer.step(*random_batch(4))
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, policy_before[n])]
+    assert any(n.startswith("v_head.") for n in changed)
+    assert any(n.startswith("pretrained_model.") for n in changed)
+    for name, p in trainer.ref_model.named_parameters():
+        assert torch.equal(p, ref_before[name]), name
+        assert not p.requires_grad
+    assert trainer.current_step == 1
+    for key in ("objective/kl", "ppo/loss/total", "ppo/val/var_explained", "time/ppo/total"):
+        assert math.isfinite(stats[key]), key
+
+
+def test_step_returns_every_statistic_of_the_spec():
+    stats = make_trainer().step(*random_batch(4))
+    expected = [
+        "objective/kl", "objective/kl_dist", "objective/logprobs", "objective/ref_logprobs", "objective/kl_coef",
+        "objective/entropy", "ppo/mean_non_score_reward", "ppo/mean_scores", "ppo/std_scores",
+        "tokens/queries_len_mean", "tokens/queries_len_std", "tokens/queries_dist", "tokens/responses_len_mean",
+        "tokens/responses_len_std", "tokens/responses_dist", "ppo/loss/policy", "ppo/loss/value", "ppo/loss/total",
+        "ppo/policy/entropy", "ppo/policy/approxkl", "ppo/policy/policykl", "ppo/policy/clipfrac",
+        "ppo/policy/advantages", "ppo/policy/advantages_mean", "ppo/policy/ratio", "ppo/returns/mean",
+        "ppo/returns/var", "ppo/val/vpred", "ppo/val/error", "ppo/val/clipfrac", "ppo/val/mean", "ppo/val/var",
+        "ppo/val/var_explained", "ppo/learning_rate", "time/ppo/forward_pass", "time/ppo/compute_rewards",
+        "time/ppo/compute_advantages", "time/ppo/optimize_step", "time/ppo/calc_stats", "time/ppo/total",
+    ]  # fmt: skip
+    assert not set(expected) - set(stats)
+    queries, responses, _ = random_batch(4)
+    assert stats["tokens/queries_dist"].tolist() == [len(q) for q in queries]
+    assert stats["tokens/responses_dist"].tolist() == [len(r) for r in responses]
+    assert stats["objective/kl_dist"].shape == (4,)
+    assert stats["objective/logprobs"].shape == (sum(len(r) for r in responses),)
+
+
+def test_first_step_has_zero_kl_and_the_entropy_statistic_is_the_mean_negative_logprob_sum():
+    trainer = make_trainer()
+    queries, responses, scores = random_batch(4)
+    stats = trainer.step(queries, responses, scores)
+    # The reference is a copy of the untrained policy, so the first step's KL is exactly zero.
+    assert stats["objective/kl"] == 0.0
+    assert stats["ppo/mean_non_score_reward"] == 0.0
+    lengths = [len(r) for r in responses]
+    logprobs = torch.tensor(stats["objective/logprobs"], dtype=torch.float64)
+    per_row = torch.stack([-chunk.sum() for chunk in logprobs.split(lengths)])
+    assert stats["objective/entropy"] == pytest.approx(per_row.mean().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("kl_penalty", ["kl", "abs", "mse", "full"])
+def test_each_kl_penalty_trains_and_gives_its_estimator(kl_penalty):
+    trainer = make_trainer(kl_penalty=kl_penalty)
+    batch = random_batch(4)
+    trainer.step(*batch)
+    stats = trainer.step(*batch)
+    assert math.isfinite(stats["ppo/loss/total"])
+    assert stats["objective/kl"] != 0.0
+    if kl_penalty in ("abs", "mse", "full"):
+        assert (stats["objective/kl_dist"] >= -1e-6).all()
+    if kl_penalty != "full":
+        diff = torch.tensor(stats["objective/logprobs"], dtype=torch.float64) - torch.tensor(
+            stats["objective/ref_logprobs"], dtype=torch.float64
+        )
+        per_token = {"kl": diff, "abs": diff.abs(), "mse": 0.5 * diff**2}[kl_penalty]
+        lengths = [len(r) for r in batch[1]]
+        per_row = torch.stack([c.sum() for c in per_token.split(lengths)])
+        assert torch.allclose(torch.tensor(stats["objective/kl_dist"], dtype=torch.float64), per_row, atol=1e-5)
+
+
+def test_adaptive_kl_controller_follows_ziegler_update():
+    trainer = make_trainer(init_kl_coef=0.3, target=0.01, horizon=50)
+    batch = random_batch(4)
+    trainer.step(*batch)
+    before = trainer.kl_ctl.value
+    stats = trainer.step(*batch)
+    assert stats["objective/kl_coef"] == pytest.approx(before)
+    error = min(max(stats["objective/kl"] / 0.01 - 1, -0.2), 0.2)
+    assert trainer.kl_ctl.value == pytest.approx(before * (1 + error * 4 / 50), rel=1e-12)
+    assert trainer.kl_ctl.value != before
+
+
+def test_fixed_kl_controller_never_changes():
+    trainer = make_trainer(adap_kl_ctrl=False, init_kl_coef=0.05)
+    assert isinstance(trainer.kl_ctl, FixedKLController)
+    batch = random_batch(4)
+    for _ in range(2):
+        trainer.step(*batch)
+    assert trainer.kl_ctl.value == 0.05
+
+
+def test_kl_controllers_alone():
+    ctl = AdaptiveKLController(0.2, target=6.0, horizon=10000)
+    ctl.update(12.0, n_steps=100)  # error clipped at +0.2
+    assert ctl.value == pytest.approx(0.2 * (1 + 0.2 * 100 / 10000))
+    ctl = AdaptiveKLController(0.2, target=6.0, horizon=10000)
+    ctl.update(5.7, n_steps=100)  # error -0.05
+    assert ctl.value == pytest.approx(0.2 * (1 - 0.05 * 100 / 10000))
+
+
+def test_score_scaling_norm_and_clip_follow_the_running_moments():
+    trainer = make_trainer(use_score_scaling=True, use_score_norm=True, score_clip=0.5)
+    queries, responses, _ = random_batch(4)
+    seen = []
+    for scores in ([1.0, 2.0, 3.0, 10.0], [-4.0, 0.5, 0.25, 7.0]):
+        seen += scores
+        stats = trainer.step(queries, responses, [torch.tensor(s) for s in scores])
+        all_seen = torch.tensor(seen, dtype=torch.float64)
+        expected = ((torch.tensor(scores, dtype=torch.float64) - all_seen.mean()) / (all_seen.std() + 1e-8)).clamp(-0.5, 0.5)
+        assert stats["ppo/mean_scores"] == pytest.approx(expected.mean().item(), abs=1e-6)
+        assert stats["ppo/std_scores"] == pytest.approx(expected.std().item(), abs=1e-6)
+        assert trainer.running.mean == pytest.approx(all_seen.mean().item(), rel=1e-12)
+        assert trainer.running.std == pytest.approx(all_seen.std().item(), rel=1e-12)
+
+
+def test_score_scaling_without_norm_only_divides():
+    trainer = make_trainer(use_score_scaling=True)
+    queries, responses, _ = random_batch(4)
+    scores = [3.0, 1.0, 2.0, 6.0]
+    stats = trainer.step(queries, responses, [torch.tensor(s) for s in scores])
+    s = torch.tensor(scores, dtype=torch.float64)
+    assert stats["ppo/mean_scores"] == pytest.approx((s / (s.std() + 1e-8)).mean().item(), rel=1e-6)
+
+
+def test_whiten_rewards_changes_the_update_but_not_the_kl():
+    batch = random_batch(4)
+    plain, whitened = make_trainer(), make_trainer(whiten_rewards=True)
+    torch.manual_seed(0)
+    stats_plain = plain.step(*batch)
+    torch.manual_seed(0)
+    stats_white = whitened.step(*batch)
+    assert stats_plain["objective/kl"] == stats_white["objective/kl"]
+    assert stats_plain["ppo/returns/mean"] != pytest.approx(stats_white["ppo/returns/mean"])
+
+
+def test_early_stopping_stops_the_epochs_when_policykl_exceeds_the_target():
+    trainer = make_trainer(ppo_epochs=4, early_stopping=True, target_kl=1e-9, learning_rate=5e-2)
+    decisions = []
+    original = trainer._should_stop
+
+    def record(epoch_policykl):
+        decision = original(epoch_policykl)
+        decisions.append((torch.stack(epoch_policykl).mean().item(), decision))
+        return decision
+
+    trainer._should_stop = record
+    for seed in range(3):
+        trainer.step(*random_batch(4, seed=seed))
+    assert decisions, "early stopping was never consulted"
+    for policykl, decision in decisions:
+        assert decision == (policykl > 1.5e-9)
+    # Every step that stopped ran fewer than ppo_epochs epochs.
+    assert any(decision for _, decision in decisions)
+    assert len(decisions) < 3 * 4
+
+
+def test_early_stopping_off_runs_every_epoch():
+    trainer = make_trainer(ppo_epochs=3)
+    calls = []
+    original = trainer._train_rows
+    trainer._train_rows = lambda *a, **k: calls.append(1) or original(*a, **k)
+    trainer.step(*random_batch(4))
+    assert len(calls) == 3 * 2
+
+
+def test_encoder_decoder_step_trains():
+    model = AutoModelForSeq2SeqLMWithValueHead.from_pretrained(make_t5())
+    trainer = make_trainer(model=model)
+    before = snapshot(trainer.model)
+    queries, responses, scores = random_batch(4, response_len=(3, 6))
+    responses = [torch.cat([torch.tensor([0]), r]) for r in responses]  # decoder start token first
+    stats = trainer.step(queries, responses, scores)
+    assert stats["objective/kl"] == 0.0
+    assert math.isfinite(stats["ppo/loss/total"])
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    # Actions are decoder positions 1 .. len - 2 (predicting tokens 2 .. len - 1).
+    assert stats["objective/logprobs"].shape == (sum(len(r) - 2 for r in responses),)
+
+
+def test_peft_lora_step_moves_only_adapter_and_value_head_and_uses_the_disabled_adapter_as_reference():
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, task_type="CAUSAL_LM")
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2(), peft_config=lora)
+    trainer = make_trainer(model=model, learning_rate=1e-2)
+    assert trainer.ref_model is None
+    before = snapshot(trainer.model)
+    batch = random_batch(4)
+    stats = trainer.step(*batch)
+    assert stats["objective/kl"] == 0.0  # LoRA starts as the identity: policy == reference
+    for name, p in trainer.model.named_parameters():
+        moved = not torch.equal(p, before[name])
+        if "lora_" in name or name.startswith("v_head."):
+            continue
+        assert not moved, f"{name} is not an adapter or head weight but changed"
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters() if "lora_B" in n)
+    stats = trainer.step(*batch)
+    assert stats["objective/kl"] != 0.0
+
+    # The reference log-probs are those of the base model without the adapter.
+    base = make_gpt2()
+    queries, responses, _ = batch
+    inputs = trainer.prepare_model_inputs(queries, responses)
+    with torch.no_grad():
+        with trainer.model.pretrained_model.disable_adapter():
+            lp_ref, _, _, mask = trainer.batched_forward_pass(trainer.model, queries, responses, inputs)
+        logits = base(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+    expected = torch.log_softmax(logits[:, :-1].double(), -1).gather(-1, inputs["input_ids"][:, 1:, None]).squeeze(-1)
+    assert torch.allclose(lp_ref[mask.bool()].double(), expected[mask.bool()], atol=1e-5)
+
+
+def test_generate_strips_padding_and_the_prompt():
+    tokenizer = make_tokenizer()
+    trainer = make_trainer(tokenizer=tokenizer)
+    queries = [torch.tensor([5, 6, 7]), torch.tensor([8]), torch.tensor([9, 10, 11, 12, 13])]
+    torch.manual_seed(0)
+    with_prompt = trainer.generate(queries, batch_size=2, max_new_tokens=6, do_sample=True)
+    torch.manual_seed(0)
+    without = trainer.generate(queries, batch_size=2, return_prompt=False, max_new_tokens=6, do_sample=True)
+    for q, full, resp in zip(queries, with_prompt, without):
+        assert torch.equal(full[: len(q)], q)
+        assert torch.equal(full[len(q) :], resp)
+        assert 1 <= len(resp) <= 6
+        eos = (resp == tokenizer.eos_token_id).nonzero()
+        if len(eos):
+            assert int(eos[0]) == len(resp) - 1  # cut right after the first EOS
+    single = trainer.generate(queries[0], max_new_tokens=3, do_sample=False)
+    assert single.shape[0] == 1 and torch.equal(single[0, :3], queries[0])
+
+
+def test_generate_with_reference_and_length_sampler():
+    from trl_lite import LengthSampler
+
+    trainer = make_trainer()
+    queries = [torch.tensor([5, 6, 7]), torch.tensor([8, 9])]
+    responses, ref_responses = trainer.generate(
+        queries, return_prompt=False, generate_ref_response=True, length_sampler=LengthSampler(2, 4),
+        do_sample=False, eos_token_id=None,
+    )
+    # Before training, greedy decoding of policy and its reference copy agree (each call draws its own length).
+    for r, rr in zip(responses, ref_responses):
+        n = min(len(r), len(rr))
+        assert torch.equal(r[:n], rr[:n])
+        assert len(r) in (2, 3) and len(rr) in (2, 3)
+
+
+def test_log_stats_writes_tensorboard_events(tmp_path):
+    trainer = make_trainer(log_with="tensorboard", project_kwargs={"logging_dir": str(tmp_path)})
+    queries, responses, scores = random_batch(4)
+    stats = trainer.step(queries, responses, scores)
+    batch = {"query": ["a"] * 4, "response": ["b"] * 4}
+    trainer.log_stats(stats, batch, scores)
+    trainer.accelerator.end_training()
+    assert glob.glob(str(tmp_path / "**" / "events.out.tfevents.*"), recursive=True)
+
+
+def test_trainer_save_pretrained_round_trip(tmp_path):
+    trainer = make_trainer()
+    trainer.step(*random_batch(4))
+    trainer.save_pretrained(str(tmp_path))
+    loaded = AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path))
+    saved = dict(trainer.model.named_parameters())
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, saved[name]), name
+    assert (tmp_path / "tokenizer.json").exists()
+
+
+def test_dataloader_is_shuffled_batches_of_batch_size_dropping_the_rest():
+    data = [{"input_ids": torch.tensor([3 + i]), "query": str(i)} for i in range(10)]
+
+    def collator(rows):
+        return {key: [row[key] for row in rows] for key in rows[0]}
+
+    config = PPOConfig(batch_size=4, mini_batch_size=2, learning_rate=1e-3)
+    trainer = PPOTrainer(
+        config, AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2()), tokenizer=make_tokenizer(),
+        dataset=data, data_collator=collator,
+    )
+    batches = list(trainer.dataloader)
+    assert len(batches) == 2 and all(len(b["query"]) == 4 for b in batches)
+    seen = [q for b in batches for q in b["query"]]
+    assert len(set(seen)) == 8 and seen != [str(i) for i in range(8)]
+
+
+def test_constructor_rejects_wrong_types():
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2())
+    with pytest.raises(TypeError, match="model must be"):
+        PPOTrainer(PPOConfig(batch_size=2, mini_batch_size=2), make_gpt2())
+    with pytest.raises(TypeError, match="config must be a PPOConfig"):
+        PPOTrainer({"batch_size": 2}, model)
+    with pytest.raises(ValueError, match="ref_model is the same object"):
+        PPOTrainer(PPOConfig(batch_size=2, mini_batch_size=2), model, ref_model=model)
+
+
+def test_reference_sharing_layers_stays_frozen_where_shared():
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2())
+    config = PPOConfig(batch_size=4, mini_batch_size=2, learning_rate=1e-3)
+    trainer = PPOTrainer(config, model, tokenizer=make_tokenizer(), num_shared_layers=1)
+    ref_before = snapshot(trainer.ref_model)
+    trainer.step(*random_batch(4))
+    for name, p in trainer.ref_model.named_parameters():
+        assert torch.equal(p, ref_before[name]), name
+
+
+def test_results_do_not_depend_on_other_rows():
+    """A row's log-probs are the same alone or in a batch with longer rows."""
+    trainer = make_trainer(batch_size=4, mini_batch_size=4)
+    queries, responses, _ = random_batch(4)
+    inputs = trainer.prepare_model_inputs(queries, responses)
+    lp_all, _, _, mask_all = trainer.batched_forward_pass(trainer.model, queries, responses, inputs)
+    for i in range(4):
+        one = trainer.prepare_model_inputs(queries[i : i + 1], responses[i : i + 1])
+        lp_one, _, _, mask_one = trainer.batched_forward_pass(trainer.model, queries[i : i + 1], responses[i : i + 1], one)
+        assert torch.allclose(lp_all[i][mask_all[i].bool()], lp_one[0][mask_one[0].bool()], atol=1e-5)
+
+
+def test_trainer_fills_the_derived_config_fields():
+    config = PPOConfig(batch_size=4, mini_batch_size=2, gradient_accumulation_steps=2)
+    PPOTrainer(config, AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2()))
+    assert config.backward_batch_size == 4
+    assert config.world_size == 1 and config.global_batch_size == 4 and config.global_backward_batch_size == 4
+    assert config.is_encoder_decoder is False and config.is_peft_model is False
