@@ -9,13 +9,19 @@ reviews written for this project), so the demo runs without the model hub:
 `ppo_sentiment.py` and the walkthrough notebook import these functions.
 """
 
+import hashlib
 import json
 import random
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import (
+    AutoTokenizer,
     DistilBertConfig,
     DistilBertForSequenceClassification,
     GPT2Config,
@@ -70,6 +76,22 @@ def classifier_tokenizer(tokenizer: PreTrainedTokenizerFast) -> PreTrainedTokeni
     )
 
 
+def pad_right(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id lists padded on the right: `input_ids` and `attention_mask`, both `(len(rows), longest)`."""
+    input_ids = pad_sequence([torch.tensor(r) for r in rows], batch_first=True, padding_value=pad_id)
+    lengths = torch.tensor([len(r) for r in rows])
+    attention_mask = (torch.arange(input_ids.shape[1]) < lengths.unsqueeze(1)).long()
+    return input_ids, attention_mask
+
+
+def lm_loss(model: GPT2LMHeadModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the real tokens of right-padded `(B, S)` rows."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, S, V)
+    # Position t predicts token t+1; padding positions predict nothing (label -100 is ignored).
+    labels = input_ids.masked_fill(attention_mask == 0, -100)[:, 1:]
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
 def _batches(n_rows: int, batch_size: int, steps: int, seed: int):
     """Yields `steps` lists of row indices, each `batch_size` rows drawn in shuffled passes over the data."""
     rng = random.Random(seed)
@@ -109,10 +131,7 @@ def train_sft_model(
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model.train()
     for rows in _batches(len(encoded), batch_size, steps, seed):
-        batch = tokenizer.pad({"input_ids": [encoded[i] for i in rows]}, return_tensors="pt")
-        # Padding positions predict nothing: label -100 is ignored by the loss.
-        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-        loss = model(**batch, labels=labels).loss
+        loss = lm_loss(model, *pad_right([encoded[i] for i in rows], tokenizer.pad_token_id))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -145,10 +164,92 @@ def train_reward_model(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model.train()
     for rows in _batches(len(encoded), batch_size, steps, seed):
-        batch = tokenizer.pad({"input_ids": [encoded[i] for i in rows]}, return_tensors="pt")
-        loss = model(**batch, labels=labels[rows]).loss
+        input_ids, attention_mask = pad_right([encoded[i] for i in rows], tokenizer.pad_token_id)
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels[rows]).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
     model.eval()
     return model
+
+
+@torch.no_grad()
+def heldout_perplexity(model: GPT2LMHeadModel, tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> float:
+    """Per-token perplexity of `model` on `texts` (each ending in `<eos>`)."""
+    encoded = [ids + [tokenizer.eos_token_id] for ids in tokenizer(texts)["input_ids"]]
+    return float(torch.exp(lm_loss(model, *pad_right(encoded, tokenizer.pad_token_id))))
+
+
+@torch.no_grad()
+def heldout_accuracy(model, tokenizer: PreTrainedTokenizerFast, reviews: list[dict]) -> float:
+    """Fraction of `reviews` whose label the classifier predicts."""
+    input_ids, attention_mask = pad_right(tokenizer([r["text"] for r in reviews])["input_ids"], tokenizer.pad_token_id)
+    predictions = model(input_ids=input_ids, attention_mask=attention_mask).logits.argmax(-1)
+    return float((predictions == torch.tensor([r["label"] for r in reviews])).float().mean())
+
+
+@dataclass
+class OfflineModels:
+    """What the SFT and reward-model stages hand to PPO, with held-out quality figures."""
+
+    policy: GPT2LMHeadModel
+    tokenizer: PreTrainedTokenizerFast
+    reward_model: DistilBertForSequenceClassification
+    reward_tokenizer: PreTrainedTokenizerFast
+    report: dict
+
+
+def build_offline_models(
+    cache_dir: str | Path | None = None,
+    sft_steps: int = 300,
+    reward_model_steps: int = 200,
+    seed: int = 0,
+    write_cache: bool = True,
+) -> OfflineModels:
+    """Train the tokenizer, SFT policy and reward classifier, or load them from `cache_dir`.
+
+    A cache is used only when it was written with the same corpus, steps and seed. One review in ten
+    is held out of both trainings to measure the SFT perplexity and the classifier's accuracy.
+    `write_cache=False` (non-main processes) trains the same models without writing anything.
+    """
+    settings = {
+        "corpus_sha256": hashlib.sha256(REVIEWS_PATH.read_bytes()).hexdigest(),
+        "sft_steps": sft_steps,
+        "reward_model_steps": reward_model_steps,
+        "seed": seed,
+    }
+    cache = Path(cache_dir) if cache_dir is not None else None
+    # stages.json is written last, so a cache without it (an interrupted write) is never read.
+    if cache is not None and (cache / "stages.json").exists():
+        saved = json.loads((cache / "stages.json").read_text())
+        if saved["settings"] == settings:
+            return OfflineModels(
+                policy=GPT2LMHeadModel.from_pretrained(cache / "sft_model"),
+                tokenizer=AutoTokenizer.from_pretrained(cache / "sft_model"),
+                reward_model=DistilBertForSequenceClassification.from_pretrained(cache / "reward_model"),
+                reward_tokenizer=AutoTokenizer.from_pretrained(cache / "reward_model"),
+                report={**saved["report"], "cached": True},
+            )
+
+    reviews = load_reviews()
+    train, heldout = [r for i, r in enumerate(reviews) if i % 10], reviews[::10]
+    tokenizer = train_tokenizer([r["text"] for r in reviews])
+    reward_tokenizer = classifier_tokenizer(tokenizer)
+    start = time.perf_counter()
+    policy = train_sft_model([r["text"] for r in train], tokenizer, steps=sft_steps, seed=seed)
+    sft_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    reward_model = train_reward_model(train, reward_tokenizer, steps=reward_model_steps, seed=seed)
+    report = {
+        "sft_seconds": sft_seconds,
+        "sft_heldout_perplexity": heldout_perplexity(policy, tokenizer, [r["text"] for r in heldout]),
+        "reward_model_seconds": time.perf_counter() - start,
+        "reward_model_heldout_accuracy": heldout_accuracy(reward_model, reward_tokenizer, heldout),
+    }
+    if cache is not None and write_cache:
+        policy.save_pretrained(cache / "sft_model")
+        tokenizer.save_pretrained(cache / "sft_model")
+        reward_model.save_pretrained(cache / "reward_model")
+        reward_tokenizer.save_pretrained(cache / "reward_model")
+        (cache / "stages.json").write_text(json.dumps({"settings": settings, "report": report}, indent=2))
+    return OfflineModels(policy, tokenizer, reward_model, reward_tokenizer, {**report, "cached": False})

@@ -1,0 +1,366 @@
+"""Sentiment tuning with PPO: teach a language model to continue movie reviews positively.
+
+Every step cuts prompts from reviews, lets the policy continue them (`trainer.generate` with a
+`LengthSampler`), scores each prompt+continuation with a sentiment classifier run through a
+transformers `pipeline` (the reward is the classifier's positive logit), and trains on the
+(prompt, continuation, reward) triplets with `trainer.step`.
+
+    # offline default, under a minute on two CPU cores: tiny models trained here (tiny_sentiment.py)
+    python examples/scripts/ppo_sentiment.py
+    # the classic setup from the model hub
+    python examples/scripts/ppo_sentiment.py --model_name lvwerra/gpt2-imdb \
+        --reward_model lvwerra/distilbert-imdb --dataset_name stanfordnlp/imdb \
+        --learning_rate 1.41e-5 --batch_size 128 --mini_batch_size 128 --steps 195 --generation_batch_size 16
+    # several processes (only the main one prints and writes files)
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml --num_processes 2 \
+        examples/scripts/ppo_sentiment.py
+
+Each of --model_name, --reward_model and --dataset_name that is not given comes from the offline
+default. Every PPOConfig field is a flag too (--ppo_epochs, --init_kl_coef, --target, ...). Written to
+--output_dir: metrics.jsonl (one line per step), training_curves.png (redrawn as training goes),
+model/ (the tuned policy with its value head, and the tokenizer), runs/ (with --log_with tensorboard),
+checkpoint/ (with --save_every) and offline_models/ (the cached SFT and reward models).
+"""
+
+import json
+import os
+import sys
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from datasets import Dataset, disable_progress_bars, load_dataset  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+from transformers import AutoTokenizer, HfArgumentParser, pipeline  # noqa: E402
+from transformers.utils import logging as transformers_logging  # noqa: E402
+
+from trl_lite import AutoModelForCausalLMWithValueHead, LengthSampler, PPOConfig, PPOTrainer, set_seed  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_sentiment import OfflineModels, build_offline_models, load_reviews  # noqa: E402
+
+
+@dataclass
+class ScriptArguments:
+    """Flags of the demo besides PPOConfig's (which gives --model_name, --reward_model, --steps, ...)."""
+
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "Dataset with a 'text' column (hub name or local path); default: the offline reviews."},
+    )
+    output_dir: str = field(
+        default="outputs/ppo_sentiment", metadata={"help": "Where metrics, curves and the model go."}
+    )
+    reward_label: str = field(default="POSITIVE", metadata={"help": "Classifier label whose logit is the reward."})
+    input_min_text_length: int = field(default=2, metadata={"help": "Shortest prompt, in tokens."})
+    input_max_text_length: int = field(default=8, metadata={"help": "Prompts are shorter than this, in tokens."})
+    output_min_length: int = field(default=4, metadata={"help": "Fewest new tokens per generation call."})
+    output_max_length: int = field(default=16, metadata={"help": "New tokens per generation call stay below this."})
+    generation_batch_size: int = field(default=8, metadata={"help": "Prompts generated together by trainer.generate."})
+    sft_steps: int = field(default=300, metadata={"help": "Training steps of the offline SFT model."})
+    reward_model_steps: int = field(default=200, metadata={"help": "Training steps of the offline classifier."})
+    num_samples: int = field(default=6, metadata={"help": "Prompts of the before/after table."})
+    plot_every: int = field(default=10, metadata={"help": "Redraw training_curves.png every this many steps."})
+    save_every: int = field(default=0, metadata={"help": "Write OUTPUT_DIR/checkpoint every N steps; 0: never."})
+    resume_from: str | None = field(default=None, metadata={"help": "Checkpoint directory to continue from."})
+
+    def __post_init__(self):
+        for name, minimum in (("plot_every", 1), ("num_samples", 1), ("save_every", 0), ("sft_steps", 1)):
+            if getattr(self, name) < minimum:
+                raise ValueError(f"{name} must be an int >= {minimum}, got {getattr(self, name)}.")
+        if self.reward_model_steps < 1:
+            raise ValueError(f"reward_model_steps must be an int >= 1, got {self.reward_model_steps}.")
+
+
+# PPOConfig defaults that suit the offline default; the classic values are in the module docstring.
+OFFLINE_PPO_DEFAULTS = {"steps": 100, "learning_rate": 1e-4, "batch_size": 32, "mini_batch_size": 8}
+
+
+def is_main_process() -> bool:
+    """True on the process of rank 0, read from the launcher's environment (the trainer does not exist yet)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def load_policy(config: PPOConfig, offline: OfflineModels | None):
+    """The policy with a value head and its tokenizer: from `config.model_name`, else the offline SFT model."""
+    if config.model_name is None:
+        return AutoModelForCausalLMWithValueHead.from_pretrained(offline.policy), offline.tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(config.model_name)
+    if tokenizer.pad_token is None:
+        # GPT-2 has no padding token; its end-of-text token pads, as in the classic demo.
+        tokenizer.pad_token = tokenizer.eos_token
+    return AutoModelForCausalLMWithValueHead.from_pretrained(config.model_name), tokenizer
+
+
+def load_reward_pipeline(config: PPOConfig, offline: OfflineModels | None, label: str, device):
+    """The sentiment classifier as a `pipeline`: from `config.reward_model`, else the offline one."""
+    if config.reward_model is None:
+        pipe = pipeline(
+            "sentiment-analysis", model=offline.reward_model, tokenizer=offline.reward_tokenizer, device=device
+        )
+    else:
+        pipe = pipeline("sentiment-analysis", model=config.reward_model, device=device)
+    labels = list(pipe.model.config.id2label.values())
+    if label not in labels:
+        raise ValueError(f"reward_label={label!r} is not a label of the reward model; accepted: {labels}.")
+    return pipe
+
+
+def reward_fn(pipe, label: str):
+    """A function from texts to rewards: the classifier's raw logit of `label`, one 0-d tensor per text."""
+
+    def rewards(texts: list[str]) -> list[torch.Tensor]:
+        outputs = pipe(texts, top_k=None, function_to_apply="none", batch_size=16, truncation=True)
+        return [torch.tensor(next(o["score"] for o in out if o["label"] == label)) for out in outputs]
+
+    return rewards
+
+
+def build_prompt_dataset(reviews: Dataset, tokenizer, min_length: int, max_length: int) -> Dataset:
+    """Prompts cut from the start of each review's 'text', `LengthSampler(min_length, max_length)` tokens long.
+
+    Rows: 'input_ids' (1-D tensor) and 'query' (its text). Reviews shorter than `min_length` are dropped.
+    """
+    sampler = LengthSampler(min_length, max_length)
+
+    def cut(row):
+        input_ids = tokenizer(row["text"], truncation=True, max_length=max_length)["input_ids"][: sampler()]
+        return {"input_ids": input_ids, "query": tokenizer.decode(input_ids)}
+
+    prompts = reviews.map(cut, remove_columns=reviews.column_names)
+    prompts = prompts.filter(lambda row: len(row["input_ids"]) >= min_length)
+    prompts.set_format("torch")
+    return prompts
+
+
+def load_review_texts(dataset_name: str | None) -> Dataset:
+    """The reviews to cut prompts from: the 'train' split of `dataset_name`, else the offline corpus."""
+    if dataset_name is None:
+        return Dataset.from_list(load_reviews())
+    return load_dataset(dataset_name, split="train")
+
+
+def decode_pairs(tokenizer, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> list[str]:
+    """Prompt+continuation texts, decoded together so that word-level and BPE tokenizers both space them right."""
+    pairs = [torch.cat([q.cpu(), r.cpu()]) for q, r in zip(queries, responses)]
+    return tokenizer.batch_decode(pairs, skip_special_tokens=True)
+
+
+def step_record(trainer: PPOTrainer, stats: dict, rewards: list[torch.Tensor]) -> dict:
+    """The step's scalar statistics plus the reward mean and std over every process's rows."""
+    all_rewards = trainer.accelerator.gather(torch.stack(rewards).to(trainer.accelerator.device)).float()
+    record = {"step": trainer.current_step}
+    record["env/reward_mean"] = all_rewards.mean().item()
+    record["env/reward_std"] = all_rewards.std().item() if all_rewards.numel() > 1 else 0.0
+    record.update({key: float(value) for key, value in stats.items() if np.ndim(value) == 0})
+    return record
+
+
+def read_metrics(path: Path, up_to_step: int) -> list[dict]:
+    """The records of `path` up to `up_to_step` (those a resumed run keeps)."""
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if r["step"] <= up_to_step]
+
+
+def plot_curves(records: list[dict], path: Path, kl_target: float | None) -> None:
+    """Reward (mean with a one-std band), KL and KL coefficient against step, written atomically to `path`."""
+    steps = np.array([r["step"] for r in records])
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    mean = np.array([r["env/reward_mean"] for r in records])
+    std = np.array([r["env/reward_std"] for r in records])
+    axes[0].plot(steps, mean, color="tab:green")
+    axes[0].fill_between(steps, mean - std, mean + std, color="tab:green", alpha=0.2)
+    axes[0].set_title("reward: positive logit of the classifier")
+    axes[1].plot(steps, [r["objective/kl"] for r in records], color="tab:red")
+    if kl_target is not None:
+        axes[1].axhline(kl_target, color="gray", linestyle="--", label="target")
+        axes[1].legend()
+    axes[1].set_title("KL(policy || reference), per response")
+    axes[2].plot(steps, [r["objective/kl_coef"] for r in records], color="tab:blue")
+    axes[2].set_title("KL coefficient")
+    for ax in axes:
+        ax.set_xlabel("PPO step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    # Renamed into place so that an image viewer never reads a half-written file.
+    os.replace(tmp, path)
+
+
+def format_table(headers: list[str], rows: list[list[str]], widths: list[int]) -> str:
+    """A plain-text table whose cells wrap to `widths` characters."""
+    lines = []
+    for cells in [headers, *rows]:
+        wrapped = [textwrap.wrap(str(cell), width) or [""] for cell, width in zip(cells, widths)]
+        for i in range(max(len(w) for w in wrapped)):
+            lines.append(" | ".join((w[i] if i < len(w) else "").ljust(width) for w, width in zip(wrapped, widths)))
+        lines.append("-+-".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def sample_table(trainer: PPOTrainer, tokenizer, queries: list[torch.Tensor], rewards_of, gen_kwargs: dict) -> str:
+    """Continuations of `queries` by the reference (before PPO) and the policy (after), with their rewards."""
+    responses, ref_responses = trainer.generate(queries, return_prompt=False, generate_ref_response=True, **gen_kwargs)
+    prompts = tokenizer.batch_decode(queries, skip_special_tokens=True)
+    before = tokenizer.batch_decode(ref_responses, skip_special_tokens=True)
+    after = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    before_rewards = rewards_of(decode_pairs(tokenizer, queries, ref_responses))
+    after_rewards = rewards_of(decode_pairs(tokenizer, queries, responses))
+    rows = [
+        [p, b, f"{float(rb):+.2f}", a, f"{float(ra):+.2f}"]
+        for p, b, rb, a, ra in zip(prompts, before, before_rewards, after, after_rewards)
+    ]
+    headers = ["prompt", "before PPO (reference)", "reward", "after PPO (policy)", "reward"]
+    return format_table(headers, rows, [22, 36, 6, 36, 6])
+
+
+def offline_stages(args: ScriptArguments, config: PPOConfig, main: bool) -> OfflineModels | None:
+    """The SFT and reward-model stages of the offline default, when a model is not given by name."""
+    if config.model_name is not None and config.reward_model is not None:
+        return None
+    if not torch.cuda.is_available():
+        # The tiny models' matrices are too small for several threads to pay off, and on a busy
+        # machine the extra threads mostly wait for each other.
+        torch.set_num_threads(1)
+    # Every process trains the same models from the same seed; only the main one writes the cache.
+    offline = build_offline_models(
+        Path(args.output_dir) / "offline_models", args.sft_steps, args.reward_model_steps, config.seed, write_cache=main
+    )
+    if main:
+        report = offline.report
+        origin = "loaded from the cache" if report["cached"] else "trained"
+        print(
+            f"SFT stage: tiny GPT-2 {origin} ({args.sft_steps} steps, {report['sft_seconds']:.1f} s), "
+            f"held-out perplexity {report['sft_heldout_perplexity']:.2f}"
+        )
+        print(
+            f"Reward-model stage: tiny DistilBERT {origin} ({args.reward_model_steps} steps, "
+            f"{report['reward_model_seconds']:.1f} s), held-out accuracy {report['reward_model_heldout_accuracy']:.0%}"
+        )
+    return offline
+
+
+def rollout_and_step(trainer: PPOTrainer, batch: dict, rewards_of, length_sampler, gen_kwargs: dict, chunk: int):
+    """One classic PPO iteration on a batch of prompts: generate, score, `step()`, `log_stats()`.
+
+    Returns the step's statistics and the rewards (one 0-d tensor per prompt).
+    """
+    tokenizer = trainer.tokenizer
+    query_tensors = batch["input_ids"]
+    response_tensors = trainer.generate(
+        query_tensors, return_prompt=False, length_sampler=length_sampler, batch_size=chunk, **gen_kwargs
+    )
+    batch["response"] = tokenizer.batch_decode(response_tensors, skip_special_tokens=True)
+    rewards = rewards_of(decode_pairs(tokenizer, query_tensors, response_tensors))
+    stats = trainer.step(query_tensors, response_tensors, rewards)
+    trainer.log_stats(stats, batch, rewards)
+    return stats, rewards
+
+
+def train(trainer: PPOTrainer, rewards_of, args: ScriptArguments, gen_kwargs: dict, main: bool) -> list[dict]:
+    """PPO steps from `trainer.current_step` to `config.steps`, with metrics, curves and checkpoints.
+
+    Returns the records of every step, those of the run a checkpoint came from included.
+    """
+    config, output_dir = trainer.config, Path(args.output_dir)
+    metrics_path, curves_path = output_dir / "metrics.jsonl", output_dir / "training_curves.png"
+    # A resumed run keeps the records up to its checkpoint and drops those of steps it will redo.
+    records = read_metrics(metrics_path, trainer.current_step) if args.resume_from is not None else []
+    if main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    length_sampler = LengthSampler(args.output_min_length, args.output_max_length)
+    kl_target = config.target if config.adap_kl_ctrl else None
+    progress = tqdm(total=config.steps, initial=trainer.current_step, desc="PPO", disable=not main)
+    while trainer.current_step < config.steps:
+        # trainer.dataloader continues where a loaded checkpoint left off, mid-epoch included.
+        for batch in trainer.dataloader:
+            stats, rewards = rollout_and_step(
+                trainer, batch, rewards_of, length_sampler, gen_kwargs, args.generation_batch_size
+            )
+            record = step_record(trainer, stats, rewards)
+            records.append(record)
+            if main:
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
+                if trainer.current_step % args.plot_every == 0 or trainer.current_step == config.steps:
+                    plot_curves(records, curves_path, kl_target)
+                progress.update(1)
+                progress.set_postfix(reward=f"{record['env/reward_mean']:+.2f}", kl=f"{record['objective/kl']:.2f}")
+            if args.save_every and trainer.current_step % args.save_every == 0:
+                trainer.save_checkpoint(str(output_dir / "checkpoint"))
+            if trainer.current_step >= config.steps:
+                break
+    progress.close()
+    return records
+
+
+def run(args: ScriptArguments, config: PPOConfig) -> None:
+    """The three stages, `config.steps` PPO steps, the saved model and the before/after table."""
+    start_time = time.perf_counter()
+    main = is_main_process()
+    # One progress bar, the PPO one: none for dataset maps or weight files.
+    disable_progress_bars()
+    transformers_logging.disable_progress_bar()
+    output_dir = Path(args.output_dir)
+    config.project_kwargs.setdefault("logging_dir", str(output_dir / "runs"))
+    config.query_dataset = args.dataset_name
+    set_seed(config.seed)
+
+    offline = offline_stages(args, config, main)
+    model, tokenizer = load_policy(config, offline)
+    reviews = load_review_texts(args.dataset_name)
+    prompts = build_prompt_dataset(reviews, tokenizer, args.input_min_text_length, args.input_max_text_length)
+    samples = [prompts[i]["input_ids"] for i in range(min(args.num_samples, len(prompts)))]
+
+    def collator(rows):
+        return {key: [row[key] for row in rows] for key in rows[0]}
+
+    trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer, dataset=prompts, data_collator=collator)
+    if len(trainer.dataloader) == 0:
+        raise ValueError(
+            f"the dataset gives {len(prompts)} prompts, fewer than batch_size={config.batch_size} per process."
+        )
+    pipe = load_reward_pipeline(config, offline, args.reward_label, trainer.accelerator.device)
+    rewards_of = reward_fn(pipe, args.reward_label)
+    if args.resume_from is not None:
+        trainer.load_checkpoint(args.resume_from)
+
+    # Pure sampling from the policy, as in the classic demo; finished rows are filled with EOS.
+    gen_kwargs = {"min_length": -1, "top_k": 0, "top_p": 1.0, "do_sample": True, "pad_token_id": tokenizer.eos_token_id}
+    records = train(trainer, rewards_of, args, gen_kwargs, main)
+    trainer.save_pretrained(str(output_dir / "model"))
+    sample_kwargs = {**gen_kwargs, "max_new_tokens": args.output_max_length - 1}
+    table = sample_table(trainer, tokenizer, samples, rewards_of, sample_kwargs)
+    trainer.accelerator.end_training()
+    if main:
+        print(table)
+        if len(records) >= 2:
+            n = min(10, len(records) // 2)
+            first = np.mean([r["env/reward_mean"] for r in records[:n]])
+            last = np.mean([r["env/reward_mean"] for r in records[-n:]])
+            print(f"mean reward: first {n} steps {first:+.3f}, last {n} steps {last:+.3f}")
+        seconds = time.perf_counter() - start_time
+        print(f"wrote metrics.jsonl, training_curves.png and model/ to {output_dir} in {seconds:.0f} s")
+
+
+def main() -> None:
+    parser = HfArgumentParser((ScriptArguments, PPOConfig))
+    parser.set_defaults(**OFFLINE_PPO_DEFAULTS)
+    args, config = parser.parse_args_into_dataclasses()
+    run(args, config)
+
+
+if __name__ == "__main__":
+    main()
