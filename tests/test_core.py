@@ -719,3 +719,32 @@ def test_set_seed_reproducible_draws():
     core.set_seed(4321)
     other = draws()
     assert other[0] != first[0] and other[1] != first[1] and other[2] != first[2]
+
+
+def _reference_logprobs_entropy(logits64, labels):
+    """float64 log-softmax by the textbook formula, and entropy -sum p log p, element by element."""
+    logp = logits64 - logits64.exp().sum(-1, keepdim=True).log()
+    chosen = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return chosen, -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_logprobs_and_entropy_from_logits_values_and_gradient(dtype):
+    from trl_lite.core import logprobs_and_entropy_from_logits
+
+    gen = torch.Generator().manual_seed(7)
+    logits = (3 * torch.randn(3, 5, 11, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_(True)
+    labels = torch.randint(0, 11, (3, 5), generator=gen)
+    weights = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    logprobs, entropy = logprobs_and_entropy_from_logits(logits, labels)
+    (logprobs.double() * weights).sum().backward()
+
+    ref_logits = logits.detach().double().requires_grad_(True)
+    ref_lp, ref_ent = _reference_logprobs_entropy(ref_logits, labels)
+    (ref_lp * weights).sum().backward()
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert torch.allclose(logprobs.double(), ref_lp.detach(), atol=tol)
+    assert torch.allclose(entropy.double(), ref_ent.detach(), atol=tol)
+    assert torch.allclose(logits.grad.double(), ref_logits.grad, atol=tol)
+    assert not entropy.requires_grad
+    assert logits.grad.dtype == dtype

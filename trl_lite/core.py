@@ -42,6 +42,43 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, gather: boo
     return chosen - torch.logsumexp(logits, dim=-1)
 
 
+class _LogProbsAndEntropy(torch.autograd.Function):
+    """Log-probs of chosen tokens with grad, and the entropy (no grad), from one softmax.
+
+    The softmax computed for the log-sum-exp is kept for the backward pass
+    (``d lp / d z = onehot - softmax``) and gives the entropy for free, so the vocabulary is
+    exponentiated once per step instead of three times (log-sum-exp, its backward, entropy).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels):
+        z = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)
+        probs = torch.exp(z - lse)
+        logprobs = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse.squeeze(-1)
+        entropy = lse.squeeze(-1) - (probs * z).sum(-1)
+        ctx.save_for_backward(probs, labels)
+        ctx.logits_dtype = logits.dtype
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        probs, labels = ctx.saved_tensors
+        grad = probs.mul_(-grad_logprobs.unsqueeze(-1))  # probs is not needed again: reuse its memory
+        grad.scatter_add_(-1, labels.unsqueeze(-1), grad_logprobs.unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None
+
+
+def logprobs_and_entropy_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of ``labels`` (differentiable) and entropy in nats (detached), from one softmax.
+
+    Use it where the entropy statistic is wanted next to log-probs that need grad.
+    Shape: logits ``(..., V)``, labels ``(...)`` -> two ``(...)`` tensors.
+    """
+    return _LogProbsAndEntropy.apply(logits, labels)
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the categorical distribution at every position, in nats.
 

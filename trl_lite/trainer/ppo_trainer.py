@@ -40,6 +40,7 @@ from ..core import (
     flatten_dict,
     full_kl_from_logits,
     kl_estimate,
+    logprobs_and_entropy_from_logits,
     logprobs_from_logits,
     masked_mean,
     masked_var,
@@ -422,14 +423,18 @@ class PPOTrainer:
 
         Shapes: logprobs, values ``(b, L_mb)``; logits ``(b, L_mb, V)`` when ``return_logits``.
         """
+        logits, targets, values, width = self._logits_rows(model, rows, idx)
+        return logprobs_from_logits(logits, targets), values, (logits if return_logits else None), width
+
+    def _logits_rows(self, model, rows: _Rows, idx: torch.Tensor):
+        """Logits ``(b, L_mb, V)``, target ids and values ``(b, L_mb)`` at the action positions of rows ``idx``."""
         inputs, positions, targets, width = self._minibatch_inputs(rows, idx)
         logits, _, values = model(**inputs)
         if self.is_encoder_decoder:
             logits, values = logits[:, :-1], values[:, :-1]
         else:
             values = values.gather(1, positions)
-        logprobs = logprobs_from_logits(logits, targets)
-        return logprobs, values.float(), (logits if return_logits else None), width
+        return logits, targets, values.float(), width
 
     @contextmanager
     def _reference(self):
@@ -517,11 +522,12 @@ class PPOTrainer:
         """
         mask = rows.action_mask[idx, : old_logprobs.shape[1]]
         with self.accelerator.accumulate(self.model):
-            logprobs, vpreds, logits, _ = self._forward_rows(self.model, rows, idx, return_logits=True)
+            logits, targets, vpreds, _ = self._logits_rows(self.model, rows, idx)
+            logprobs, entropy = logprobs_and_entropy_from_logits(logits, targets)
+            del logits  # the softmax saved for backward replaces them
             pg_loss, vf_loss, stats = self.loss(
-                old_logprobs, old_values, logits, vpreds, logprobs, mask, advantages, returns
+                old_logprobs, old_values, None, vpreds, logprobs, mask, advantages, returns, entropy=entropy
             )
-            del logits
             loss = pg_loss + self.config.vf_coef * vf_loss
             reason = self._skip_reason(loss, stats["policy/ratio"])
             if reason is not None:
@@ -565,12 +571,15 @@ class PPOTrainer:
         norm = self.accelerator.clip_grad_norm_(params, max_norm)
         return bool(torch.isfinite(torch.as_tensor(norm)).item())
 
-    def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns):
+    def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns, entropy=None):
         """PPO losses of one mini-batch (PPO_SPEC section 6), with their statistics.
 
-        Shapes: every per-token argument ``(b, L)``, logits ``(b, L, V)``. Returns the policy loss,
-        the value loss and a dict of detached 0-d statistics.
+        Shapes: every per-token argument ``(b, L)``, logits ``(b, L, V)``. The entropy statistic
+        comes from ``entropy`` ``(b, L)`` when given (logits may then be None), else from the logits.
+        Returns the policy loss, the value loss and a dict of detached 0-d statistics.
         """
+        if entropy is None:
+            entropy = entropy_from_logits(logits.detach())
         pg_loss, pg_stats = ppo_policy_loss(logprobs, old_logprobs, advantages, mask, self.config.cliprange)
         vf_loss, vf_stats = ppo_value_loss(vpreds, values, returns, mask, self.config.cliprange_value)
         with torch.no_grad():
@@ -578,7 +587,7 @@ class PPOTrainer:
                 "loss/policy": pg_loss.detach(),
                 "loss/value": vf_loss.detach(),
                 "loss/total": (pg_loss + self.config.vf_coef * vf_loss).detach(),
-                "policy/entropy": masked_mean(entropy_from_logits(logits.detach()), mask),
+                "policy/entropy": masked_mean(entropy, mask),
                 "policy/approxkl": pg_stats["approxkl"],
                 "policy/policykl": pg_stats["policykl"],
                 "policy/clipfrac": pg_stats["clipfrac"],
