@@ -14,3 +14,7 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
   python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 fi
 DS_BUILD_OPS=0 python -m pip install -q -e ".[dev]"
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  # DeepSpeed compiles its CPU collective op on first use (about a minute); do it once here, not in a test.
+  python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null 2>&1 || true
+fi

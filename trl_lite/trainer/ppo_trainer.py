@@ -469,10 +469,23 @@ class PPOTrainer:
     def _advantages(self, values, rewards, mask):
         """Masked values, whitened GAE advantages and returns (PPO_SPEC section 5). Shapes ``(B, L)``."""
         if self.config.whiten_rewards:
-            rewards = masked_whiten(rewards, mask, shift_mean=False)
+            rewards = self._whiten(rewards, mask, shift_mean=False)
         advantages, returns = compute_gae(values, rewards, mask, self.config.gamma, self.config.lam)
-        advantages = masked_whiten(advantages, mask)
+        advantages = self._whiten(advantages, mask)
         return values * mask, advantages.detach(), returns.detach()
+
+    def _whiten(self, values, mask, shift_mean=True):
+        """``masked_whiten`` with the statistics of the action tokens of every process. Shape ``(B, L)``.
+
+        Whitening over all processes makes a step on N processes x B rows equal to one on N*B rows.
+        """
+        if self.accelerator.num_processes == 1:
+            return masked_whiten(values, mask, shift_mean)
+        sums = self.accelerator.reduce(torch.stack([(values * mask).sum(), mask.sum()]), reduction="sum")
+        mean, count = sums[0] / sums[1], sums[1]
+        squares = self.accelerator.reduce((((values - mean) ** 2) * mask).sum().reshape(1), reduction="sum")[0]
+        whitened = (values - mean) * torch.rsqrt(squares / (count - 1).clamp(min=1) + 1e-8)
+        return whitened if shift_mean else whitened + mean
 
     # ------------------------------------------------------------------------------------------
     # Optimisation

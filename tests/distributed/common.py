@@ -1,0 +1,71 @@
+"""Helpers shared by the multi-process scripts that `tests/test_distributed.py` launches.
+
+The scripts run under `accelerate launch`, one copy per process; these helpers read full weights
+(gathering ZeRO-3 shards) and compare values across processes with `torch.distributed` itself,
+so that a run whose processes silently never talk to each other cannot pass.
+"""
+
+import os
+import sys
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+# tests/ holds tiny_models.py, the model and tokenizer fixtures.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def is_zero3(trainer) -> bool:
+    """Whether the trainer's policy is partitioned by DeepSpeed ZeRO stage 3."""
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3
+
+
+def full_named_parameters(trainer) -> dict:
+    """Every parameter of the unwrapped policy (value head included) as a float64 CPU copy, by name.
+
+    Under ZeRO-3 the shards are gathered for the copy; every process must call this together.
+    """
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    params = list(model.parameters())
+    if is_zero3(trainer):
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(params)
+    else:
+        gathered = nullcontext()
+    with gathered:
+        return {name: p.detach().to("cpu", torch.float64).clone() for name, p in model.named_parameters()}
+
+
+def gather_across_processes(value: torch.Tensor, device) -> list:
+    """`value` (same shape on every process) from every process, with `torch.distributed.all_gather`.
+
+    `device` is the process's accelerator device (NCCL gathers only GPU tensors); returns CPU float64 tensors.
+    """
+    value = value.detach().to(device, torch.float64).contiguous()
+    out = [torch.zeros_like(value) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, value)
+    return [v.cpu() for v in out]
+
+
+def flat(named: dict) -> torch.Tensor:
+    """The tensors of `named` concatenated in sorted-name order: a 1-D float64 vector."""
+    return torch.cat([named[name].flatten() for name in sorted(named)])
+
+
+def finish(trainer) -> None:
+    """Wait for every process, end the run and leave at once with exit status 0.
+
+    torch's gloo worker threads free finished collectives (and the tensors they hold) just after
+    the caller has seen them finish. If the interpreter is already shutting down by then, such a
+    thread cannot take the GIL to free a tensor owned by Python and the process aborts with
+    "terminate called without an active exception" (seen in about one run in ten on a busy
+    machine). `os._exit` skips the shutdown, so the race cannot fail a test whose work is done.
+    """
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
