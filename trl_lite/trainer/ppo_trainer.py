@@ -796,7 +796,7 @@ class PPOTrainer:
             )
             if not generate_ref_response:
                 return responses
-            with self._reference_for_generation() as ref:
+            with self._reference() as ref:
                 ref_responses = self._generate_batched(
                     ref, query_tensor, length_sampler, batch_size, return_prompt, remove_padding, **generation_kwargs
                 )
@@ -815,19 +815,11 @@ class PPOTrainer:
             response = response[:, query.shape[1] :]
         if not generate_ref_response:
             return response
-        with self._reference_for_generation() as ref, self._generation_model(ref) as ref_model:
+        with self._reference() as ref, self._generation_model(ref) as ref_model:
             ref_response = ref_model.generate(input_ids=query, **generation_kwargs)
         if not return_prompt and not self.is_encoder_decoder:
             ref_response = ref_response[:, query.shape[1] :]
         return response, ref_response
-
-    @contextmanager
-    def _reference_for_generation(self):
-        if self.ref_model is not None:
-            yield self.ref_model
-        else:
-            with self.accelerator.unwrap_model(self.model).pretrained_model.disable_adapter():
-                yield self.model
 
     def _generate_batched(self, model, queries, length_sampler, batch_size, return_prompt, remove_padding, **kwargs):
         """Generate for a list of queries in left-padded chunks; one 1-D tensor per query."""
