@@ -10,7 +10,8 @@ see `benchmarks/README.md` for how time, tokens/s and peak memory are defined.
 
 Usage:
     python benchmarks/bench_step.py [--workloads w1 w2 sweep] [--steps 3] [--warmup 1]
-        [--device cpu|cuda] [--dtype fp32|bf16] [--methods step floor] [--output benchmarks/RESULTS.md]
+        [--device cpu|cuda] [--dtype fp32|bf16] [--methods step floor] [--threads N]
+        [--output benchmarks/RESULTS.md]
 """
 
 import argparse
@@ -24,11 +25,14 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+import transformers
 from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULT_MARKER = "BENCH_RESULT "
@@ -97,8 +101,6 @@ def make_batch(workload: Workload) -> tuple:
 
 def make_lm(workload: Workload, device: str, dtype: torch.dtype):
     """A random-init GPT2LMHeadModel of the workload's size, without dropout (same model for both methods)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     last_id = workload.vocab_size - 1
     config = GPT2Config(
         vocab_size=workload.vocab_size,
@@ -147,7 +149,9 @@ def response_logprobs(lm, batch: dict, v_head=None) -> tuple:
 
     Shapes: log-probs (n, K) = gathered logit - logsumexp over the vocabulary; values (n, K) or None.
     """
-    hidden = lm.transformer(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    # No key/value cache: building one is work that a training forward does not need.
+    inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    hidden = lm.transformer(**inputs).last_hidden_state
     index = batch["positions"].unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
     picked = hidden.gather(1, index)  # (n, K, H)
     logits = lm.lm_head(picked)  # (n, K, V)
@@ -245,6 +249,7 @@ def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtyp
     lm = make_lm(workload, device, dtype)
     if method == "floor":
         return FloorPPO(lm, workload.mini_batch_size, workload.ppo_epochs).step
+    # Imported here so that `--methods floor` runs without trl_lite.
     from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 
     ref_lm = copy.deepcopy(lm)
@@ -318,88 +323,204 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(workload: Workload, method: str, steps: int, warmup: int, device: str, dtype: str) -> dict:
-    """Run `warmup` then `steps` timed steps of `method` in this process; times in s, memory in MB."""
-    step_fn = make_step_fn(method, workload, device, DTYPES[dtype])
-    queries, responses, scores = make_batch(workload)
-    torch.manual_seed(workload.seed)
-    memory = PeakMemory(device)
-    memory.start()
-    times = []
-    for i in range(warmup + steps):
-        _sync(device)
+def tensor_peak_mb(prof: torch.profiler.profile) -> float:
+    """Highest sum of live CPU tensor bytes during a profiled region, counted from its start, in MB.
+
+    Uses the allocation (+bytes) and free (-bytes) records that `profile_memory=True` collects.
+    """
+    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    records = sorted((e.start_ns(), e.nbytes()) for e in records if e.device_type() == torch.autograd.DeviceType.CPU)
+    live = peak = 0
+    for _, nbytes in records:
+        live += nbytes
+        peak = max(peak, live)
+    return peak / 2**20
+
+
+class StepRunner:
+    """One method on one workload in this process: built once, then run one step at a time."""
+
+    def __init__(self, workload: Workload, method: str, device: str, dtype: str):
+        self.device = device
+        self.step_fn = make_step_fn(method, workload, device, DTYPES[dtype])
+        self.batch = make_batch(workload)
+        torch.manual_seed(workload.seed)
+        self.memory = PeakMemory(device)
+        self.memory.start()
+
+    def run_one(self) -> float:
+        """Wall-clock seconds of one step on the workload's batch."""
+        _sync(self.device)
         t0 = time.perf_counter()
-        step_fn(queries, responses, scores)
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+        self.step_fn(*self.batch)
+        _sync(self.device)
+        return time.perf_counter() - t0
+
+    def finish(self) -> dict:
+        """Peak memory growth since the models were built (MB) and the torch thread count."""
+        return {"peak_mb": self.memory.peak_mb(), "threads": torch.get_num_threads()}
+
+    def first_step_tensor_peak_mb(self) -> float:
+        """Run the first step, untimed; return the live tensor memory at its peak, counted from its start.
+
+        CPU: torch's memory profiler, whose own records take resident memory: so this runs in a
+        process of its own, never in one whose resident peak is read. CUDA: the allocator's peak,
+        which counts tensors only.
+        """
+        if self.device == "cuda":
+            self.step_fn(*self.batch)
+            return self.memory.peak_mb()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            self.step_fn(*self.batch)
+        return tensor_peak_mb(prof)
+
+
+class WorkerProcess:
+    """A `StepRunner` in a fresh Python process, driven line by line over its stdin.
+
+    Protocol: the worker prints one marked line when built, then one per command: `step` (its
+    time), `profile` (the first step's tensor peak) or `finish` (peak memory, then it exits). Its
+    stderr goes to a temporary file so that a chatty library cannot fill a pipe and block it.
+    """
+
+    def __init__(self, workload: Workload, method: str, device: str, dtype: str):
+        self.label = f"{workload.name}/{method}"
+        spec = dict(workload=dataclasses.asdict(workload), method=method, device=device, dtype=dtype)
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env
+        )
+
+    def request(self, command: str = None) -> dict:
+        """Send `command` (if any) and return the worker's next marked reply."""
+        if command is not None:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith(RESULT_MARKER):
+                return json.loads(line[len(RESULT_MARKER) :])
+        self.proc.wait()
+        self.stderr.seek(0)
+        raise RuntimeError(
+            f"benchmark worker {self.label} failed (exit {self.proc.returncode}):\n{self.stderr.read()[-4000:]}"
+        )
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout, self.stderr):
+            stream.close()
+
+
+def worker_main(spec_json: str) -> None:
+    """Entry point of a measuring subprocess: build, then answer `step`, `profile`, `finish` lines."""
+    spec = json.loads(spec_json)
+    fields = spec.pop("workload")
+    workload = Workload(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    runner = StepRunner(workload, **spec)
+    print(RESULT_MARKER + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "step":
+            reply = {"time_s": runner.run_one()}
+        elif command == "profile":
+            reply = {"tensor_peak_mb": runner.first_step_tensor_peak_mb()}
+        elif command == "finish":
+            print(RESULT_MARKER + json.dumps(runner.finish()), flush=True)
+            return
+        else:
+            raise ValueError(f"unknown worker command {command!r}; expected 'step', 'profile' or 'finish'")
+        print(RESULT_MARKER + json.dumps(reply), flush=True)
+
+
+def first_step_tensor_peak(workload: Workload, method: str, device: str, dtype: str) -> float:
+    """The tensor peak (MB) of the first step of `method`, in a process used for nothing else."""
+    worker = WorkerProcess(workload, method, device, dtype)
+    try:
+        worker.request()
+        return worker.request("profile")["tensor_peak_mb"]
+    finally:
+        worker.close()
+
+
+def measure_workload(workload: Workload, methods, steps: int, warmup: int, device: str, dtype: str) -> list:
+    """Time every method on `workload`, one process each, taking turns step by step.
+
+    Taking turns (and swapping who goes first every round) lets every method see the same machine
+    load, which matters on a shared machine. The tensor peaks come from separate processes first.
+    Returns one result dict per method.
+    """
+    tensor_peaks = {method: first_step_tensor_peak(workload, method, device, dtype) for method in methods}
+    workers = {method: WorkerProcess(workload, method, device, dtype) for method in methods}
+    try:
+        for worker in workers.values():
+            worker.request()
+        times = {method: [] for method in methods}
+        for i in range(warmup + steps):
+            for method in methods if i % 2 == 0 else reversed(methods):
+                seconds = workers[method].request("step")["time_s"]
+                if i >= warmup:
+                    times[method].append(seconds)
+        finals = {method: worker.request("finish") for method, worker in workers.items()}
+    finally:
+        for worker in workers.values():
+            worker.close()
+    queries, responses, _ = make_batch(workload)
     tokens = sum(len(q) + len(r) for q, r in zip(queries, responses))
-    median = statistics.median(times)
-    return {
-        "workload": workload.name,
-        "method": method,
-        "times_s": times,
-        "median_s": median,
-        "tokens_per_s": tokens / median,
-        "peak_mb": memory.peak_mb(),
-        "threads": torch.get_num_threads(),
-    }
-
-
-def run_isolated(workload: Workload, method: str, steps: int, warmup: int, device: str, dtype: str) -> dict:
-    """`measure()` in a fresh Python process, so that its peak memory is its own."""
-    spec = dict(workload=dataclasses.asdict(workload), method=method, steps=steps, warmup=warmup, device=device)
-    spec["dtype"] = dtype
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT_MARKER):
-            return json.loads(line[len(RESULT_MARKER) :])
-    raise RuntimeError(
-        f"benchmark worker for {workload.name}/{method} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
-    )
+    results = []
+    for method in methods:
+        median = statistics.median(times[method])
+        result = {"workload": workload.name, "method": method, "times_s": times[method], "median_s": median}
+        result.update(min_s=min(times[method]), tokens_per_s=tokens / median, tensor_peak_mb=tensor_peaks[method])
+        results.append({**result, **finals[method]})
+    return results
 
 
 def run_benchmark(workloads: list, methods=METHODS, steps: int = 3, warmup: int = 1, device="cpu", dtype="fp32"):
-    """Measure every (workload, method) in its own process; returns the result dicts in order."""
+    """Measure every workload with every method; returns the result dicts in order."""
     results = []
     for workload in workloads:
-        for method in methods:
-            result = run_isolated(workload, method, steps, warmup, device, dtype)
+        for result in measure_workload(workload, list(methods), steps, warmup, device, dtype):
             print(
-                f"{workload.name:>10} {method:>5}: median {result['median_s']:.4f} s, "
-                f"peak {result['peak_mb']:.1f} MB",
+                f"{workload.name:>10} {result['method']:>5}: median {result['median_s']:.4f} s "
+                f"(steps {', '.join(f'{t:.3f}' for t in result['times_s'])}), peak {result['peak_mb']:.1f} MB, "
+                f"tensor peak {result['tensor_peak_mb']:.1f} MB",
                 flush=True,
             )
             results.append(result)
     return results
 
 
-def _ratio(value: float, reference) -> str:
-    return f"{value / reference:.2f}" if reference else "-"
+# (result key, column title, number format, whether a ratio-to-floor column follows)
+TABLE_COLUMNS = (
+    ("median_s", "median s", ".4f", True),
+    ("min_s", "min s", ".4f", True),
+    ("tokens_per_s", "tokens/s", ".0f", False),
+    ("peak_mb", "peak MB", ".1f", True),
+    ("tensor_peak_mb", "tensor peak MB", ".1f", True),
+)
 
 
 def format_table(results: list) -> str:
     """A markdown table: one row per (workload, method), ratios against the floor of the same workload."""
     floors = {r["workload"]: r for r in results if r["method"] == "floor"}
-    lines = [
-        "| workload | method | median s | x floor | tokens/s | peak MB | x floor |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    titles, aligns = ["workload", "method"], ["---", "---"]
+    for _, title, _, with_ratio in TABLE_COLUMNS:
+        titles += [title, "x floor"] if with_ratio else [title]
+        aligns += ["---:", "---:"] if with_ratio else ["---:"]
+    lines = ["| " + " | ".join(titles) + " |", "| " + " | ".join(aligns) + " |"]
     for r in results:
         floor = floors.get(r["workload"])
-        time_ratio = _ratio(r["median_s"], floor and floor["median_s"])
-        mem_ratio = _ratio(r["peak_mb"], floor and floor["peak_mb"])
-        lines.append(
-            f"| {r['workload']} | {r['method']} | {r['median_s']:.4f} | {time_ratio} | "
-            f"{r['tokens_per_s']:.0f} | {r['peak_mb']:.1f} | {mem_ratio} |"
-        )
+        cells = [r["workload"], r["method"]]
+        for key, _, fmt, with_ratio in TABLE_COLUMNS:
+            cells.append(format(r[key], fmt))
+            if with_ratio:
+                cells.append(f"{r[key] / floor[key]:.2f}" if floor and floor[key] else "-")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -415,8 +536,6 @@ def describe_workloads(workloads: list) -> str:
 
 def machine_description(device: str) -> str:
     """CPU model, core count, torch threads and library versions (and the GPU when on CUDA)."""
-    import transformers
-
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
@@ -445,39 +564,36 @@ def write_results(path: Path, heading: str, body: str) -> None:
     path.write_text(text)
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
-    return value
+def _int_at_least(minimum: int):
+    """An argparse type: an integer >= `minimum`."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text}")
+        return value
+
+    return parse
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", nargs="+", default=["w1", "w2", "sweep"], choices=sorted(WORKLOAD_GROUPS))
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    parser.add_argument("--steps", type=_non_negative_int, default=3, help="timed steps (median reported)")
-    parser.add_argument("--warmup", type=_non_negative_int, default=1, help="untimed steps before timing")
+    parser.add_argument("--steps", type=_int_at_least(1), default=3, help="timed steps (median reported)")
+    parser.add_argument("--warmup", type=_int_at_least(0), default=1, help="untimed steps before timing")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: fp32 on cpu, bf16 on cuda")
+    parser.add_argument(
+        "--threads", type=_int_at_least(1), default=None, help="torch intra-op threads (default: torch's own)"
+    )
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "benchmarks" / "RESULTS.md")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error(f"--steps must be >= 1, got {args.steps}")
     if args.device == "cuda" and not args.worker and not torch.cuda.is_available():
         parser.error("--device cuda was given but torch.cuda.is_available() is False")
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     return args
-
-
-def worker_main(spec_json: str) -> None:
-    """Entry point of the measuring subprocess: prints one result line for the parent."""
-    spec = json.loads(spec_json)
-    fields = spec.pop("workload")
-    workload = Workload(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
-    result = measure(workload, **spec)
-    print(RESULT_MARKER + json.dumps(result), flush=True)
 
 
 def main(argv=None) -> None:
@@ -485,6 +601,10 @@ def main(argv=None) -> None:
     if args.worker:
         worker_main(args.worker)
         return
+    if args.threads is not None:
+        # The workers inherit the environment; torch reads OMP_NUM_THREADS when it starts.
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+        torch.set_num_threads(args.threads)
     workloads = [w for group in args.workloads for w in WORKLOAD_GROUPS[group]()]
     machine = machine_description(args.device)
     print(f"machine: {machine}", flush=True)
@@ -494,6 +614,8 @@ def main(argv=None) -> None:
     settings = f"{args.steps} timed steps after {args.warmup} warm-up, median; {time.strftime('%Y-%m-%d')}"
     body = f"Machine: {machine}\n\n{settings}\n\n{describe_workloads(workloads)}\n\n{table}"
     heading = f"{args.device} {args.dtype}: {' '.join(args.workloads)}"
+    if args.threads is not None:
+        heading += f", {args.threads} threads"
     write_results(args.output, heading, body)
     print(f"written to {args.output}")
 

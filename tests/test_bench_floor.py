@@ -1,0 +1,81 @@
+"""Keeps `benchmarks/bench_step.py` working: the floor's arithmetic, its pass count, and a 1-step run."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import torch
+
+BENCH_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_step.py"
+_spec = importlib.util.spec_from_file_location("bench_step", BENCH_PATH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+TINY = bench.Workload(
+    "tiny",
+    n_layer=2,
+    n_embd=32,
+    n_head=2,
+    batch_size=4,
+    mini_batch_size=2,
+    ppo_epochs=2,
+    query_len=(2, 5),
+    response_len=(2, 7),
+    vocab_size=57,
+)
+
+
+def test_floor_logprobs_match_full_vocabulary_forward():
+    lm = bench.make_lm(TINY, "cpu", torch.float32).eval()
+    queries, responses, _ = bench.make_batch(TINY)
+    rows = [3, 0, 2]
+    batch = bench.pack_rows(queries, responses, rows, lm.config.pad_token_id, "cpu")
+    with torch.no_grad():
+        logprobs, _ = bench.response_logprobs(lm, batch)
+    assert logprobs.shape == (3, max(len(responses[i]) for i in rows))
+    for j, i in enumerate(rows):
+        q, r = queries[i], responses[i]
+        with torch.no_grad():
+            full = lm(torch.cat([q, r])[None]).logits[0].double().log_softmax(-1)
+        want = full[len(q) - 1 : len(q) + len(r) - 1].gather(-1, r[:, None]).squeeze(-1)
+        torch.testing.assert_close(logprobs[j, : len(r)].double(), want, atol=1e-5, rtol=1e-5)
+        assert batch["mask"][j].sum() == len(r)
+
+
+def test_floor_step_does_exactly_the_ppo_passes_and_updates_the_policy():
+    lm = bench.make_lm(TINY, "cpu", torch.float32)
+    floor = bench.FloorPPO(lm, TINY.mini_batch_size, TINY.ppo_epochs)
+    calls = {"policy_grad": 0, "policy_no_grad": 0, "ref": 0}
+
+    def count_policy(module, args, output):
+        calls["policy_grad" if torch.is_grad_enabled() else "policy_no_grad"] += 1
+
+    def count_ref(module, args, output):
+        calls["ref"] += 1
+
+    lm.transformer.register_forward_hook(count_policy)
+    floor.ref.transformer.register_forward_hook(count_ref)
+    before = [p.detach().clone() for p in lm.parameters()]
+    floor.step(*bench.make_batch(TINY))
+    chunks = TINY.batch_size // TINY.mini_batch_size
+    assert calls == {"policy_grad": TINY.ppo_epochs * chunks, "policy_no_grad": chunks, "ref": chunks}
+    assert all(not torch.equal(b, p) for b, p in zip(before, lm.parameters()))
+    assert all(p.grad is None for p in lm.parameters())
+
+
+def test_one_step_benchmark_reports_step_and_floor(tmp_path):
+    weights_mb = sum(p.numel() * 4 for p in bench.make_lm(TINY, "cpu", torch.float32).parameters()) / 2**20
+    results = bench.run_benchmark([TINY], steps=1, warmup=1)
+    assert [(r["workload"], r["method"]) for r in results] == [("tiny", "step"), ("tiny", "floor")]
+    for r in results:
+        assert math.isfinite(r["median_s"]) and r["median_s"] > 0
+        assert math.isfinite(r["peak_mb"]) and math.isfinite(r["tokens_per_s"])
+        # At least the gradients of every weight are alive at the peak of the first step.
+        assert r["tensor_peak_mb"] >= weights_mb
+    table = bench.format_table(results)
+    assert "| tiny | step |" in table and "| tiny | floor | " in table
+    output = tmp_path / "RESULTS.md"
+    bench.write_results(output, "cpu fp32: other", "kept")
+    bench.write_results(output, "cpu fp32: tiny", table)
+    text = output.read_text()
+    assert "## cpu fp32: other\n\nkept" in text and "| tiny | step |" in text
