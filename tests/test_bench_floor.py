@@ -32,7 +32,9 @@ def test_floor_logprobs_match_full_vocabulary_forward():
     batch = bench.pack_rows(queries, responses, rows, lm.config.pad_token_id, "cpu")
     with torch.no_grad():
         logprobs, _ = bench.response_logprobs(lm, batch)
+    with_grad, _ = bench.response_logprobs(lm, batch)  # the training path (ChosenLogProb)
     assert logprobs.shape == (3, max(len(responses[i]) for i in rows))
+    torch.testing.assert_close(with_grad.detach(), logprobs)
     for j, i in enumerate(rows):
         q, r = queries[i], responses[i]
         with torch.no_grad():
@@ -40,6 +42,20 @@ def test_floor_logprobs_match_full_vocabulary_forward():
         want = full[len(q) - 1 : len(q) + len(r) - 1].gather(-1, r[:, None]).squeeze(-1)
         torch.testing.assert_close(logprobs[j, : len(r)].double(), want, atol=1e-5, rtol=1e-5)
         assert batch["mask"][j].sum() == len(r)
+
+
+def test_floor_chosen_logprob_gradient_matches_autograd():
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(2, 3, 7, dtype=torch.float64, generator=g, requires_grad=True)
+    target = torch.randint(0, 7, (2, 3), generator=g)
+    weights = torch.randn(2, 3, dtype=torch.float64, generator=g)
+    (bench.ChosenLogProb.apply(z, target) * weights).sum().backward()
+    fused_grad = z.grad.clone()
+    z.grad = None
+    want = z.log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    (want * weights).sum().backward()
+    torch.testing.assert_close(bench.ChosenLogProb.apply(z, target), want)
+    torch.testing.assert_close(fused_grad, z.grad)
 
 
 def test_floor_step_does_exactly_the_ppo_passes_and_updates_the_policy():
