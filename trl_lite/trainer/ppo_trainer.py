@@ -580,8 +580,11 @@ class PPOTrainer:
         if self.is_deepspeed_enabled:
             # DeepSpeed clips inside its own step (gradient_clipping) and owns the gradients.
             return True
-        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else float("inf")
-        norm = self.accelerator.clip_grad_norm_(params, max_norm)
+        if self.config.max_grad_norm is not None:
+            norm = self.accelerator.clip_grad_norm_(params, self.config.max_grad_norm)
+        else:
+            # Only the finiteness check is wanted: the norm alone, without rescaling every gradient by 1.
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         return bool(torch.isfinite(torch.as_tensor(norm)).item())
 
     def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns, entropy=None):
