@@ -203,27 +203,38 @@ def test_logprobs_from_logits_bf16_is_close():
     np.testing.assert_allclose(out.double().numpy(), ref_logprobs(logits32, labels), rtol=0, atol=0.1)
 
 
-def test_logprobs_from_logits_gather_makes_no_full_log_softmax(monkeypatch):
-    def forbidden(*args, **kwargs):
-        raise AssertionError("full-vocabulary log_softmax called in the gather path")
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Make the vocabulary reductions work on chunks of at most 1000 bytes of float32 rows.
 
-    monkeypatch.setattr(torch.nn.functional, "log_softmax", forbidden)
-    monkeypatch.setattr(torch, "log_softmax", forbidden)
-    monkeypatch.setattr(torch.Tensor, "log_softmax", forbidden)
-    monkeypatch.setattr(torch.nn.functional, "softmax", forbidden)
-    monkeypatch.setattr(torch, "softmax", forbidden)
-    monkeypatch.setattr(torch.Tensor, "softmax", forbidden)
+    With V = 5..19 that is 13..50 rows, so the shapes below span several chunks with a partial last
+    one, which the default 2 MiB budget would need far bigger tensors to exercise.
+    """
+    monkeypatch.setattr(core, "_CHUNK_BYTES", {"cpu": 1000})
+
+
+def test_logprobs_from_logits_gather_makes_no_full_log_softmax(monkeypatch, small_chunks):
+    seen_rows = []
+    real = torch.nn.functional.log_softmax
+
+    def recording(x, *args, **kwargs):
+        seen_rows.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "log_softmax", recording)
+    for name in ("log_softmax", "softmax", "logsumexp"):
+        monkeypatch.setattr(torch, name, None)  # any other full-vocabulary path would fail loudly
     g = torch.Generator().manual_seed(4)
-    logits = torch.randn(2, 3, 19, generator=g, dtype=torch.float64)
-    labels = torch.randint(0, 19, (2, 3), generator=g)
+    logits = torch.randn(3, 5, 19, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 19, (3, 5), generator=g)
     out = core.logprobs_from_logits(logits, labels)
     np.testing.assert_allclose(out.numpy(), ref_logprobs(logits, labels), rtol=0, atol=F64_TOL)
-    with pytest.raises(AssertionError, match="full-vocabulary"):
-        core.logprobs_from_logits(logits, labels, gather=False)
+    # 15 rows, at most 1000 // (4 * 19) = 13 per chunk: one full chunk and a partial one.
+    assert seen_rows == [13, 2]
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 7), (3, 200, 7), (601, 5)])
-def test_entropy_from_logits(shape):
+def test_entropy_from_logits(shape, small_chunks):
     # (3, 200, 7) and (601, 5) have more rows than one chunk, with a partial last chunk.
     g = torch.Generator().manual_seed(5)
     logits = 2.0 * torch.randn(*shape, generator=g, dtype=torch.float64)
@@ -232,7 +243,7 @@ def test_entropy_from_logits(shape):
     np.testing.assert_allclose(out.numpy(), ref_entropy(logits), rtol=0, atol=F64_TOL)
 
 
-def test_entropy_from_logits_float32_and_limits():
+def test_entropy_from_logits_float32_and_limits(small_chunks):
     g = torch.Generator().manual_seed(6)
     logits = 2.0 * torch.randn(300, 8, generator=g)
     out = core.entropy_from_logits(logits)
@@ -245,7 +256,7 @@ def test_entropy_from_logits_float32_and_limits():
 
 
 @pytest.mark.parametrize("shape", [(2, 4, 9), (2, 150, 6)])
-def test_full_kl_from_logits(shape):
+def test_full_kl_from_logits(shape, small_chunks):
     g = torch.Generator().manual_seed(7)
     logits = 2.0 * torch.randn(*shape, generator=g, dtype=torch.float64)
     ref_logits = logits + torch.randn(*shape, generator=g, dtype=torch.float64)
@@ -257,7 +268,7 @@ def test_full_kl_from_logits(shape):
     np.testing.assert_allclose(same.numpy(), np.zeros(shape[:-1]), rtol=0, atol=F64_TOL)
 
 
-def test_full_kl_from_logits_float32():
+def test_full_kl_from_logits_float32(small_chunks):
     g = torch.Generator().manual_seed(8)
     logits = torch.randn(270, 6, generator=g)
     ref_logits = torch.randn(270, 6, generator=g)
@@ -729,13 +740,15 @@ def _reference_logprobs_entropy(logits64, labels):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_logprobs_and_entropy_from_logits_values_and_gradient(dtype):
+@pytest.mark.parametrize("rows", [5, 40])
+def test_logprobs_and_entropy_from_logits_values_and_gradient(dtype, rows, small_chunks):
+    # 3 x 40 rows of V = 11 span several chunks of 22 rows, the last one partial.
     from trl_lite.core import logprobs_and_entropy_from_logits
 
     gen = torch.Generator().manual_seed(7)
-    logits = (3 * torch.randn(3, 5, 11, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_(True)
-    labels = torch.randint(0, 11, (3, 5), generator=gen)
-    weights = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    logits = (3 * torch.randn(3, rows, 11, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_(True)
+    labels = torch.randint(0, 11, (3, rows), generator=gen)
+    weights = torch.randn(3, rows, generator=gen, dtype=torch.float64)
     logprobs, entropy = logprobs_and_entropy_from_logits(logits, labels)
     (logprobs.double() * weights).sum().backward()
 

@@ -49,7 +49,17 @@ class ValueHead(nn.Module):
 
 
 def _check_logits_positions(logits_positions, batch_size: int) -> None:
-    """Raise unless `logits_positions` is an integer tensor of shape (batch_size, K)."""
+    """Raise unless `logits_positions` is (batch_size, K) integers or a pair of equal-length 1-D integer tensors."""
+    if isinstance(logits_positions, (tuple, list)):
+        ok = len(logits_positions) == 2 and all(
+            isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() == 1 for t in logits_positions
+        )
+        if not ok or logits_positions[0].shape != logits_positions[1].shape:
+            raise TypeError(
+                "logits_positions as a pair must be (rows, positions): two 1-D integer tensors of the same "
+                f"length, got {logits_positions!r}"
+            )
+        return
     if not isinstance(logits_positions, torch.Tensor) or logits_positions.is_floating_point():
         raise TypeError(f"logits_positions must be an integer torch.Tensor, got {logits_positions!r}")
     if logits_positions.dim() != 2 or logits_positions.shape[0] != batch_size:
@@ -58,8 +68,15 @@ def _check_logits_positions(logits_positions, batch_size: int) -> None:
         )
 
 
-def gather_positions(tensor: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rows of `tensor` (B, S, D) at sequence `positions` (B, K) -> (B, K, D)."""
+def gather_positions(tensor: torch.Tensor, positions) -> torch.Tensor:
+    """Entries of `tensor` (B, S, D) at `positions`.
+
+    `positions` (B, K) of sequence indices -> (B, K, D); or a pair `(rows, positions)` of 1-D
+    tensors of length N -> (N, D), the entries `tensor[rows[n], positions[n]]`.
+    """
+    if isinstance(positions, (tuple, list)):
+        rows, cols = (t.to(tensor.device) for t in positions)
+        return tensor[rows, cols]
     index = positions.to(tensor.device).unsqueeze(-1).expand(-1, -1, tensor.shape[-1])
     return tensor.gather(1, index)
 
@@ -145,7 +162,8 @@ class AutoModelForCausalLMWithValueHead(_ValueHeadModel):
 
     `model(input_ids, attention_mask=...)` returns `(lm_logits, loss, value)`: logits (B, S, V) in
     float32, the transformers loss (None without `labels`), values (B, S). With
-    `logits_positions` (B, K), logits are computed only at those positions: (B, K, V).
+    `logits_positions` (B, K), logits are computed only at those positions: (B, K, V); with a pair
+    `(rows, positions)` of 1-D tensors of length N, only at those N entries: (N, V).
     """
 
     transformers_parent_class = AutoModelForCausalLM
@@ -161,8 +179,9 @@ class AutoModelForCausalLMWithValueHead(_ValueHeadModel):
     ):
         """Logits, loss and values; other kwargs (position_ids, labels, ...) go to the transformers model.
 
-        Shapes: input_ids, attention_mask (B, S); logits_positions (B, K) of indices into S.
-        Returns lm_logits (B, S, V), or (B, K, V) at `logits_positions`; loss or None; value (B, S);
+        Shapes: input_ids, attention_mask (B, S); logits_positions (B, K) of indices into S, or a
+        pair (rows, positions) of N indices into B and S. Returns lm_logits (B, S, V), or (B, K, V)
+        / (N, V) at `logits_positions`; loss or None; value (B, S);
         and past_key_values last when `return_past_key_values`.
         """
         kwargs = self._prepare_kwargs(past_key_values, return_past_key_values, kwargs)
@@ -172,7 +191,7 @@ class AutoModelForCausalLMWithValueHead(_ValueHeadModel):
             outputs = backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
             hidden_states = outputs.last_hidden_state  # (B, S, H), after the final layer norm
             _check_logits_positions(logits_positions, hidden_states.shape[0])
-            # Only (B, K, H) hidden states go through the LM head: no (B, S, V) tensor is built.
+            # Only the selected hidden states go through the LM head: no (B, S, V) tensor is built.
             lm_logits, loss = lm_head(gather_positions(hidden_states, logits_positions)), None
         else:
             outputs = self.pretrained_model(
@@ -228,7 +247,8 @@ class AutoModelForSeq2SeqLMWithValueHead(_ValueHeadModel):
         """Logits, loss and decoder values; other kwargs (decoder_input_ids, labels, ...) go to the model.
 
         Shapes: input_ids, attention_mask (B, S_enc); decoder_input_ids (B, S_dec); logits_positions
-        (B, K) of decoder positions. Returns lm_logits (B, S_dec, V) or (B, K, V); loss or None;
+        (B, K) of decoder positions, or a pair (rows, positions) of length N. Returns lm_logits
+        (B, S_dec, V), (B, K, V) or (N, V); loss or None;
         value (B, S_dec); past_key_values last when `return_past_key_values`.
         The full forward runs even with `logits_positions`, whose logits are then gathered: decoder
         lengths in PPO are short, and the LM head input differs between architectures (T5 rescales it).

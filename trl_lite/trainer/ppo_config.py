@@ -86,6 +86,15 @@ class PPOConfig:
     whiten_rewards: bool = field(default=False, metadata={"help": "Whiten rewards (without shifting) before GAE."})
     # Memory
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Enable gradient checkpointing."})
+    keep_freed_cpu_memory: bool = field(
+        default=True,
+        metadata={
+            "help": "When training on CPU under Linux/glibc, keep memory freed between mini-batches mapped in "
+            "the process instead of returning it to the OS (a process-wide malloc setting, see "
+            "trl_lite.trainer.cpu_memory): saves the kernel's page faults on every vocabulary-sized tensor, "
+            "about 20% of a step on the w1 benchmark. Resident memory stays at its peak."
+        },
+    )
     # Set by the trainer
     is_encoder_decoder: bool | None = field(default=None, metadata={"help": "Set by the trainer."})
     is_peft_model: bool | None = field(default=None, metadata={"help": "Set by the trainer."})
@@ -123,7 +132,7 @@ class PPOConfig:
                 f"log_with must be None or an accelerate tracker name ('wandb', 'tensorboard', 'all', ...), got {self.log_with!r}."
             )
         for name in ("adap_kl_ctrl", "early_stopping", "use_score_scaling", "use_score_norm", "whiten_rewards",
-                     "gradient_checkpointing", "remove_unused_columns", "optimize_device_cache"):
+                     "gradient_checkpointing", "remove_unused_columns", "optimize_device_cache", "keep_freed_cpu_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if self.mini_batch_size > self.batch_size:

@@ -55,6 +55,7 @@ from ..models import (
     PreTrainedModelWrapper,
     create_reference_model,
 )
+from .cpu_memory import keep_freed_cpu_memory
 from .kl_controllers import AdaptiveKLController, FixedKLController
 from .ppo_config import PPOConfig
 from .running_moments import RunningMoments
@@ -145,9 +146,9 @@ class PPOTrainer:
         else:
             self.ref_model = create_reference_model(model, num_shared_layers=num_shared_layers)
 
-        self.optimizer = optimizer or torch.optim.Adam(
-            [p for p in model.parameters() if p.requires_grad], lr=config.learning_rate
-        )
+        if config.keep_freed_cpu_memory and self.accelerator.device.type == "cpu":
+            keep_freed_cpu_memory()
+        self.optimizer = optimizer or _default_optimizer(model, config.learning_rate)
         self.lr_scheduler = lr_scheduler
         self.data_collator = data_collator
         self.dataset = dataset
@@ -375,8 +376,10 @@ class PPOTrainer:
     def _minibatch_inputs(self, rows: _Rows, idx: torch.Tensor) -> tuple[dict, torch.Tensor, torch.Tensor, int]:
         """Model inputs of rows ``idx``, padded to their own longest row.
 
-        Returns the model kwargs, ``positions (b, L_mb)`` of the action positions in the model's
-        output, ``targets (b, L_mb)`` (the predicted token ids) and ``L_mb``.
+        Returns the model kwargs, ``positions (b, L_mb)`` of the compact slots in the model's output,
+        the slots that hold a response token as a pair ``(row, k)`` of length N (see
+        :meth:`_token_slots`), their ``targets (N,)`` (the predicted token ids) and ``L_mb``. The
+        model is asked for logits at those N slots only.
         """
         index = idx.tolist()
         device = self.current_device
@@ -390,13 +393,15 @@ class PPOTrainer:
             dec_mask = (torch.arange(dec.shape[1], device=device) < r_len.unsqueeze(1)).long()
             width = dec.shape[1] - 1
             positions = torch.arange(width, device=device).expand(len(index), width)
+            slots = self._token_slots(rows, index, width)
             inputs = {
                 "input_ids": enc,
                 "attention_mask": enc_mask,
                 "decoder_input_ids": dec,
                 "decoder_attention_mask": dec_mask,
+                "logits_positions": slots,
             }
-            return inputs, positions, dec[:, 1:], width
+            return inputs, positions, slots, dec[slots[0], slots[1] + 1], width
 
         lengths = rows.query_len[idx] + rows.response_len[idx]
         side = self._padding_side
@@ -411,30 +416,47 @@ class PPOTrainer:
         start = pad_left + rows.query_len[idx] - 1
         # Positions past a row's response are padding of the compact layout; clamp them into range.
         positions = (start.unsqueeze(1) + torch.arange(width, device=device)).clamp(max=seq_len - 2)
-        targets = input_ids.gather(1, positions + 1)
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "logits_positions": positions}
+        slots = self._token_slots(rows, index, width)
+        token_positions = positions[slots]
+        targets = input_ids[slots[0], token_positions + 1]
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "logits_positions": (slots[0], token_positions)}
         if self._pass_position_ids:
             # Explicit positions make the result independent of the padding side.
             inputs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        return inputs, positions, targets, width
+        return inputs, positions, slots, targets, width
+
+    def _token_slots(self, rows: _Rows, index: list, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compact slots ``(row, k)`` of rows ``index`` that predict a response token, each ``(N,)``.
+
+        Slot k of a row predicts its response token k (k + 1 for encoder-decoders); slots past the
+        row's response are the padding of the compact layout and are left out, so the LM head and
+        the softmax run on N = sum of the rows' token counts instead of b * L_mb positions. Built
+        from host-side lengths: no device sync.
+        """
+        shift = 1 if self.is_encoder_decoder else 0
+        counts = [min(max(len(rows.responses[i]) - shift, 0), width) for i in index]
+        total, device = sum(counts), self.current_device
+        counts_t = torch.tensor(counts, device=device)
+        row = torch.repeat_interleave(torch.arange(len(index), device=device), counts_t, output_size=total)
+        k = torch.arange(total, device=device) - (counts_t.cumsum(0) - counts_t)[row]
+        return row, k
 
     def _forward_rows(self, model, rows: _Rows, idx: torch.Tensor, return_logits: bool = False):
         """Log-probs and values at the action positions of rows ``idx``.
 
-        Shapes: logprobs, values ``(b, L_mb)``; logits ``(b, L_mb, V)`` when ``return_logits``.
+        Shapes: logprobs, values ``(b, L_mb)`` (log-probs 0 past each response); with
+        ``return_logits`` also the logits ``(N, V)`` at the token ``slots`` (else None for both).
         """
-        logits, targets, values, width = self._logits_rows(model, rows, idx)
-        return logprobs_from_logits(logits, targets), values, (logits if return_logits else None), width
+        logits, targets, values, slots, width = self._logits_rows(model, rows, idx)
+        logprobs = _to_compact(logprobs_from_logits(logits, targets), slots, len(idx), width)
+        return logprobs, values, (logits if return_logits else None), (slots if return_logits else None), width
 
     def _logits_rows(self, model, rows: _Rows, idx: torch.Tensor):
-        """Logits ``(b, L_mb, V)``, target ids and values ``(b, L_mb)`` at the action positions of rows ``idx``."""
-        inputs, positions, targets, width = self._minibatch_inputs(rows, idx)
+        """Logits ``(N, V)`` and target ids ``(N,)`` at the token slots of rows ``idx``; values ``(b, L_mb)``."""
+        inputs, positions, slots, targets, width = self._minibatch_inputs(rows, idx)
         logits, _, values = model(**inputs)
-        if self.is_encoder_decoder:
-            logits, values = logits[:, :-1], values[:, :-1]
-        else:
-            values = values.gather(1, positions)
-        return logits, targets, values.float(), width
+        values = values[:, :-1] if self.is_encoder_decoder else values.gather(1, positions)
+        return logits, targets, values.float(), slots, width
 
     @contextmanager
     def _reference(self):
@@ -457,12 +479,12 @@ class PPOTrainer:
         out = torch.zeros(4 if full else 3, batch, width, device=self.current_device)
         self.model.eval()
         for idx in torch.arange(batch, device=self.current_device).split(self.config.mini_batch_size):
-            logprobs, values, logits, w = self._forward_rows(self.model, rows, idx, return_logits=full)
+            logprobs, values, logits, slots, w = self._forward_rows(self.model, rows, idx, return_logits=full)
             with self._reference() as ref:
-                ref_logprobs, _, ref_logits, _ = self._forward_rows(ref, rows, idx, return_logits=full)
+                ref_logprobs, _, ref_logits, _, _ = self._forward_rows(ref, rows, idx, return_logits=full)
             out[0, idx, :w], out[1, idx, :w], out[2, idx, :w] = logprobs, ref_logprobs, values
             if full:
-                out[3, idx, :w] = full_kl_from_logits(logits, ref_logits)
+                out[3, idx, :w] = _to_compact(full_kl_from_logits(logits, ref_logits), slots, len(idx), w)
         mask = rows.action_mask
         return out[0] * mask, out[1] * mask, out[2] * mask, (out[3] * mask if full else None)
 
@@ -535,9 +557,11 @@ class PPOTrainer:
         """
         mask = rows.action_mask[idx, : old_logprobs.shape[1]]
         with self.accelerator.accumulate(self.model):
-            logits, targets, vpreds, _ = self._logits_rows(self.model, rows, idx)
+            logits, targets, vpreds, slots, width = self._logits_rows(self.model, rows, idx)
             logprobs, entropy = logprobs_and_entropy_from_logits(logits, targets)
             del logits  # the softmax saved for backward replaces them
+            logprobs = _to_compact(logprobs, slots, len(idx), width)
+            entropy = _to_compact(entropy, slots, len(idx), width)
             pg_loss, vf_loss, stats = self.loss(
                 old_logprobs, old_values, None, vpreds, logprobs, mask, advantages, returns, entropy=entropy
             )
@@ -675,7 +699,7 @@ class PPOTrainer:
         ``(B, S)`` (plus ``decoder_input_ids``, ``decoder_attention_mask`` for encoder-decoders).
         """
         rows = self._make_rows(queries, responses, None)
-        inputs, _, _, _ = self._minibatch_inputs(rows, torch.arange(len(rows), device=self.current_device))
+        inputs, _, _, _, _ = self._minibatch_inputs(rows, torch.arange(len(rows), device=self.current_device))
         inputs.pop("logits_positions", None)
         return inputs
 
@@ -714,7 +738,7 @@ class PPOTrainer:
         logits_out = None
         model.eval()
         for idx in torch.arange(batch, device=self.current_device).split(self.config.mini_batch_size):
-            lp, val, logits, w = self._forward_rows(model, rows, idx, return_logits=return_logits)
+            lp, val, logits, slots, w = self._forward_rows(model, rows, idx, return_logits=return_logits)
             ok = valid[idx, :w] & rows.action_mask[idx, :w].bool()
             # Only the action entries are written: the clamped compact padding repeats column T - 1,
             # and a scatter with repeated indices may keep the padding's zero over a real action.
@@ -723,7 +747,7 @@ class PPOTrainer:
             if return_logits:
                 if logits_out is None:
                     logits_out = torch.zeros(batch, length, logits.shape[-1], device=self.current_device)
-                logits_out[r, c] = logits[ok].float()
+                logits_out[r, c] = _to_compact(logits.float(), slots, len(idx), w)[ok]
         return logprobs, logits_out, values, masks
 
     def compute_rewards(self, scores, logprobs, ref_logprobs, masks, full_kl=None):
@@ -1117,6 +1141,22 @@ def _prepare_deepspeed_reference(ref_model, accelerator: Accelerator):
     engine, *_ = deepspeed.initialize(model=ref_model, config=ds_config)
     engine.eval()
     return engine
+
+
+def _default_optimizer(model, learning_rate: float) -> torch.optim.Adam:
+    """Adam over the trainable parameters; the fused implementation (one pass over each tensor per
+    step instead of about ten) where PyTorch has it for every parameter."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.Adam(params, lr=learning_rate, fused=fused or None)
+
+
+def _to_compact(values: torch.Tensor, slots: tuple, rows: int, width: int) -> torch.Tensor:
+    """Per-slot ``values (N, ...)`` placed at ``slots = (row, k)`` of a zero ``(rows, width, ...)`` tensor.
+
+    Differentiable with respect to ``values``.
+    """
+    return values.new_zeros((rows, width, *values.shape[1:])).index_put(slots, values)
 
 
 def _scores_tensor(scores, device) -> torch.Tensor:
