@@ -70,6 +70,7 @@ BAD_CONFIGS = [
     (dict(log_with="tensorbored"), ValueError, ["log_with", "'tensorbored'", "'tensorboard'", "None"]),
     (dict(tracker_kwargs=["a"]), TypeError, ["tracker_kwargs", "dict", "list"]),
     (dict(accelerator_kwargs=None), TypeError, ["accelerator_kwargs", "dict", "NoneType"]),
+    (dict(keep_freed_cpu_memory="yes"), TypeError, ["keep_freed_cpu_memory", "True or False", "'yes'"]),
 ]  # fmt: skip
 
 

@@ -147,6 +147,29 @@ def test_fast_path_equals_full_forward_with_left_padding(gpt2):
     torch.testing.assert_close(fast_value, full_value, rtol=1e-6, atol=1e-6)
 
 
+def test_fast_path_at_row_position_pairs(gpt2, t5):
+    # (rows, positions) selects N single entries: the LM head sees (N, H), nothing else.
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(gpt2)
+    input_ids, attention_mask, position_ids = left_padded_batch()
+    rows, cols = torch.tensor([0, 0, 2, 1, 2]), torch.tensor([8, 3, 5, 7, 5])
+    inputs = dict(attention_mask=attention_mask, position_ids=position_ids)
+    full_logits, _, full_value = model(input_ids, **inputs)
+    lm_head_inputs = record_lm_head_inputs(model)
+    picked, _, value = model(input_ids, logits_positions=(rows, cols), **inputs)
+    assert lm_head_inputs == [(5, 32)] and picked.shape == (5, VOCAB_SIZE)
+    expected = torch.stack([full_logits[r, c] for r, c in zip(rows.tolist(), cols.tolist())])
+    torch.testing.assert_close(picked, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(value, full_value, rtol=1e-6, atol=1e-6)
+    # The encoder-decoder twin gathers the same pairs from its full decoder logits.
+    seq2seq = AutoModelForSeq2SeqLMWithValueHead.from_pretrained(t5)
+    decoder_input_ids = torch.randint(3, VOCAB_SIZE, (3, 5))
+    enc = dict(attention_mask=attention_mask, decoder_input_ids=decoder_input_ids)
+    full_dec, _, _ = seq2seq(input_ids, **enc)
+    rows, cols = torch.tensor([2, 0, 1]), torch.tensor([4, 0, 2])
+    picked, _, _ = seq2seq(input_ids, logits_positions=(rows, cols), **enc)
+    torch.testing.assert_close(picked, full_dec[rows, cols], rtol=0, atol=0)
+
+
 def test_fast_path_with_lora_adapter_on_and_off(gpt2):
     model = AutoModelForCausalLMWithValueHead.from_pretrained(gpt2, peft_config=lora_config())
     assert model.is_peft_model
@@ -184,6 +207,10 @@ def test_logits_positions_are_validated(gpt2):
         model(input_ids, logits_positions=torch.zeros(2, 3))
     with pytest.raises(ValueError, match="logits_positions"):
         model(input_ids, logits_positions=torch.zeros(3, 2, dtype=torch.long))
+    long = torch.zeros(3, dtype=torch.long)
+    for bad in [(long,), (long, long[:2]), (long, long.float()), (long.view(3, 1), long.view(3, 1)), (long, long, long)]:
+        with pytest.raises(TypeError, match=r"logits_positions as a pair must be \(rows, positions\)"):
+            model(input_ids, logits_positions=bad)
 
 
 def test_past_key_values_continue_the_sequence(gpt2):

@@ -355,3 +355,62 @@ def test_trainer_fills_the_derived_config_fields():
     assert config.backward_batch_size == 4
     assert config.world_size == 1 and config.global_batch_size == 4 and config.global_backward_batch_size == 4
     assert config.is_encoder_decoder is False and config.is_peft_model is False
+
+
+@pytest.mark.parametrize("encoder_decoder", [False, True])
+def test_lm_head_and_softmax_see_only_the_response_token_slots(monkeypatch, encoder_decoder):
+    # Compact padding (slots past a shorter response) never reaches the log-softmax, nor the LM head
+    # of a decoder-only model: each call gets exactly one row per response token of its mini-batch
+    # (one fewer per row for encoder-decoders, whose first decoder token is the start token).
+    import trl_lite.trainer.ppo_trainer as ppo_trainer_module
+
+    if encoder_decoder:
+        model = AutoModelForSeq2SeqLMWithValueHead.from_pretrained(make_t5())
+    else:
+        model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2())
+    trainer = make_trainer(batch_size=4, mini_batch_size=2, ppo_epochs=1, model=model)
+    queries, responses, scores = random_batch(4, seed=3)
+    lengths = [len(r) - encoder_decoder for r in responses]
+    assert len(set(lengths)) > 1  # the mini-batches do have padding to leave out
+    softmax_rows, lm_head_rows = [], []
+    for name in ("logprobs_from_logits", "logprobs_and_entropy_from_logits"):
+        real = getattr(ppo_trainer_module, name)
+
+        def recording(logits, labels, real=real):
+            softmax_rows.append(tuple(logits.shape))
+            return real(logits, labels)
+
+        monkeypatch.setattr(ppo_trainer_module, name, recording)
+    if not encoder_decoder:
+        lm_head = trainer.model.transformers_model.lm_head
+        lm_head.register_forward_hook(lambda module, args, output: lm_head_rows.append(tuple(output.shape)))
+    trainer.step(queries, responses, scores)
+
+    vocab = model.transformers_model.config.vocab_size
+    pairs = {lengths[i] + lengths[j] for i in range(4) for j in range(i + 1, 4)}
+    # Rollout: policy and reference on rows (0, 1) then (2, 3); training: two shuffled pairs.
+    rollout, training = softmax_rows[:4], softmax_rows[4:]
+    first, second = (lengths[0] + lengths[1], vocab), (lengths[2] + lengths[3], vocab)
+    assert rollout == [first, first, second, second]
+    assert len(training) == 2 and sum(n for n, _ in training) == sum(lengths)
+    assert {n for n, _ in training} <= pairs and all(v == vocab for _, v in training)
+    if not encoder_decoder:
+        assert lm_head_rows == [first, second] + training  # the reference is a separate copy
+
+
+def test_default_optimizer_is_fused_adam_with_the_config_learning_rate():
+    trainer = make_trainer(learning_rate=3e-4)
+    assert type(trainer.optimizer.optimizer) is torch.optim.Adam
+    assert trainer.optimizer.defaults["fused"] is True and trainer.optimizer.defaults["lr"] == 3e-4
+    trainable = {id(p) for p in trainer.model.parameters() if p.requires_grad}
+    assert {id(p) for group in trainer.optimizer.param_groups for p in group["params"]} == trainable
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_cpu_training_keeps_freed_memory_only_when_configured(monkeypatch, keep):
+    import trl_lite.trainer.ppo_trainer as ppo_trainer_module
+
+    calls = []
+    monkeypatch.setattr(ppo_trainer_module, "keep_freed_cpu_memory", lambda: calls.append(1) or True)
+    make_trainer(keep_freed_cpu_memory=keep)
+    assert calls == ([1] if keep else [])
