@@ -3,7 +3,10 @@
 The floor is a hand-written PPO step on plain transformers that does only the model work no PPO
 step can avoid: a policy and a reference forward without grad over the batch, then, for each of
 `ppo_epochs` epochs, forward + backward + Adam step per mini-batch, with the LM head applied only
-where a response token is predicted and every mini-batch padded to its own longest row.
+where a response token is predicted and every mini-batch padded to its own longest row. It uses
+the cheapest forms of that work that stock PyTorch offers (fused Adam, a cache-sized chunked
+log-softmax, glibc keeping freed memory - the same setting `PPOConfig.keep_freed_cpu_memory` makes
+the trainer apply to itself), so the comparison measures overhead, not different kernels.
 
 Each (workload, method) runs in a fresh subprocess so that peak memory is measured alone:
 see `benchmarks/README.md` for how time, tokens/s and peak memory are defined.
@@ -144,43 +147,65 @@ def pack_rows(queries: list, responses: list, rows: list, pad_id: int, device: s
     return {name: t.to(device) for name, t in batch.items()}
 
 
+# Rows of the (n, V) logits per log-softmax call: about 2 MiB of float32 on CPU, which stays in
+# cache (the fused kernel is then about twice as fast as on the whole tensor); large on GPUs.
+def rows_per_chunk(z: torch.Tensor) -> int:
+    return max(1, (2 << 20 if z.device.type == "cpu" else 256 << 20) // (4 * z.shape[-1]))
+
+
 class ChosenLogProb(torch.autograd.Function):
     """`log softmax(z)[target]` whose backward is `(onehot - softmax) * grad` from one saved softmax.
 
-    Stock autograd through `logsumexp` and `gather` makes two more vocabulary-sized passes and
-    temporaries in the backward; this is the least work the formula needs.
-    Shapes: z (n, K, V), target (n, K) -> (n, K).
+    Stock autograd through `log_softmax` and `gather` keeps the log-softmax and makes more
+    vocabulary-sized passes and temporaries in the backward; this is the least work the formula
+    needs. Shapes: z (n, V), target (n,) -> (n,).
     """
 
     @staticmethod
     def forward(ctx, z, target):
-        lse = z.logsumexp(-1, keepdim=True)
-        ctx.save_for_backward(torch.exp(z - lse), target)
-        return (z.gather(-1, target.unsqueeze(-1)) - lse).squeeze(-1)
+        softmax, chosen = torch.empty_like(z, dtype=torch.float32), z.new_empty(len(z), dtype=torch.float32)
+        for rows in torch.arange(len(z), device=z.device).split(rows_per_chunk(z)):
+            block = torch.log_softmax(z[rows].float(), -1)
+            chosen[rows] = block.gather(-1, target[rows, None])[:, 0]
+            softmax[rows] = block.exp_()
+        ctx.save_for_backward(softmax, target)
+        ctx.dtype = z.dtype
+        return chosen
 
     @staticmethod
     def backward(ctx, grad):
-        probs, target = ctx.saved_tensors
-        grad = grad.unsqueeze(-1)
+        softmax, target = ctx.saved_tensors
+        grad = grad[:, None]
         # The saved softmax is not needed again: its memory becomes the gradient.
-        return probs.mul_(-grad).scatter_add_(-1, target.unsqueeze(-1), grad), None
+        return softmax.mul_(-grad).scatter_add_(-1, target[:, None], grad).to(ctx.dtype), None
+
+
+def chosen_logprob_no_grad(z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """`log softmax(z)[target]` without grad, a cache-sized chunk of rows at a time. (n, V) -> (n,)."""
+    chunks = [
+        torch.log_softmax(z[rows].float(), -1).gather(-1, target[rows, None])[:, 0]
+        for rows in torch.arange(len(z), device=z.device).split(rows_per_chunk(z))
+    ]
+    return torch.cat(chunks)
 
 
 def response_logprobs(lm, batch: dict, v_head=None) -> tuple:
-    """Log-probs (and values) of the response tokens, with the LM head only at response positions.
+    """Log-probs (and values) of the response tokens, with the LM head only where a token is predicted.
 
-    Shapes: log-probs (n, K) = gathered logit - logsumexp over the vocabulary; values (n, K) or None.
+    Shapes: log-probs (n, K) = gathered logit - logsumexp over the vocabulary, 0 past each
+    response; values (n, K) or None. The LM head sees only the N = mask.sum() hidden states that
+    predict a response token, not the padding of shorter responses.
     """
     # No key/value cache: building one is work that a training forward does not need.
     inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
     hidden = lm.transformer(**inputs).last_hidden_state
     index = batch["positions"].unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
     picked = hidden.gather(1, index)  # (n, K, H)
-    logits = lm.lm_head(picked)  # (n, K, V)
-    if torch.is_grad_enabled():
-        logprobs = ChosenLogProb.apply(logits, batch["targets"])
-    else:
-        logprobs = logits.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+    mask = batch["mask"]
+    logits = lm.lm_head(picked[mask])  # (N, V)
+    targets = batch["targets"][mask]
+    chosen = ChosenLogProb.apply(logits, targets) if torch.is_grad_enabled() else chosen_logprob_no_grad(logits, targets)
+    logprobs = torch.zeros(mask.shape, device=chosen.device).masked_scatter(mask, chosen)
     values = v_head(picked).squeeze(-1) if v_head is not None else None
     return logprobs, values
 
@@ -213,7 +238,7 @@ class FloorPPO:
         self.ref = copy.deepcopy(lm).eval().requires_grad_(False)
         param = next(lm.parameters())
         self.v_head = nn.Linear(lm.config.n_embd, 1).to(device=param.device, dtype=param.dtype)
-        self.optimizer = torch.optim.Adam([*lm.parameters(), *self.v_head.parameters()], lr=LEARNING_RATE)
+        self.optimizer = torch.optim.Adam([*lm.parameters(), *self.v_head.parameters()], lr=LEARNING_RATE, fused=True)
         self.mini_batch_size = mini_batch_size
         self.ppo_epochs = ppo_epochs
         self.pad_id = lm.config.pad_token_id
@@ -412,6 +437,10 @@ class WorkerProcess:
         self.label = f"{workload.name}/{method}"
         spec = dict(workload=dataclasses.asdict(workload), method=method, device=device, dtype=dtype)
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        if method == "floor":
+            # glibc keeps freed blocks for reuse, as the trainer sets up for itself on CPU
+            # (PPOConfig.keep_freed_cpu_memory); the step worker is left to do that on its own.
+            env.update(MALLOC_MMAP_THRESHOLD_=str(32 << 20), MALLOC_TRIM_THRESHOLD_=str(2**31 - 1))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         self.stderr = tempfile.TemporaryFile(mode="w+")
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]

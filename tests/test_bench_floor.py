@@ -44,18 +44,21 @@ def test_floor_logprobs_match_full_vocabulary_forward():
         assert batch["mask"][j].sum() == len(r)
 
 
-def test_floor_chosen_logprob_gradient_matches_autograd():
+def test_floor_chosen_logprob_and_gradient_match_float64_autograd(monkeypatch):
+    monkeypatch.setattr(bench, "rows_per_chunk", lambda z: 16)  # 40 rows: chunks of 16, 16 and 8
     g = torch.Generator().manual_seed(0)
-    z = torch.randn(2, 3, 7, dtype=torch.float64, generator=g, requires_grad=True)
-    target = torch.randint(0, 7, (2, 3), generator=g)
-    weights = torch.randn(2, 3, dtype=torch.float64, generator=g)
-    (bench.ChosenLogProb.apply(z, target) * weights).sum().backward()
-    fused_grad = z.grad.clone()
-    z.grad = None
-    want = z.log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    (want * weights).sum().backward()
-    torch.testing.assert_close(bench.ChosenLogProb.apply(z, target), want)
-    torch.testing.assert_close(fused_grad, z.grad)
+    z = (3 * torch.randn(40, 7, generator=g)).requires_grad_(True)
+    target = torch.randint(0, 7, (40,), generator=g)
+    weights = torch.randn(40, generator=g)
+    chosen = bench.ChosenLogProb.apply(z, target)
+    (chosen * weights).sum().backward()
+    z64 = z.detach().double().requires_grad_(True)
+    want = z64.log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    (want * weights.double()).sum().backward()
+    torch.testing.assert_close(chosen.double(), want.detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(z.grad.double(), z64.grad, rtol=0, atol=1e-6)
+    no_grad = bench.chosen_logprob_no_grad(z.detach(), target)
+    torch.testing.assert_close(no_grad.double(), want.detach(), rtol=0, atol=1e-6)
 
 
 def test_floor_step_does_exactly_the_ppo_passes_and_updates_the_policy():
