@@ -164,10 +164,12 @@ class ChosenLogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, target):
         softmax, chosen = torch.empty_like(z, dtype=torch.float32), z.new_empty(len(z), dtype=torch.float32)
-        for rows in torch.arange(len(z), device=z.device).split(rows_per_chunk(z)):
-            block = torch.log_softmax(z[rows].float(), -1)
-            chosen[rows] = block.gather(-1, target[rows, None])[:, 0]
-            softmax[rows] = block.exp_()
+        step = rows_per_chunk(z)
+        for start in range(0, len(z), step):
+            rows = slice(start, start + step)  # slices are views: no copy of the chunk
+            torch.log_softmax(z[rows].float(), -1, out=softmax[rows])
+            chosen[rows] = softmax[rows].gather(-1, target[rows, None])[:, 0]
+            softmax[rows].exp_()
         ctx.save_for_backward(softmax, target)
         ctx.dtype = z.dtype
         return chosen
@@ -182,9 +184,10 @@ class ChosenLogProb(torch.autograd.Function):
 
 def chosen_logprob_no_grad(z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """`log softmax(z)[target]` without grad, a cache-sized chunk of rows at a time. (n, V) -> (n,)."""
+    step = rows_per_chunk(z)
     chunks = [
-        torch.log_softmax(z[rows].float(), -1).gather(-1, target[rows, None])[:, 0]
-        for rows in torch.arange(len(z), device=z.device).split(rows_per_chunk(z))
+        torch.log_softmax(z[start : start + step].float(), -1).gather(-1, target[start : start + step, None])[:, 0]
+        for start in range(0, len(z), step)
     ]
     return torch.cat(chunks)
 
