@@ -761,3 +761,24 @@ def test_logprobs_and_entropy_from_logits_values_and_gradient(dtype, rows, small
     assert torch.allclose(logits.grad.double(), ref_logits.grad, atol=tol)
     assert not entropy.requires_grad
     assert logits.grad.dtype == dtype
+
+
+def test_logprobs_and_entropy_from_bf16_logits(small_chunks):
+    # bf16 logits are upcast per chunk: values and entropy carry only float32 rounding of the
+    # bf16-rounded inputs; the gradient comes back in bf16 (about 2^-8 relative rounding).
+    from trl_lite.core import logprobs_and_entropy_from_logits
+
+    gen = torch.Generator().manual_seed(8)
+    logits = (3 * torch.randn(2, 30, 13, generator=gen)).to(torch.bfloat16).requires_grad_(True)
+    labels = torch.randint(0, 13, (2, 30), generator=gen)
+    weights = torch.randn(2, 30, generator=gen, dtype=torch.float64)
+    logprobs, entropy = logprobs_and_entropy_from_logits(logits, labels)
+    assert logprobs.dtype == entropy.dtype == torch.float32
+    (logprobs.double() * weights).sum().backward()
+    ref_logits = logits.detach().double().requires_grad_(True)
+    ref_lp, ref_ent = _reference_logprobs_entropy(ref_logits, labels)
+    (ref_lp * weights).sum().backward()
+    torch.testing.assert_close(logprobs.double(), ref_lp.detach(), rtol=0, atol=F32_TOL)
+    torch.testing.assert_close(entropy.double(), ref_ent.detach(), rtol=0, atol=F32_TOL)
+    assert logits.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.grad.double(), ref_logits.grad, rtol=2**-7, atol=1e-3)
