@@ -5,7 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from trl_lite.trainer.cpu_memory import keep_freed_cpu_memory
 

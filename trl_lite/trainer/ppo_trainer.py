@@ -8,8 +8,12 @@ other processes.
 Per-token tensors inside ``step()`` use a compact layout: ``(B, L)`` where position ``k`` of
 row ``b`` is the prediction of response token ``k`` (decoder-only models) or of decoder token
 ``k + 1`` (encoder-decoder models). It holds exactly the action positions of PPO_SPEC section 3
-and nothing of the query, so logits are computed only where a response token is predicted.
+and nothing of the query. Logits are computed only at the slots of that layout that hold a
+response token (N of them per mini-batch, see ``_token_slots``), and scattered back into it.
 :meth:`PPOTrainer.batched_forward_pass` returns the spec's ``(B, T)`` layout for users.
+
+Process and device set-up (accelerate, DeepSpeed, the default optimizer) is in
+:mod:`.accelerate_setup`; the dataloader's resumable position in :mod:`.resumable_loader`.
 """
 
 from __future__ import annotations
@@ -21,13 +25,11 @@ import os
 import shutil
 import time
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
-from accelerate import Accelerator
-from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration, is_deepspeed_available
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
@@ -55,9 +57,17 @@ from ..models import (
     PreTrainedModelWrapper,
     create_reference_model,
 )
+from .accelerate_setup import (
+    build_accelerator,
+    default_optimizer,
+    empty_device_cache,
+    fill_deepspeed_config,
+    prepare_deepspeed_reference,
+)
 from .cpu_memory import keep_freed_cpu_memory
 from .kl_controllers import AdaptiveKLController, FixedKLController
 from .ppo_config import PPOConfig
+from .resumable_loader import ResumableLoader
 from .running_moments import RunningMoments
 
 SUPPORTED_MODELS = (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead)
@@ -126,7 +136,7 @@ class PPOTrainer:
         _check_constructor_args(config, model, ref_model, tokenizer, optimizer, lr_scheduler, num_shared_layers)
         core.set_seed(config.seed)
         self.config = config
-        self.accelerator = _build_accelerator(config)
+        self.accelerator = build_accelerator(config)
         config.world_size = self.accelerator.num_processes
         config.global_backward_batch_size = config.backward_batch_size * config.world_size
         config.global_batch_size = config.batch_size * config.world_size
@@ -148,7 +158,7 @@ class PPOTrainer:
 
         if config.keep_freed_cpu_memory and self.accelerator.device.type == "cpu":
             keep_freed_cpu_memory()
-        self.optimizer = optimizer or _default_optimizer(model, config.learning_rate)
+        self.optimizer = optimizer or default_optimizer(model, config.learning_rate)
         self.lr_scheduler = lr_scheduler
         self.data_collator = data_collator
         self.dataset = dataset
@@ -158,17 +168,17 @@ class PPOTrainer:
 
         self.is_deepspeed_enabled = getattr(self.accelerator.state, "deepspeed_plugin", None) is not None
         if self.is_deepspeed_enabled:
-            _fill_deepspeed_config(self.accelerator, config)
+            fill_deepspeed_config(self.accelerator, config)
         to_prepare = [model, self.optimizer] + ([dataloader] if dataloader is not None else [])
         to_prepare += [lr_scheduler] if lr_scheduler is not None else []
         prepared = list(self.accelerator.prepare(*to_prepare))
         self.model, self.optimizer = prepared[0], prepared[1]
-        self.dataloader = _ResumableLoader(prepared[2], self._data_generator) if dataloader is not None else None
+        self.dataloader = ResumableLoader(prepared[2], self._data_generator) if dataloader is not None else None
         if lr_scheduler is not None:
             self.lr_scheduler = prepared[-1]
         if self.ref_model is not None:
             if self.is_deepspeed_enabled:
-                self.ref_model = _prepare_deepspeed_reference(self.ref_model, self.accelerator)
+                self.ref_model = prepare_deepspeed_reference(self.ref_model, self.accelerator)
             else:
                 self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
 
@@ -266,7 +276,7 @@ class PPOTrainer:
             self.lr_scheduler.step()
         self.current_step += 1
         if config.optimize_device_cache:
-            _empty_device_cache()
+            empty_device_cache()
         timing["time/ppo/total"] = time.time() - t0
         stats.update(timing)
         return stats
@@ -1012,50 +1022,6 @@ _TRAIN_STAT_KEYS = (
 )  # fmt: skip
 
 
-class _ResumableLoader:
-    """Iterates a prepared dataloader and remembers where it is, so a checkpoint can resume mid-epoch.
-
-    The shuffle order comes from a seeded generator: its state at the start of the current pass
-    plus the number of batches handed out identify the position exactly.
-    """
-
-    def __init__(self, dataloader, generator: torch.Generator):
-        self.dataloader = dataloader
-        self.generator = generator
-        self._epoch_start_state = generator.get_state()
-        self._served = 0
-        self._skip = 0
-
-    def __len__(self):
-        return len(self.dataloader)
-
-    def __getattr__(self, name):
-        return getattr(self.dataloader, name)
-
-    def __iter__(self):
-        if self._skip:
-            self.generator.set_state(self._epoch_start_state)
-        else:
-            self._epoch_start_state = self.generator.get_state()
-        skip, self._skip = self._skip, 0
-        self._served = 0
-        for i, batch in enumerate(self.dataloader):
-            if i < skip:
-                continue
-            self._served = i + 1
-            yield batch
-        self._served = 0
-        self._epoch_start_state = self.generator.get_state()
-
-    def state_dict(self) -> dict:
-        return {"epoch_start_state": self._epoch_start_state.tolist(), "served": self._served}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._epoch_start_state = torch.tensor(state["epoch_start_state"], dtype=torch.uint8)
-        self._skip = state["served"]
-        self.generator.set_state(self._epoch_start_state)
-
-
 def _signature_columns(model: PreTrainedModelWrapper) -> set[str]:
     """Dataset columns kept by ``remove_unused_columns``: the model's forward arguments plus the classic text columns."""
     return set(inspect.signature(model.transformers_model.forward).parameters) | {"label", "query", "response"}
@@ -1084,73 +1050,6 @@ def _check_constructor_args(config, model, ref_model, tokenizer, optimizer, lr_s
         raise TypeError(f"lr_scheduler must be a torch LR scheduler or None, got {type(lr_scheduler).__name__}.")
 
 
-def _build_accelerator(config: PPOConfig) -> Accelerator:
-    """The trainer's Accelerator, with the CPU fixes of ENVIRONMENT.md for multi-process runs.
-
-    Under DeepSpeed without CUDA the process group needs gloo; for plain data parallel without
-    CUDA, ``cpu=True`` is what makes accelerate use MULTI_CPU with real DDP.
-    """
-    kwargs = dict(config.accelerator_kwargs)
-    handlers = list(kwargs.pop("kwargs_handlers", []))
-    multi_process = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    if not torch.cuda.is_available() and multi_process:
-        if use_deepspeed:
-            if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
-                handlers.append(InitProcessGroupKwargs(backend="gloo"))
-        else:
-            kwargs.setdefault("cpu", True)
-    project_config = ProjectConfiguration(**config.project_kwargs)
-    # step() accumulates over its own mini-batches; the end of the user's dataloader must not force a sync.
-    accumulation = GradientAccumulationPlugin(num_steps=config.gradient_accumulation_steps, sync_with_dataloader=False)
-    return Accelerator(
-        log_with=config.log_with,
-        gradient_accumulation_plugin=accumulation,
-        project_config=project_config,
-        kwargs_handlers=handlers,
-        **kwargs,
-    )
-
-
-def _fill_deepspeed_config(accelerator: Accelerator, config: PPOConfig) -> None:
-    """Set what DeepSpeed needs before ``prepare``: micro-batch, accumulation and clipping from the config."""
-    ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-    ds_config["train_micro_batch_size_per_gpu"] = config.mini_batch_size
-    ds_config["gradient_accumulation_steps"] = config.gradient_accumulation_steps
-    # accelerate replaces an unset ("auto") gradient_clipping with 1.0; 0.0 turns DeepSpeed's clipping off.
-    ds_config["gradient_clipping"] = config.max_grad_norm if config.max_grad_norm is not None else 0.0
-    if ds_config.get("zero_optimization", {}).get("stage") == 3:
-        # save_pretrained gathers the full weights through accelerator.get_state_dict, which needs this.
-        ds_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
-    ds_config["train_batch_size"] = config.mini_batch_size * config.gradient_accumulation_steps * accelerator.num_processes
-
-
-def _prepare_deepspeed_reference(ref_model, accelerator: Accelerator):
-    """Wrap the reference as a DeepSpeed engine: sharded under ZeRO-3, replicated (stage 0) otherwise."""
-    import copy
-
-    import deepspeed
-
-    plugin = accelerator.state.deepspeed_plugin
-    ds_config = copy.deepcopy(plugin.deepspeed_config)
-    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    if stage != 3:
-        ds_config["zero_optimization"] = {"stage": 0}
-    ds_config.pop("optimizer", None)
-    ds_config.pop("scheduler", None)
-    engine, *_ = deepspeed.initialize(model=ref_model, config=ds_config)
-    engine.eval()
-    return engine
-
-
-def _default_optimizer(model, learning_rate: float) -> torch.optim.Adam:
-    """Adam over the trainable parameters; the fused implementation (one pass over each tensor per
-    step instead of about ten) where PyTorch has it for every parameter."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-    return torch.optim.Adam(params, lr=learning_rate, fused=fused or None)
-
-
 def _to_compact(values: torch.Tensor, slots: tuple, rows: int, width: int) -> torch.Tensor:
     """Per-slot ``values (N, ...)`` placed at ``slots = (row, k)`` of a zero ``(rows, width, ...)`` tensor.
 
@@ -1176,11 +1075,3 @@ def _pad_token_id(tokenizer, model_config) -> int:
         if eos is not None:
             return int(eos)
     return 0
-
-
-def _empty_device_cache() -> None:
-    import gc
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

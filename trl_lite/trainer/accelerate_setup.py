@@ -1,0 +1,90 @@
+"""How the trainer sets up processes and devices: the Accelerator, DeepSpeed's config and reference
+engine, the default optimizer, and freeing the device cache.
+
+The CPU fixes (gloo under DeepSpeed, ``cpu=True`` for data parallel) are those measured in the
+project's ENVIRONMENT.md; everything else is plain accelerate.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
+
+from .ppo_config import PPOConfig
+
+
+def build_accelerator(config: PPOConfig) -> Accelerator:
+    """The trainer's Accelerator, with the CPU fixes of ENVIRONMENT.md for multi-process runs.
+
+    Under DeepSpeed without CUDA the process group needs gloo; for plain data parallel without
+    CUDA, ``cpu=True`` is what makes accelerate use MULTI_CPU with real DDP.
+    """
+    kwargs = dict(config.accelerator_kwargs)
+    handlers = list(kwargs.pop("kwargs_handlers", []))
+    multi_process = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    if not torch.cuda.is_available() and multi_process:
+        if use_deepspeed:
+            if not any(isinstance(h, InitProcessGroupKwargs) for h in handlers):
+                handlers.append(InitProcessGroupKwargs(backend="gloo"))
+        else:
+            kwargs.setdefault("cpu", True)
+    project_config = ProjectConfiguration(**config.project_kwargs)
+    # step() accumulates over its own mini-batches; the end of the user's dataloader must not force a sync.
+    accumulation = GradientAccumulationPlugin(num_steps=config.gradient_accumulation_steps, sync_with_dataloader=False)
+    return Accelerator(
+        log_with=config.log_with,
+        gradient_accumulation_plugin=accumulation,
+        project_config=project_config,
+        kwargs_handlers=handlers,
+        **kwargs,
+    )
+
+
+def fill_deepspeed_config(accelerator: Accelerator, config: PPOConfig) -> None:
+    """Set what DeepSpeed needs before ``prepare``: micro-batch, accumulation and clipping from the config."""
+    ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+    ds_config["train_micro_batch_size_per_gpu"] = config.mini_batch_size
+    ds_config["gradient_accumulation_steps"] = config.gradient_accumulation_steps
+    # accelerate replaces an unset ("auto") gradient_clipping with 1.0; 0.0 turns DeepSpeed's clipping off.
+    ds_config["gradient_clipping"] = config.max_grad_norm if config.max_grad_norm is not None else 0.0
+    if ds_config.get("zero_optimization", {}).get("stage") == 3:
+        # save_pretrained gathers the full weights through accelerator.get_state_dict, which needs this.
+        ds_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    ds_config["train_batch_size"] = config.mini_batch_size * config.gradient_accumulation_steps * accelerator.num_processes
+
+
+def prepare_deepspeed_reference(ref_model, accelerator: Accelerator):
+    """Wrap the reference as a DeepSpeed engine: sharded under ZeRO-3, replicated (stage 0) otherwise."""
+    import deepspeed
+
+    plugin = accelerator.state.deepspeed_plugin
+    ds_config = copy.deepcopy(plugin.deepspeed_config)
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    if stage != 3:
+        ds_config["zero_optimization"] = {"stage": 0}
+    ds_config.pop("optimizer", None)
+    ds_config.pop("scheduler", None)
+    engine, *_ = deepspeed.initialize(model=ref_model, config=ds_config)
+    engine.eval()
+    return engine
+
+
+def default_optimizer(model, learning_rate: float) -> torch.optim.Adam:
+    """Adam over the trainable parameters; the fused implementation (one pass over each tensor per
+    step instead of about ten) where PyTorch has it for every parameter."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.Adam(params, lr=learning_rate, fused=fused or None)
+
+
+def empty_device_cache() -> None:
+    """Collect garbage and return cached CUDA memory to the driver (``optimize_device_cache``)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
