@@ -3,8 +3,9 @@
     accelerate launch --config_file accelerate_configs/<name>.yaml --num_processes 2 \\
         tests/distributed/rollout_loop.py --base_model DIR --output_dir OUT [--peft] [--num_shared_layers N]
 
-Each process draws its own queries and generates a different number of new tokens, so under
-ZeRO-3 the processes run different numbers of forward passes inside `generate`. After the loop,
+Each process draws its own queries, generates a different number of new tokens and splits its
+queries into a different number of `generate` chunks (2 on rank 0, 1 on rank 1), so under ZeRO-3
+the processes run different numbers of forward passes and of `model.generate` calls. After the loop,
 the weights, the KL coefficient and the score moments of every process are collected with
 `torch.distributed.all_gather` and rank 0 writes them to OUT/report.pt, with its own full weights;
 the policy is saved to OUT/model with `PPOTrainer.save_pretrained`.
@@ -76,7 +77,7 @@ def rollout(trainer: PPOTrainer, steps: int) -> dict:
         responses = trainer.generate(
             queries,
             return_prompt=False,
-            batch_size=2,
+            batch_size=2 + 2 * rank,
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=True,

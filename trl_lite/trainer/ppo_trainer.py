@@ -167,6 +167,7 @@ class PPOTrainer:
         dataloader = self._build_dataloader(dataset, data_collator) if dataset is not None else None
 
         self.is_deepspeed_enabled = getattr(self.accelerator.state, "deepspeed_plugin", None) is not None
+        self._is_zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
         if self.is_deepspeed_enabled:
             fill_deepspeed_config(self.accelerator, config)
         to_prepare = [model, self.optimizer] + ([dataloader] if dataloader is not None else [])
@@ -801,7 +802,7 @@ class PPOTrainer:
     def _generation_model(self, model):
         """The unwrapped model with full weights: under ZeRO-3 gathered once for the whole call."""
         unwrapped = self.accelerator.unwrap_model(model)
-        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+        if self._is_zero3:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
@@ -826,6 +827,9 @@ class PPOTrainer:
         1-D tensors with padding (and anything after the first EOS) removed. ``length_sampler``
         draws ``max_new_tokens`` per call (per chunk for a list). With ``generate_ref_response``
         the reference model's responses are returned too.
+
+        Under ZeRO-3 generation is collective: every process must call ``generate`` the same number
+        of times, but the processes may pass different numbers of queries and lengths.
         """
         if isinstance(query_tensor, (list, tuple)):
             responses = self._generate_batched(
@@ -869,8 +873,14 @@ class PPOTrainer:
         outputs = []
         was_training = model.training
         model.eval()
+        starts = range(0, len(queries), batch_size)
         with self._generation_model(model) as gen_model:
-            for start in range(0, len(queries), batch_size):
+            for _ in range(self._missing_generate_calls(len(starts))):
+                # Under ZeRO-3 every forward pass is a collective, so a process with fewer chunks
+                # than another joins the extra calls with a one-row stand-in whose output is dropped.
+                stand_in = (queries[0][:1] if len(queries) else torch.tensor([pad])).to(device).unsqueeze(0)
+                gen_model.generate(input_ids=stand_in, attention_mask=torch.ones_like(stand_in), **kwargs)
+            for start in starts:
                 if length_sampler is not None:
                     kwargs["max_new_tokens"] = length_sampler()
                 chunk = [q.to(device) for q in queries[start : start + batch_size]]
@@ -896,6 +906,13 @@ class PPOTrainer:
         if was_training:
             model.train()
         return outputs
+
+    def _missing_generate_calls(self, calls: int) -> int:
+        """How many fewer ``generate`` calls this process makes than the busiest one (0 unless ZeRO-3)."""
+        if not self._is_zero3 or self.accelerator.num_processes == 1:
+            return 0
+        counts = self.accelerator.gather(torch.tensor([calls], device=self.current_device))
+        return int(counts.max()) - calls
 
     def log_stats(self, stats: dict, batch: dict, rewards, columns_to_log=("query", "response")) -> None:
         """Send ``stats`` and reward statistics of this step to the accelerate trackers (main process)."""
