@@ -186,3 +186,13 @@ def test_sentiment_example_trains_and_saves_under_zero3(tmp_path):
     sft = _named_parameters(AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path / "offline_models" / "sft_model")))
     changed = [k for k in tuned if not k.startswith("v_head.") and not torch.equal(tuned[k], sft[k])]
     assert changed, "PPO did not change the policy's weights"
+
+
+@pytest.mark.parametrize("config", ["deepspeed_zero2", "deepspeed_zero3", "multi_gpu"])
+def test_a_nonfinite_gradient_on_one_process_skips_the_update_on_all(config, base_model_dir, tmp_path):
+    # DeepSpeed checks and skips inside its own step; the trainer must still count and warn.
+    launch(config, SCRIPTS / "nonfinite_gradient.py", "--base_model", str(base_model_dir), "--output_dir", str(tmp_path))
+    seen = json.loads((tmp_path / "report.json").read_text())
+    for rank, (skipped, warned, changed, nonfinite, skipped2, warned2, changed2, nonfinite2) in enumerate(seen):
+        assert (skipped, warned, changed, nonfinite) == (1, 1, 0, 0), (rank, seen)
+        assert (skipped2, warned2, nonfinite2) == (0, 0, 0) and changed2 > 0, (rank, seen)

@@ -611,10 +611,11 @@ class PPOTrainer:
 
     def _gradients_finite(self) -> bool:
         """Clip the gradient norm (when ``max_grad_norm``) and tell whether it is finite."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
         if self.is_deepspeed_enabled:
-            # DeepSpeed clips inside its own step (gradient_clipping) and owns the gradients.
-            return True
+            # DeepSpeed owns the gradients: it clips and checks them inside its own step, which
+            # accelerate's backward has already run, and skips the update when they are not finite.
+            return self.model.was_step_applied()
+        params = [p for p in self.model.parameters() if p.requires_grad]
         if self.config.max_grad_norm is not None:
             norm = self.accelerator.clip_grad_norm_(params, self.config.max_grad_norm)
         else:
