@@ -192,6 +192,21 @@ def test_nan_loss_skips_only_that_minibatch():
     assert_all_finite(trainer)
 
 
+def test_a_minibatch_without_action_tokens_is_skipped_with_its_reason():
+    # Row 0's response is fully masked: its mini-batch of one row has no action token, so its masked
+    # means are 0 / 0. It is skipped and named as such; the other row's mini-batch trains.
+    trainer = make_trainer(batch_size=2, mini_batch_size=1)
+    queries, responses, scores = random_batch(2, seed=5, response_len=(3, 6))
+    masks = [torch.zeros(len(responses[0]), dtype=torch.long), torch.ones(len(responses[1]), dtype=torch.long)]
+    with pytest.warns(UserWarning, match="it has no action tokens") as caught:
+        stats = trainer.step(queries, responses, scores, response_masks=masks)
+    assert not any("loss is not finite" in str(w.message) for w in caught)
+    assert stats["ppo/skipped_minibatches"] == 1
+    assert adam_steps(trainer) == {1.0}
+    assert np.isfinite(stats["ppo/loss/total"]) and np.isfinite(stats["objective/kl"])
+    assert_all_finite(trainer)
+
+
 @pytest.mark.parametrize("bad_value,max_grad_norm", [(NAN, None), (INF, 1.0)])
 def test_non_finite_gradient_skips_the_update_and_leaves_adam_untouched(bad_value, max_grad_norm):
     trainer = make_trainer(max_grad_norm=max_grad_norm)

@@ -577,7 +577,7 @@ class PPOTrainer:
                 old_logprobs, old_values, None, vpreds, logprobs, mask, advantages, returns, entropy=entropy
             )
             loss = pg_loss + self.config.vf_coef * vf_loss
-            reason = self._skip_reason(loss, stats["policy/ratio"])
+            reason = self._skip_reason(loss, stats["policy/ratio"], mask)
             if reason is not None:
                 self._skip(reason)
                 if self.accelerator.sync_gradients:
@@ -593,12 +593,19 @@ class PPOTrainer:
         ratio = torch.exp(logprobs - old_logprobs).detach()[mask.bool()]
         return stats, ratio
 
-    def _skip_reason(self, loss: torch.Tensor, mean_ratio: torch.Tensor) -> str | None:
+    def _skip_reason(self, loss: torch.Tensor, mean_ratio: torch.Tensor, mask: torch.Tensor) -> str | None:
         """Why this mini-batch must be skipped on every process, or None. One host sync."""
-        flags = torch.stack([(~torch.isfinite(loss)).float(), (mean_ratio > self.config.ratio_threshold).float()])
+        flags = torch.stack([
+            (mask.sum() == 0).float(),
+            (~torch.isfinite(loss)).float(),
+            (mean_ratio > self.config.ratio_threshold).float(),
+        ])  # fmt: skip
         if self.accelerator.num_processes > 1:
             flags = self.accelerator.reduce(flags, reduction="sum")
-        not_finite, ratio_high = flags.tolist()
+        no_actions, not_finite, ratio_high = flags.tolist()
+        if no_actions:
+            # Its masked means are 0 / 0: there is nothing to learn from, and no finite loss.
+            return "it has no action tokens (every response in it is masked out or too short)"
         if not_finite:
             return "the loss is not finite"
         if ratio_high:
