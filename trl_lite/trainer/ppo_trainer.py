@@ -384,7 +384,7 @@ class PPOTrainer:
         longest = int(rows.response_len[idx].max())
         return max(longest - 1, 1) if self.is_encoder_decoder else longest
 
-    def _minibatch_inputs(self, rows: _Rows, idx: torch.Tensor) -> tuple[dict, torch.Tensor, torch.Tensor, int]:
+    def _minibatch_inputs(self, rows: _Rows, idx: torch.Tensor) -> tuple[dict, torch.Tensor, tuple, torch.Tensor, int]:
         """Model inputs of rows ``idx``, padded to their own longest row.
 
         Returns the model kwargs, ``positions (b, L_mb)`` of the compact slots in the model's output,
@@ -430,7 +430,11 @@ class PPOTrainer:
         slots = self._token_slots(rows, index, width)
         token_positions = positions[slots]
         targets = input_ids[slots[0], token_positions + 1]
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "logits_positions": (slots[0], token_positions)}
+        inputs = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "logits_positions": (slots[0], token_positions),
+        }
         if self._pass_position_ids:
             # Explicit positions make the result independent of the padding side.
             inputs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
