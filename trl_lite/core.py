@@ -49,8 +49,9 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, gather: boo
     out = flat.new_empty(flat.shape[0], dtype=torch.promote_types(logits.dtype, torch.float32))
     step = _chunk_rows(flat)
     for start in range(0, flat.shape[0], step):
-        chunk = F.log_softmax(flat[start : start + step].to(out.dtype), dim=-1)
-        out[start : start + step] = chunk.gather(-1, flat_labels[start : start + step]).squeeze(-1)
+        rows = slice(start, start + step)
+        # One expression, so the chunk's log-softmax is freed before the next one is allocated.
+        out[rows] = F.log_softmax(flat[rows].to(out.dtype), dim=-1).gather(-1, flat_labels[rows]).squeeze(-1)
     return out.reshape(labels.shape)
 
 
@@ -73,13 +74,16 @@ class _LogProbsAndEntropy(torch.autograd.Function):
         logprobs = torch.empty(flat.shape[0], dtype=dtype, device=flat.device)
         entropy = torch.empty_like(logprobs)
         step = _chunk_rows(flat)
+        product = torch.empty((min(step, flat.shape[0]), flat.shape[1]), dtype=dtype, device=flat.device)
         for start in range(0, flat.shape[0], step):
             rows = slice(start, start + step)
             z, p, target = flat[rows].to(dtype), probs[rows], flat_labels[rows]
             torch.log_softmax(z, dim=-1, out=p)
             logprobs[rows] = p.gather(-1, target).squeeze(-1)
             log_sum_exp = z.gather(-1, target).squeeze(-1) - logprobs[rows]
-            entropy[rows] = log_sum_exp - torch.linalg.vecdot(p.exp_(), z)
+            # sum_v p_v z_v through one reused buffer: no chunk-sized temporary per chunk.
+            p_times_z = torch.mul(p.exp_(), z, out=product[: len(p)])
+            entropy[rows] = log_sum_exp - p_times_z.sum(-1)
         ctx.save_for_backward(probs, flat_labels)
         ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
         entropy = entropy.reshape(labels.shape)
