@@ -380,8 +380,11 @@ class PPOTrainer:
         return _Rows(queries, responses, sequences, query_len, response_len, action_mask)
 
     def _width(self, rows: _Rows, idx: torch.Tensor) -> int:
-        """Compact length ``L_mb`` of rows ``idx``: their longest response (minus one for encoder-decoders)."""
-        longest = int(rows.response_len[idx].max())
+        """Compact length ``L_mb`` of rows ``idx``: their longest response (minus one for encoder-decoders).
+
+        Read from the host-side lengths of the response tensors, as :meth:`_token_slots` does.
+        """
+        longest = max(len(rows.responses[i]) for i in idx.tolist())
         return max(longest - 1, 1) if self.is_encoder_decoder else longest
 
     def _minibatch_inputs(self, rows: _Rows, idx: torch.Tensor) -> tuple[dict, torch.Tensor, tuple, torch.Tensor, int]:
@@ -423,7 +426,7 @@ class PPOTrainer:
         arange = torch.arange(seq_len, device=device)
         pad_left = seq_len - lengths if side == "left" else torch.zeros_like(lengths)
         attention_mask = ((arange >= pad_left.unsqueeze(1)) & (arange < (pad_left + lengths).unsqueeze(1))).long()
-        width = int(rows.response_len[idx].max())
+        width = self._width(rows, idx)
         start = pad_left + rows.query_len[idx] - 1
         # Positions past a row's response are padding of the compact layout; clamp them into range.
         positions = (start.unsqueeze(1) + torch.arange(width, device=device)).clamp(max=seq_len - 2)
