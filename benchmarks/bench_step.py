@@ -153,46 +153,60 @@ def rows_per_chunk(z: torch.Tensor) -> int:
     return max(1, (2 << 20 if z.device.type == "cpu" else 256 << 20) // (4 * z.shape[-1]))
 
 
-class ChosenLogProb(torch.autograd.Function):
-    """`log softmax(z)[target]` whose backward is `(onehot - softmax) * grad` from one saved softmax.
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, buffer_rows: int) -> torch.Tensor:
+    """`hidden @ weight.T` (N, V) in float32, written into a view of a (max(N, buffer_rows), V) allocation.
 
-    Stock autograd through `log_softmax` and `gather` keeps the log-softmax and makes more
-    vocabulary-sized passes and temporaries in the backward; this is the least work the formula
-    needs. Shapes: z (n, V), target (n,) -> (n,).
+    The floor sizes every such allocation of a step to its largest mini-batch: then each fits the
+    memory the previous one freed, and the CPU heap does not fragment.
+    """
+    out = torch.empty((max(len(hidden), buffer_rows), weight.shape[0]), device=hidden.device)[: len(hidden)]
+    if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
+        return torch.mm(hidden, weight.t(), out=out)
+    return out.copy_(hidden @ weight.t())
+
+
+class HeadLogProb(torch.autograd.Function):
+    """`log softmax(hidden W^T)[target]`, the LM head and the log-softmax in one buffer.
+
+    The logits buffer turns into the softmax a cache-sized chunk at a time; the backward makes the
+    gradient of the logits in place in it (`(onehot - softmax) * grad`), then the two products of
+    the head's backward. Shapes: hidden (N, H), weight (V, H), target (N,) -> (N,).
     """
 
     @staticmethod
-    def forward(ctx, z, target):
-        softmax, chosen = torch.empty_like(z, dtype=torch.float32), z.new_empty(len(z), dtype=torch.float32)
+    def forward(ctx, hidden, weight, target, buffer_rows):
+        z = head_logits(hidden, weight, buffer_rows)
+        chosen = z.new_empty(len(z))
         step = rows_per_chunk(z)
+        work = z.new_empty((min(step, len(z)), z.shape[1]))
         for start in range(0, len(z), step):
             rows = slice(start, start + step)  # slices are views: no copy of the chunk
-            torch.log_softmax(z[rows].float(), -1, out=softmax[rows])
-            chosen[rows] = softmax[rows].gather(-1, target[rows, None])[:, 0]
-            softmax[rows].exp_()
-        ctx.save_for_backward(softmax, target)
-        ctx.dtype = z.dtype
+            log_p = torch.log_softmax(z[rows], -1, out=work[: len(z[rows])])
+            chosen[rows] = log_p.gather(-1, target[rows, None])[:, 0]
+            torch.exp(log_p, out=z[rows])
+        ctx.save_for_backward(hidden, weight, z, target)
         return chosen
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, target = ctx.saved_tensors
+        hidden, weight, softmax, target = ctx.saved_tensors
         grad = grad[:, None]
-        # The saved softmax is not needed again: its memory becomes the gradient.
-        return softmax.mul_(-grad).scatter_add_(-1, target[:, None], grad).to(ctx.dtype), None
+        grad_z = softmax.mul_(-grad).scatter_add_(-1, target[:, None], grad).to(weight.dtype)
+        return grad_z @ weight, grad_z.t() @ hidden, None, None
 
 
-def chosen_logprob_no_grad(z: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """`log softmax(z)[target]` without grad, a cache-sized chunk of rows at a time. (n, V) -> (n,)."""
+def head_logprob_no_grad(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, buffer_rows: int):
+    """`log softmax(hidden W^T)[target]` without grad, the log-softmax a cache-sized chunk at a time. -> (N,)"""
+    z = head_logits(hidden, weight, buffer_rows)
     step = rows_per_chunk(z)
     chunks = [
-        torch.log_softmax(z[start : start + step].float(), -1).gather(-1, target[start : start + step, None])[:, 0]
+        torch.log_softmax(z[start : start + step], -1).gather(-1, target[start : start + step, None])[:, 0]
         for start in range(0, len(z), step)
     ]
     return torch.cat(chunks)
 
 
-def response_logprobs(lm, batch: dict, v_head=None) -> tuple:
+def response_logprobs(lm, batch: dict, v_head=None, buffer_rows: int = 0) -> tuple:
     """Log-probs (and values) of the response tokens, with the LM head only where a token is predicted.
 
     Shapes: log-probs (n, K) = gathered logit - logsumexp over the vocabulary, 0 past each
@@ -205,9 +219,11 @@ def response_logprobs(lm, batch: dict, v_head=None) -> tuple:
     index = batch["positions"].unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
     picked = hidden.gather(1, index)  # (n, K, H)
     mask = batch["mask"]
-    logits = lm.lm_head(picked[mask])  # (N, V)
-    targets = batch["targets"][mask]
-    chosen = ChosenLogProb.apply(logits, targets) if torch.is_grad_enabled() else chosen_logprob_no_grad(logits, targets)
+    h, weight, targets = picked[mask], lm.lm_head.weight, batch["targets"][mask]  # h: (N, H)
+    if torch.is_grad_enabled():
+        chosen = HeadLogProb.apply(h, weight, targets, buffer_rows)
+    else:
+        chosen = head_logprob_no_grad(h, weight, targets, buffer_rows)
     logprobs = torch.zeros(mask.shape, device=chosen.device).masked_scatter(mask, chosen)
     values = v_head(picked).squeeze(-1) if v_head is not None else None
     return logprobs, values
@@ -246,6 +262,7 @@ class FloorPPO:
         self.ppo_epochs = ppo_epochs
         self.pad_id = lm.config.pad_token_id
         self.device = param.device
+        self.buffer_rows = 0
 
     def _pack(self, queries, responses, rows):
         return pack_rows(queries, responses, rows, self.pad_id, self.device)
@@ -258,8 +275,8 @@ class FloorPPO:
         for start in range(0, n, self.mini_batch_size):
             rows = list(range(start, min(start + self.mini_batch_size, n)))
             batch = self._pack(queries, responses, rows)
-            logprobs, values = response_logprobs(self.lm, batch, self.v_head)
-            ref, _ = response_logprobs(self.ref, batch)
+            logprobs, values = response_logprobs(self.lm, batch, self.v_head, self.buffer_rows)
+            ref, _ = response_logprobs(self.ref, batch, buffer_rows=self.buffer_rows)
             k = batch["mask"].shape[1]
             for key, t in (("logprobs", logprobs), ("ref", ref), ("values", values), ("mask", batch["mask"])):
                 old[key][start : start + len(rows), :k] = t
@@ -276,7 +293,7 @@ class FloorPPO:
         mask = batch["mask"]
         index = torch.tensor(rows, device=self.device)
         take = {key: t[index, : mask.shape[1]] for key, t in old.items()}
-        logprobs, values = response_logprobs(self.lm, batch, self.v_head)
+        logprobs, values = response_logprobs(self.lm, batch, self.v_head, self.buffer_rows)
         ratio = torch.exp(logprobs.float() - take["logprobs"])
         adv = take["advantages"]
         pg_loss = masked_mean(torch.max(-adv * ratio, -adv * ratio.clamp(1 - CLIPRANGE, 1 + CLIPRANGE)), mask)
@@ -289,6 +306,8 @@ class FloorPPO:
 
     def step(self, queries: list, responses: list, scores: list) -> None:
         """One PPO step: rollout forward passes, then `ppo_epochs` shuffled passes over mini-batches."""
+        # The most response tokens a mini-batch can hold: the size of every LM-head buffer of the step.
+        self.buffer_rows = sum(sorted((len(r) for r in responses), reverse=True)[: self.mini_batch_size])
         old = self._rollout(queries, responses, scores)
         n = len(queries)
         for _ in range(self.ppo_epochs):

@@ -32,7 +32,7 @@ def test_floor_logprobs_match_full_vocabulary_forward():
     batch = bench.pack_rows(queries, responses, rows, lm.config.pad_token_id, "cpu")
     with torch.no_grad():
         logprobs, _ = bench.response_logprobs(lm, batch)
-    with_grad, _ = bench.response_logprobs(lm, batch)  # the training path (ChosenLogProb)
+    with_grad, _ = bench.response_logprobs(lm, batch, buffer_rows=40)  # the training path (HeadLogProb)
     assert logprobs.shape == (3, max(len(responses[i]) for i in rows))
     torch.testing.assert_close(with_grad.detach(), logprobs)
     for j, i in enumerate(rows):
@@ -44,20 +44,22 @@ def test_floor_logprobs_match_full_vocabulary_forward():
         assert batch["mask"][j].sum() == len(r)
 
 
-def test_floor_chosen_logprob_and_gradient_match_float64_autograd(monkeypatch):
+def test_floor_head_logprob_and_gradients_match_float64_autograd(monkeypatch):
     monkeypatch.setattr(bench, "rows_per_chunk", lambda z: 16)  # 40 rows: chunks of 16, 16 and 8
     g = torch.Generator().manual_seed(0)
-    z = (3 * torch.randn(40, 7, generator=g)).requires_grad_(True)
+    hidden = torch.randn(40, 5, generator=g).requires_grad_(True)
+    weight = (2 * torch.randn(7, 5, generator=g)).requires_grad_(True)
     target = torch.randint(0, 7, (40,), generator=g)
     weights = torch.randn(40, generator=g)
-    chosen = bench.ChosenLogProb.apply(z, target)
+    chosen = bench.HeadLogProb.apply(hidden, weight, target, 64)  # a buffer larger than the rows
     (chosen * weights).sum().backward()
-    z64 = z.detach().double().requires_grad_(True)
-    want = z64.log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    hidden64, weight64 = (t.detach().double().requires_grad_(True) for t in (hidden, weight))
+    want = (hidden64 @ weight64.T).log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
     (want * weights.double()).sum().backward()
     torch.testing.assert_close(chosen.double(), want.detach(), rtol=0, atol=1e-6)
-    torch.testing.assert_close(z.grad.double(), z64.grad, rtol=0, atol=1e-6)
-    no_grad = bench.chosen_logprob_no_grad(z.detach(), target)
+    torch.testing.assert_close(hidden.grad.double(), hidden64.grad, rtol=0, atol=1e-5)
+    torch.testing.assert_close(weight.grad.double(), weight64.grad, rtol=0, atol=1e-5)
+    no_grad = bench.head_logprob_no_grad(hidden.detach(), weight.detach(), target, 0)
     torch.testing.assert_close(no_grad.double(), want.detach(), rtol=0, atol=1e-6)
 
 

@@ -362,6 +362,8 @@ def test_lm_head_and_softmax_see_only_the_response_token_slots(monkeypatch, enco
     # Compact padding (slots past a shorter response) never reaches the log-softmax, nor the LM head
     # of a decoder-only model: each call gets exactly one row per response token of its mini-batch
     # (one fewer per row for encoder-decoders, whose first decoder token is the start token).
+    # Decoder-only models go through the fused head (core._lm_head_logits), T5 through its own head.
+    import trl_lite.core as core_module
     import trl_lite.trainer.ppo_trainer as ppo_trainer_module
 
     if encoder_decoder:
@@ -372,7 +374,7 @@ def test_lm_head_and_softmax_see_only_the_response_token_slots(monkeypatch, enco
     queries, responses, scores = random_batch(4, seed=3)
     lengths = [len(r) - encoder_decoder for r in responses]
     assert len(set(lengths)) > 1  # the mini-batches do have padding to leave out
-    softmax_rows, lm_head_rows = [], []
+    softmax_rows, buffers = [], []
     for name in ("logprobs_from_logits", "logprobs_and_entropy_from_logits"):
         real = getattr(ppo_trainer_module, name)
 
@@ -381,9 +383,18 @@ def test_lm_head_and_softmax_see_only_the_response_token_slots(monkeypatch, enco
             return real(logits, labels)
 
         monkeypatch.setattr(ppo_trainer_module, name, recording)
-    if not encoder_decoder:
-        lm_head = trainer.model.transformers_model.lm_head
-        lm_head.register_forward_hook(lambda module, args, output: lm_head_rows.append(tuple(output.shape)))
+    real_head_logits = core_module._lm_head_logits
+
+    def recording_head(hidden, weight, bias, buffer_rows):
+        logits = real_head_logits(hidden, weight, bias, buffer_rows)
+        softmax_rows.append(tuple(logits.shape))
+        buffers.append(logits.untyped_storage().nbytes() // (4 * logits.shape[1]))
+        return logits
+
+    monkeypatch.setattr(core_module, "_lm_head_logits", recording_head)
+    lm_head_calls = []
+    head = model.transformers_model.get_output_embeddings()
+    head.register_forward_hook(lambda module, args, output: lm_head_calls.append(tuple(output.shape)))
     trainer.step(queries, responses, scores)
 
     vocab = model.transformers_model.config.vocab_size
@@ -395,7 +406,9 @@ def test_lm_head_and_softmax_see_only_the_response_token_slots(monkeypatch, enco
     assert len(training) == 2 and sum(n for n, _ in training) == sum(lengths)
     assert {n for n, _ in training} <= pairs and all(v == vocab for _, v in training)
     if not encoder_decoder:
-        assert lm_head_rows == [first, second] + training  # the reference is a separate copy
+        # The head module itself never runs; every buffer has the rows of the largest possible pair.
+        assert lm_head_calls == []
+        assert buffers == [max(pairs)] * 6
 
 
 def test_default_optimizer_is_fused_adam_with_the_config_learning_rate():

@@ -108,6 +108,106 @@ def logprobs_and_entropy_from_logits(logits: torch.Tensor, labels: torch.Tensor)
     return _LogProbsAndEntropy.apply(logits, labels)
 
 
+def _lm_head_logits(hidden, weight, bias, buffer_rows: int | None) -> torch.Tensor:
+    """Logits ``hidden @ weight.T + bias`` in float32 (float64 for float64 inputs), ``(N, V)``.
+
+    The result is a view of a fresh ``(max(N, buffer_rows), V)`` allocation. Callers that give every
+    call of a step the same ``buffer_rows`` make all these allocations the same size, so the memory
+    one mini-batch frees is reused whole by the next instead of fragmenting the CPU heap.
+    """
+    dtype = torch.promote_types(weight.dtype, torch.float32)
+    capacity = max(hidden.shape[0], buffer_rows or 0)
+    logits = torch.empty((capacity, weight.shape[0]), dtype=dtype, device=hidden.device)[: hidden.shape[0]]
+    if hidden.dtype == weight.dtype == dtype:
+        if bias is None:
+            return torch.mm(hidden, weight.t(), out=logits)
+        return torch.addmm(bias, hidden, weight.t(), out=logits)
+    # Half precision: the product in the model's dtype, then upcast, as the model's LM head would do.
+    return logits.copy_(F.linear(hidden, weight, bias))
+
+
+class _LinearLogProbsAndEntropy(torch.autograd.Function):
+    """The LM head, log-probs of chosen tokens (with grad) and entropy (no grad) in one buffer.
+
+    Forward: the logits go into one ``(N, V)`` buffer, which becomes the softmax chunk by chunk
+    (a cache-sized log-softmax, the chosen log-probs and entropy taken from it, then its
+    exponential written back). That buffer is all the backward keeps besides the head's inputs:
+    ``grad_z = (onehot - softmax) * grad`` is formed in place, then
+    ``grad_hidden = grad_z W`` and ``grad_W = grad_z^T hidden``. Composing the LM head with
+    :class:`_LogProbsAndEntropy` instead keeps the logits and the softmax, two ``(N, V)`` tensors.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, buffer_rows):
+        probs = _lm_head_logits(hidden, weight, bias, buffer_rows)
+        dtype, n = probs.dtype, probs.shape[0]
+        flat_labels = labels.reshape(-1, 1)
+        logprobs = torch.empty(n, dtype=dtype, device=probs.device)
+        entropy = torch.empty_like(logprobs)
+        step = _chunk_rows(probs)
+        # Two chunk-sized work buffers, reused for every chunk.
+        log_p = torch.empty((min(step, n), probs.shape[1]), dtype=dtype, device=probs.device)
+        product = torch.empty_like(log_p)
+        for start in range(0, n, step):
+            rows = slice(start, start + step)
+            z, chunk_log_p = probs[rows], log_p[: len(probs[rows])]
+            torch.log_softmax(z, dim=-1, out=chunk_log_p)
+            logprobs[rows] = chunk_log_p.gather(-1, flat_labels[rows]).squeeze(-1)
+            p = torch.exp(chunk_log_p, out=z)  # the logits of this chunk are not needed again
+            entropy[rows] = -torch.mul(p, chunk_log_p, out=product[: len(p)]).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, probs, flat_labels)
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, bias, probs, labels = ctx.saved_tensors
+        grad = grad_logprobs.reshape(-1, 1).to(probs.dtype)
+        # The saved softmax is not needed again: its memory becomes the logits' gradient, which
+        # goes back through the upcast (to the model's dtype) and the linear map.
+        grad_logits = probs.mul_(-grad).scatter_add_(-1, labels, grad).to(weight.dtype)
+        grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
+        grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
+        grad_bias = grad_logits.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
+        return grad_hidden, grad_weight, grad_bias, None, None
+
+
+def logprobs_and_entropy_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    buffer_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of ``labels`` (differentiable) and entropy (detached) under a linear LM head.
+
+    The same values as :func:`logprobs_and_entropy_from_logits` on ``hidden @ weight.T + bias``
+    (upcast to float32), with one vocabulary-sized buffer instead of two; gradients reach
+    ``hidden``, ``weight`` and ``bias``. ``buffer_rows``: allocate the buffer for at least that
+    many rows (see :func:`_lm_head_logits`). Shapes: hidden ``(N, H)``, weight ``(V, H)``, bias
+    ``(V,)`` or None, labels ``(N,)`` -> two ``(N,)`` tensors.
+    """
+    return _LinearLogProbsAndEntropy.apply(hidden, weight, bias, labels, buffer_rows)
+
+
+def logprobs_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    buffer_rows: int | None = None,
+) -> torch.Tensor:
+    """Log-probability of ``labels`` under the linear LM head ``hidden @ weight.T + bias``.
+
+    :func:`logprobs_from_logits` of the float32 logits, built in one buffer (see
+    :func:`_lm_head_logits`); differentiable when grad is enabled. Shapes as in
+    :func:`logprobs_and_entropy_from_hidden`; returns ``(N,)``.
+    """
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
+        return logprobs_and_entropy_from_hidden(hidden, weight, bias, labels, buffer_rows)[0]
+    return logprobs_from_logits(_lm_head_logits(hidden, weight, bias, buffer_rows), labels)
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the categorical distribution at every position, in nats.
 

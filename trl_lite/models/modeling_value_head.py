@@ -140,10 +140,23 @@ class _ValueHeadModel(PreTrainedModelWrapper):
             self.v_head.summary.weight.data.normal_(mean=0.0, std=v_head_initializer_range)
             self.v_head.summary.bias.data.zero_()
 
+    def linear_lm_head(self) -> nn.Linear | None:
+        """The LM head, when a caller may apply it itself: a plain `nn.Linear` whose output at chosen
+        positions is exactly the logits `forward` returns there. Otherwise None.
+
+        With it, `forward(..., logits_positions=..., return_lm_head_inputs=True)` returns the head's
+        inputs, and the caller can fuse the head with what it computes from the logits (see
+        `trl_lite.core.logprobs_and_entropy_from_hidden`). None for encoder-decoders, heads of
+        another type (PEFT adapters, quantised layers), parameters partitioned by DeepSpeed ZeRO-3,
+        and whenever `logits_positions` alone would run the full forward.
+        """
+        return None
+
     @staticmethod
-    def _outputs(lm_logits, loss, value, past_key_values, return_past_key_values: bool):
+    def _outputs(lm_logits, loss, value, past_key_values, return_past_key_values: bool, upcast: bool = True):
         """The classic output tuple; logits in float32 so log-probabilities are computed in full precision."""
-        lm_logits = lm_logits.float()
+        if upcast:
+            lm_logits = lm_logits.float()
         if return_past_key_values:
             return lm_logits, loss, value, past_key_values
         return lm_logits, loss, value
@@ -163,7 +176,9 @@ class AutoModelForCausalLMWithValueHead(_ValueHeadModel):
     `model(input_ids, attention_mask=...)` returns `(lm_logits, loss, value)`: logits (B, S, V) in
     float32, the transformers loss (None without `labels`), values (B, S). With
     `logits_positions` (B, K), logits are computed only at those positions: (B, K, V); with a pair
-    `(rows, positions)` of 1-D tensors of length N, only at those N entries: (N, V).
+    `(rows, positions)` of 1-D tensors of length N, only at those N entries: (N, V). Adding
+    `return_lm_head_inputs=True` returns the LM head's inputs there instead of its logits (see
+    `linear_lm_head`).
     """
 
     transformers_parent_class = AutoModelForCausalLM
@@ -175,6 +190,7 @@ class AutoModelForCausalLMWithValueHead(_ValueHeadModel):
         attention_mask=None,
         return_past_key_values: bool = False,
         logits_positions: torch.Tensor | None = None,
+        return_lm_head_inputs: bool = False,
         **kwargs,
     ):
         """Logits, loss and values; other kwargs (position_ids, labels, ...) go to the transformers model.
@@ -182,17 +198,27 @@ class AutoModelForCausalLMWithValueHead(_ValueHeadModel):
         Shapes: input_ids, attention_mask (B, S); logits_positions (B, K) of indices into S, or a
         pair (rows, positions) of N indices into B and S. Returns lm_logits (B, S, V), or (B, K, V)
         / (N, V) at `logits_positions`; loss or None; value (B, S);
-        and past_key_values last when `return_past_key_values`.
+        and past_key_values last when `return_past_key_values`. With `return_lm_head_inputs`, the
+        first output is the LM head's input at `logits_positions`, (B, K, H) or (N, H), in the
+        model's dtype.
         """
         kwargs = self._prepare_kwargs(past_key_values, return_past_key_values, kwargs)
         parts = self._backbone_and_lm_head(kwargs) if logits_positions is not None else None
+        if return_lm_head_inputs and (parts is None or self.linear_lm_head() is None):
+            raise ValueError(
+                "return_lm_head_inputs=True needs logits_positions, no labels, and a model whose "
+                f"linear_lm_head() is not None; got logits_positions={type(logits_positions).__name__}, "
+                f"labels {'given' if 'labels' in kwargs else 'absent'}, "
+                f"linear_lm_head()={type(self.linear_lm_head()).__name__}"
+            )
         if parts is not None:
             backbone, lm_head = parts
             outputs = backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
             hidden_states = outputs.last_hidden_state  # (B, S, H), after the final layer norm
             _check_logits_positions(logits_positions, hidden_states.shape[0])
             # Only the selected hidden states go through the LM head: no (B, S, V) tensor is built.
-            lm_logits, loss = lm_head(gather_positions(hidden_states, logits_positions)), None
+            selected, loss = gather_positions(hidden_states, logits_positions), None
+            lm_logits = selected if return_lm_head_inputs else lm_head(selected)
         else:
             outputs = self.pretrained_model(
                 input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **kwargs
@@ -203,7 +229,19 @@ class AutoModelForCausalLMWithValueHead(_ValueHeadModel):
                 _check_logits_positions(logits_positions, lm_logits.shape[0])
                 lm_logits = gather_positions(lm_logits, logits_positions)
         value = self.v_head(hidden_states)
-        return self._outputs(lm_logits, loss, value, outputs.past_key_values, return_past_key_values)
+        return self._outputs(
+            lm_logits, loss, value, outputs.past_key_values, return_past_key_values, upcast=not return_lm_head_inputs
+        )
+
+    def linear_lm_head(self) -> nn.Linear | None:
+        """See `_ValueHeadModel.linear_lm_head`: here the LM head of the fast path, when it is a plain Linear."""
+        parts = self._backbone_and_lm_head({})
+        head = parts[1] if parts is not None else None
+        # Exactly nn.Linear: subclasses (quantised layers) and adapters compute something else from
+        # their weight; ZeRO-3 keeps only a shard of it outside the module's own forward.
+        if type(head) is not nn.Linear or hasattr(head.weight, "ds_id"):
+            return None
+        return head
 
     def _backbone_and_lm_head(self, kwargs: dict):
         """(backbone, LM head) for the fast path, or None when it would not reproduce `forward`.

@@ -42,7 +42,9 @@ from ..core import (
     flatten_dict,
     full_kl_from_logits,
     kl_estimate,
+    logprobs_and_entropy_from_hidden,
     logprobs_and_entropy_from_logits,
+    logprobs_from_hidden,
     logprobs_from_logits,
     masked_mean,
     masked_var,
@@ -90,7 +92,8 @@ class _Rows:
 
     ``sequences``: per row, query+response (decoder-only) - a list of 1-D tensors;
     ``queries``/``responses``: lists of 1-D tensors; ``query_len``/``response_len``: ``(B,)``;
-    ``action_mask``: ``(B, L)`` float, the compact action mask.
+    ``action_mask``: ``(B, L)`` float, the compact action mask; ``buffer_rows``: the most token
+    slots any mini-batch of these rows can have (the LM-head buffers of the step are sized to it).
     """
 
     queries: list
@@ -99,6 +102,7 @@ class _Rows:
     query_len: torch.Tensor
     response_len: torch.Tensor
     action_mask: torch.Tensor
+    buffer_rows: int
 
     def __len__(self):
         return len(self.queries)
@@ -377,7 +381,15 @@ class PPOTrainer:
             k = torch.arange(int(response_len.max()), device=device)
             action_mask = (k < response_len.unsqueeze(1)).float() * padded_masks
             sequences = [torch.cat((q, r)) for q, r in zip(queries, responses)]
-        return _Rows(queries, responses, sequences, query_len, response_len, action_mask)
+        # Every mini-batch's LM-head buffer gets this many rows, so the memory freed by one mini-batch
+        # fits the next exactly (see core._lm_head_logits).
+        counts = sorted((self._slot_count(r) for r in responses), reverse=True)
+        buffer_rows = sum(counts[: self.config.mini_batch_size])
+        return _Rows(queries, responses, sequences, query_len, response_len, action_mask, buffer_rows)
+
+    def _slot_count(self, response: torch.Tensor) -> int:
+        """How many slots of a row predict one of its response tokens (all but the first for encoder-decoders)."""
+        return max(len(response) - (1 if self.is_encoder_decoder else 0), 0)
 
     def _width(self, rows: _Rows, idx: torch.Tensor) -> int:
         """Compact length ``L_mb`` of rows ``idx``: their longest response (minus one for encoder-decoders).
@@ -451,8 +463,7 @@ class PPOTrainer:
         the softmax run on N = sum of the rows' token counts instead of b * L_mb positions. Built
         from host-side lengths: no device sync.
         """
-        shift = 1 if self.is_encoder_decoder else 0
-        counts = [min(max(len(rows.responses[i]) - shift, 0), width) for i in index]
+        counts = [min(self._slot_count(rows.responses[i]), width) for i in index]
         total, device = sum(counts), self.current_device
         counts_t = torch.tensor(counts, device=device)
         row = torch.repeat_interleave(torch.arange(len(index), device=device), counts_t, output_size=total)
@@ -465,16 +476,33 @@ class PPOTrainer:
         Shapes: logprobs, values ``(b, L_mb)`` (log-probs 0 past each response); with
         ``return_logits`` also the logits ``(N, V)`` at the token ``slots`` (else None for both).
         """
-        logits, targets, values, slots, width = self._logits_rows(model, rows, idx)
-        logprobs = _to_compact(logprobs_from_logits(logits, targets), slots, len(idx), width)
-        return logprobs, values, (logits if return_logits else None), (slots if return_logits else None), width
+        head = None if return_logits else self._linear_head(model)
+        outputs, targets, values, slots, width = self._head_rows(model, rows, idx, lm_head_inputs=head is not None)
+        if head is None:
+            logprobs = logprobs_from_logits(outputs, targets)
+        else:
+            logprobs = logprobs_from_hidden(outputs, head.weight, head.bias, targets, rows.buffer_rows)
+        logprobs = _to_compact(logprobs, slots, len(idx), width)
+        return logprobs, values, (outputs if return_logits else None), (slots if return_logits else None), width
 
-    def _logits_rows(self, model, rows: _Rows, idx: torch.Tensor):
-        """Logits ``(N, V)`` and target ids ``(N,)`` at the token slots of rows ``idx``; values ``(b, L_mb)``."""
+    def _head_rows(self, model, rows: _Rows, idx: torch.Tensor, lm_head_inputs: bool = False):
+        """The LM head's logits ``(N, V)`` at the token slots of rows ``idx`` - or, with ``lm_head_inputs``,
+        its inputs ``(N, H)`` - their target ids ``(N,)`` and the values ``(b, L_mb)``."""
         inputs, positions, slots, targets, width = self._minibatch_inputs(rows, idx)
-        logits, _, values = model(**inputs)
+        if lm_head_inputs:
+            inputs["return_lm_head_inputs"] = True
+        outputs, _, values = model(**inputs)
         values = values[:, :-1] if self.is_encoder_decoder else values.gather(1, positions)
-        return logits, targets, values.float(), slots, width
+        return outputs, targets, values.float(), slots, width
+
+    def _linear_head(self, model) -> torch.nn.Linear | None:
+        """The model's LM head when the trainer may fuse it with the log-softmax, else None.
+
+        Fused (``core.logprobs_and_entropy_from_hidden``), the head's logits become the softmax in
+        place, in a buffer of ``_Rows.buffer_rows`` rows: one vocabulary-sized tensor per mini-batch
+        instead of two, of the same size in every mini-batch of a step.
+        """
+        return self.accelerator.unwrap_model(model).linear_lm_head()
 
     @contextmanager
     def _reference(self):
@@ -575,9 +603,15 @@ class PPOTrainer:
         """
         mask = rows.action_mask[idx, : old_logprobs.shape[1]]
         with self.accelerator.accumulate(self.model):
-            logits, targets, vpreds, slots, width = self._logits_rows(self.model, rows, idx)
-            logprobs, entropy = logprobs_and_entropy_from_logits(logits, targets)
-            del logits  # the softmax saved for backward replaces them
+            head = self._linear_head(self.model)
+            outputs, targets, vpreds, slots, width = self._head_rows(self.model, rows, idx, head is not None)
+            if head is None:
+                logprobs, entropy = logprobs_and_entropy_from_logits(outputs, targets)
+            else:
+                logprobs, entropy = logprobs_and_entropy_from_hidden(
+                    outputs, head.weight, head.bias, targets, rows.buffer_rows
+                )
+            del outputs  # the logits, when the head ran in the model: the saved softmax replaces them
             logprobs = _to_compact(logprobs, slots, len(idx), width)
             entropy = _to_compact(entropy, slots, len(idx), width)
             pg_loss, vf_loss, stats = self.loss(
