@@ -782,3 +782,99 @@ def test_logprobs_and_entropy_from_bf16_logits(small_chunks):
     torch.testing.assert_close(entropy.double(), ref_ent.detach(), rtol=0, atol=F32_TOL)
     assert logits.grad.dtype == torch.bfloat16
     torch.testing.assert_close(logits.grad.double(), ref_logits.grad, rtol=2**-7, atol=1e-3)
+
+
+def _linear_head_inputs(dtype, rows, vocab, bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, 6, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(True)
+    weight = torch.randn(vocab, 6, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(True)
+    b = torch.randn(vocab, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(True) if bias else None
+    labels = torch.randint(0, vocab, (rows,), generator=gen)
+    weights = torch.randn(rows, generator=gen, dtype=torch.float64)
+    return hidden, weight, b, labels, weights
+
+
+def _linear_head_reference(hidden, weight, bias, labels, weights):
+    """float64 leaves, the textbook logits h W^T + b, log-probs and entropy, and their gradients."""
+    leaves = [t.detach().double().requires_grad_(True) if t is not None else None for t in (hidden, weight, bias)]
+    h, w, b = leaves
+    logits = torch.stack([torch.stack([torch.dot(h[n], w[v]) for v in range(len(w))]) for n in range(len(h))])
+    if b is not None:
+        logits = logits + b
+    logprobs, entropy = _reference_logprobs_entropy(logits, labels)
+    (logprobs * weights).sum().backward()
+    return logprobs.detach(), entropy.detach(), [t.grad if t is not None else None for t in leaves]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("buffer_rows", [None, 64])
+def test_logprobs_and_entropy_from_hidden_values_and_gradients(dtype, bias, buffer_rows, small_chunks):
+    # 40 rows of V = 11: chunks of 22 and 18 rows; the buffer is allocated for 40 or 64 rows.
+    hidden, weight, b, labels, weights = _linear_head_inputs(dtype, 40, 11, bias, seed=9)
+    logprobs, entropy = core.logprobs_and_entropy_from_hidden(hidden, weight, b, labels, buffer_rows)
+    (logprobs.double() * weights).sum().backward()
+    ref_lp, ref_ent, ref_grads = _linear_head_reference(hidden, weight, b, labels, weights)
+    tol = 1e-12 if dtype == torch.float64 else F32_TOL
+    torch.testing.assert_close(logprobs.double(), ref_lp, rtol=0, atol=tol)
+    torch.testing.assert_close(entropy.double(), ref_ent, rtol=0, atol=tol)
+    assert not entropy.requires_grad
+    for leaf, ref_grad in zip((hidden, weight, b), ref_grads):
+        if leaf is not None:
+            assert leaf.grad.dtype == dtype
+            torch.testing.assert_close(leaf.grad.double(), ref_grad, rtol=0, atol=tol)
+    # Without grad the log-probs are the same numbers; with grad the same differentiable ones.
+    with torch.no_grad():
+        no_grad = core.logprobs_from_hidden(hidden, weight, b, labels, buffer_rows)
+    torch.testing.assert_close(no_grad.double(), ref_lp, rtol=0, atol=tol)
+    assert core.logprobs_from_hidden(hidden, weight, b, labels).requires_grad
+
+
+def test_logprobs_and_entropy_from_bf16_hidden(small_chunks):
+    # bf16 head: the product in bf16 as the model would compute it, then float32 softmax; gradients
+    # come back in bf16 (about 2^-8 relative rounding).
+    hidden, weight, b, labels, weights = _linear_head_inputs(torch.bfloat16, 30, 13, True, seed=10)
+    logprobs, entropy = core.logprobs_and_entropy_from_hidden(hidden, weight, b, labels)
+    assert logprobs.dtype == entropy.dtype == torch.float32
+    (logprobs.double() * weights).sum().backward()
+    with torch.no_grad():
+        bf16_logits = torch.nn.functional.linear(hidden, weight, b).double()  # rounded as the model rounds
+    ref_lp, ref_ent = _reference_logprobs_entropy(bf16_logits, labels)
+    torch.testing.assert_close(logprobs.double(), ref_lp, rtol=0, atol=F32_TOL)
+    torch.testing.assert_close(entropy.double(), ref_ent, rtol=0, atol=F32_TOL)
+    _, _, ref_grads = _linear_head_reference(hidden, weight, b, labels, weights)
+    for leaf, ref_grad in zip((hidden, weight, b), ref_grads):
+        assert leaf.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(leaf.grad.double(), ref_grad, rtol=2**-6, atol=2e-2)
+
+
+def test_logprobs_and_entropy_from_hidden_under_autocast_match_the_autocast_head():
+    # Under autocast the head's products (forward and backward) run in the autocast dtype, as the
+    # model's own LM head would under accelerate's mixed precision; the result equals that composition.
+    hidden, weight, _, labels, weights = _linear_head_inputs(torch.float32, 24, 300, False, seed=11)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logprobs, _ = core.logprobs_and_entropy_from_hidden(hidden, weight, None, labels)
+    (logprobs.double() * weights).sum().backward()
+    fused_grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = torch.nn.functional.linear(hidden, weight)
+    assert logits.dtype == torch.bfloat16
+    composed = torch.log_softmax(logits.float(), -1).gather(-1, labels[:, None])[:, 0]
+    (composed.double() * weights).sum().backward()
+    torch.testing.assert_close(logprobs, composed, rtol=0, atol=1e-6)
+    torch.testing.assert_close(fused_grads[0], hidden.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused_grads[1], weight.grad, rtol=1e-5, atol=1e-6)
+    # ... and differs from the float32 head, so the test sees which precision was used.
+    with torch.no_grad():
+        fp32 = core.logprobs_from_hidden(hidden, weight, None, labels)
+    assert (fp32 - logprobs).abs().max() > 1e-4
+
+
+def test_lm_head_buffer_has_the_requested_rows():
+    hidden, weight, _, _, _ = _linear_head_inputs(torch.float32, 5, 7, False, seed=12)
+    with torch.no_grad():
+        for buffer_rows, allocated in ((None, 5), (3, 5), (9, 9)):
+            logits = core._lm_head_logits(hidden, weight, None, buffer_rows)
+            assert logits.shape == (5, 7) and logits.untyped_storage().nbytes() == 4 * 7 * allocated
+            torch.testing.assert_close(logits, hidden @ weight.T, rtol=0, atol=0)

@@ -200,6 +200,51 @@ def test_fast_path_falls_back_without_backbone_and_with_labels(gpt2):
     torch.testing.assert_close(logits, gather_rows(full_logits, POSITIONS), rtol=0, atol=0)
 
 
+def test_linear_lm_head_inputs_give_the_fast_path_logits(gpt2):
+    # The head's inputs at the chosen entries, through the head the model reports, are the logits.
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(gpt2)
+    head = model.linear_lm_head()
+    assert head is gpt2.lm_head
+    input_ids, attention_mask, position_ids = left_padded_batch()
+    inputs = dict(attention_mask=attention_mask, position_ids=position_ids)
+    pairs = (torch.tensor([0, 2, 1]), torch.tensor([8, 5, 7]))
+    logits, _, value = model(input_ids, logits_positions=pairs, **inputs)
+    lm_head_inputs = record_lm_head_inputs(model)
+    hidden, loss, hidden_value = model(input_ids, logits_positions=pairs, return_lm_head_inputs=True, **inputs)
+    assert lm_head_inputs == [] and loss is None  # the model does not run its head
+    assert hidden.shape == (3, 32)
+    torch.testing.assert_close(head(hidden), logits, rtol=0, atol=0)
+    torch.testing.assert_close(hidden_value, value, rtol=0, atol=0)
+    # Half precision: the inputs stay in the model's dtype (the logits are upcast to float32).
+    model.to(torch.bfloat16)
+    hidden, _, _ = model(input_ids, logits_positions=POSITIONS, return_lm_head_inputs=True, **inputs)
+    assert hidden.dtype == torch.bfloat16 and hidden.shape == (3, 4, 32)
+
+
+def test_linear_lm_head_is_none_where_the_caller_may_not_apply_it(gpt2, t5):
+    assert AutoModelForSeq2SeqLMWithValueHead.from_pretrained(t5).linear_lm_head() is None
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(gpt2)
+    gpt2.config.final_logit_softcapping = 30.0  # forward post-processes the logits
+    assert model.linear_lm_head() is None
+    gpt2.config.final_logit_softcapping = None
+
+    class ScaledLinear(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    gpt2.lm_head.__class__ = ScaledLinear  # a Linear subclass computes something else from its weight
+    assert model.linear_lm_head() is None
+    input_ids = torch.randint(3, VOCAB_SIZE, (2, 5))
+    with pytest.raises(ValueError, match="return_lm_head_inputs=True needs .*linear_lm_head\\(\\)=NoneType"):
+        model(input_ids, logits_positions=torch.zeros(2, 1, dtype=torch.long), return_lm_head_inputs=True)
+    gpt2.lm_head.__class__ = nn.Linear
+    assert model.linear_lm_head() is gpt2.lm_head
+    with pytest.raises(ValueError, match="logits_positions=NoneType"):
+        model(input_ids, return_lm_head_inputs=True)
+    with pytest.raises(ValueError, match="labels given"):
+        model(input_ids, labels=input_ids, logits_positions=torch.zeros(2, 1, dtype=torch.long), return_lm_head_inputs=True)
+
+
 def test_logits_positions_are_validated(gpt2):
     model = AutoModelForCausalLMWithValueHead.from_pretrained(gpt2)
     input_ids = torch.randint(3, VOCAB_SIZE, (2, 5))

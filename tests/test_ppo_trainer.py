@@ -7,6 +7,7 @@ Exact numeric agreement of step() with the plain spec formulation is in test_ste
 import glob
 import math
 
+import numpy as np
 import pytest
 import torch
 from tiny_models import make_gpt2, make_t5, make_tokenizer, random_batch
@@ -409,6 +410,37 @@ def test_lm_head_and_softmax_see_only_the_response_token_slots(monkeypatch, enco
         # The head module itself never runs; every buffer has the rows of the largest possible pair.
         assert lm_head_calls == []
         assert buffers == [max(pairs)] * 6
+
+
+@pytest.mark.parametrize("untied_head_with_bias", [False, True])
+def test_fused_lm_head_step_equals_the_model_head_step(monkeypatch, untied_head_with_bias):
+    # The trainer applies a plain Linear head itself (logits turned into the softmax in place);
+    # with linear_lm_head() reporting None it falls back to the model's own head. Both give the same
+    # statistics and updated weights, with a tied head (GPT-2) and with an untied head with a bias.
+    def run(fused: bool):
+        gpt2 = make_gpt2(seed=2)
+        if untied_head_with_bias:
+            gpt2.config.tie_word_embeddings = False
+            torch.manual_seed(5)
+            gpt2.lm_head = torch.nn.Linear(gpt2.config.n_embd, gpt2.config.vocab_size, bias=True)
+        model = AutoModelForCausalLMWithValueHead.from_pretrained(gpt2)
+        assert model.linear_lm_head() is gpt2.lm_head
+        if not fused:
+            monkeypatch.setattr(model, "linear_lm_head", lambda: None)
+        trainer = make_trainer(batch_size=4, mini_batch_size=2, model=model, seed=3)
+        stats = [trainer.step(*random_batch(4, seed=s)) for s in (0, 1)]
+        return stats, snapshot(trainer.model)
+
+    (fused_stats, fused_weights), (plain_stats, plain_weights) = run(True), run(False)
+    for fused, plain in zip(fused_stats, plain_stats):
+        for key, value in plain.items():
+            if not key.startswith("time/"):
+                np.testing.assert_allclose(fused[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+    assert fused_weights.keys() == plain_weights.keys()
+    if untied_head_with_bias:
+        assert "pretrained_model.lm_head.bias" in fused_weights
+    for name, weight in plain_weights.items():
+        torch.testing.assert_close(fused_weights[name], weight, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_default_optimizer_is_fused_adam_with_the_config_learning_rate():

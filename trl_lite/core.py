@@ -118,11 +118,11 @@ def _lm_head_logits(hidden, weight, bias, buffer_rows: int | None) -> torch.Tens
     dtype = torch.promote_types(weight.dtype, torch.float32)
     capacity = max(hidden.shape[0], buffer_rows or 0)
     logits = torch.empty((capacity, weight.shape[0]), dtype=dtype, device=hidden.device)[: hidden.shape[0]]
-    if hidden.dtype == weight.dtype == dtype:
+    if hidden.dtype == weight.dtype == dtype and not torch.is_autocast_enabled(hidden.device.type):
         if bias is None:
             return torch.mm(hidden, weight.t(), out=logits)
         return torch.addmm(bias, hidden, weight.t(), out=logits)
-    # Half precision: the product in the model's dtype, then upcast, as the model's LM head would do.
+    # Half precision or autocast: the product in the dtype the model's LM head would use, then upcast.
     return logits.copy_(F.linear(hidden, weight, bias))
 
 
@@ -156,6 +156,9 @@ class _LinearLogProbsAndEntropy(torch.autograd.Function):
             p = torch.exp(chunk_log_p, out=z)  # the logits of this chunk are not needed again
             entropy[rows] = -torch.mul(p, chunk_log_p, out=product[: len(p)]).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, probs, flat_labels)
+        # The head's backward products run under the forward's autocast state, as they would in the model.
+        device_type = hidden.device.type
+        ctx.autocast = (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type))
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
@@ -166,8 +169,10 @@ class _LinearLogProbsAndEntropy(torch.autograd.Function):
         # The saved softmax is not needed again: its memory becomes the logits' gradient, which
         # goes back through the upcast (to the model's dtype) and the linear map.
         grad_logits = probs.mul_(-grad).scatter_add_(-1, labels, grad).to(weight.dtype)
-        grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
-        grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
+        device_type, autocast_dtype, autocast_enabled = ctx.autocast
+        with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_enabled):
+            grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
+            grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
         grad_bias = grad_logits.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
         return grad_hidden, grad_weight, grad_bias, None, None
 
