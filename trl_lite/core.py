@@ -146,8 +146,7 @@ class _LinearLogProbsAndEntropy(torch.autograd.Function):
         entropy = torch.empty_like(logprobs)
         step = _chunk_rows(probs)
         # Two chunk-sized work buffers, reused for every chunk.
-        log_p = torch.empty((min(step, n), probs.shape[1]), dtype=dtype, device=probs.device)
-        product = torch.empty_like(log_p)
+        log_p, product = torch.empty((2, min(step, n), probs.shape[1]), dtype=dtype, device=probs.device)
         for start in range(0, n, step):
             rows = slice(start, start + step)
             z, chunk_log_p = probs[rows], log_p[: len(probs[rows])]

@@ -202,6 +202,13 @@ class PPOTrainer:
         self._pass_position_ids = "position_ids" in inspect.signature(unwrapped.transformers_model.forward).parameters
         self._pad_id = _pad_token_id(tokenizer, unwrapped.config)
         self._padding_side = getattr(tokenizer, "padding_side", "right") or "right"
+        # (model, its LM head or None) for the heads the trainer applies itself (see _linear_head),
+        # looked up once: unwrapping a prepared model reads package metadata, too slow for every mini-batch.
+        self._unwrapped_model = unwrapped
+        self._linear_heads = [(self.model, unwrapped.linear_lm_head())]
+        if self.ref_model is not None:
+            ref_head = self.accelerator.unwrap_model(self.ref_model).linear_lm_head()
+            self._linear_heads.append((self.ref_model, ref_head))
 
         if config.log_with is not None:
             self.accelerator.init_trackers(
@@ -502,6 +509,9 @@ class PPOTrainer:
         place, in a buffer of ``_Rows.buffer_rows`` rows: one vocabulary-sized tensor per mini-batch
         instead of two, of the same size in every mini-batch of a step.
         """
+        for known, head in self._linear_heads:
+            if model is known:
+                return head
         return self.accelerator.unwrap_model(model).linear_lm_head()
 
     @contextmanager
@@ -510,7 +520,7 @@ class PPOTrainer:
         if self.ref_model is not None:
             yield self.ref_model
         else:
-            with self.accelerator.unwrap_model(self.model).pretrained_model.disable_adapter():
+            with self._unwrapped_model.pretrained_model.disable_adapter():
                 yield self.model
 
     @torch.no_grad()
