@@ -153,13 +153,14 @@ def rows_per_chunk(z: torch.Tensor) -> int:
     return max(1, (2 << 20 if z.device.type == "cpu" else 256 << 20) // (4 * z.shape[-1]))
 
 
-def head_logits(hidden: torch.Tensor, weight: torch.Tensor, buffer_rows: int) -> torch.Tensor:
-    """`hidden @ weight.T` (N, V) in float32, written into a view of a (max(N, buffer_rows), V) allocation.
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, buffer=None) -> torch.Tensor:
+    """`hidden @ weight.T` (N, V) in float32, written into the first N rows of `buffer` (R >= N, V).
 
-    The floor sizes every such allocation of a step to its largest mini-batch: then each fits the
-    memory the previous one freed, and the CPU heap does not fragment.
+    The floor reuses one buffer for every pass (see `FloorPPO.step`); without one, a fresh tensor.
     """
-    out = torch.empty((max(len(hidden), buffer_rows), weight.shape[0]), device=hidden.device)[: len(hidden)]
+    if buffer is None:
+        buffer = torch.empty((len(hidden), weight.shape[0]), device=hidden.device)
+    out = buffer[: len(hidden)]
     if hidden.dtype == torch.float32 and weight.dtype == torch.float32:
         return torch.mm(hidden, weight.t(), out=out)
     return out.copy_(hidden @ weight.t())
@@ -174,8 +175,8 @@ class HeadLogProb(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, buffer_rows):
-        z = head_logits(hidden, weight, buffer_rows)
+    def forward(ctx, hidden, weight, target, buffer):
+        z = head_logits(hidden, weight, buffer)
         chosen = z.new_empty(len(z))
         step = rows_per_chunk(z)
         work = z.new_empty((min(step, len(z)), z.shape[1]))
@@ -195,9 +196,9 @@ class HeadLogProb(torch.autograd.Function):
         return grad_z @ weight, grad_z.t() @ hidden, None, None
 
 
-def head_logprob_no_grad(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, buffer_rows: int):
+def head_logprob_no_grad(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, buffer=None):
     """`log softmax(hidden W^T)[target]` without grad, the log-softmax a cache-sized chunk at a time. -> (N,)"""
-    z = head_logits(hidden, weight, buffer_rows)
+    z = head_logits(hidden, weight, buffer)
     step = rows_per_chunk(z)
     chunks = [
         torch.log_softmax(z[start : start + step], -1).gather(-1, target[start : start + step, None])[:, 0]
@@ -206,7 +207,7 @@ def head_logprob_no_grad(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     return torch.cat(chunks)
 
 
-def response_logprobs(lm, batch: dict, v_head=None, buffer_rows: int = 0) -> tuple:
+def response_logprobs(lm, batch: dict, v_head=None, buffer=None) -> tuple:
     """Log-probs (and values) of the response tokens, with the LM head only where a token is predicted.
 
     Shapes: log-probs (n, K) = gathered logit - logsumexp over the vocabulary, 0 past each
@@ -221,9 +222,9 @@ def response_logprobs(lm, batch: dict, v_head=None, buffer_rows: int = 0) -> tup
     mask = batch["mask"]
     h, weight, targets = picked[mask], lm.lm_head.weight, batch["targets"][mask]  # h: (N, H)
     if torch.is_grad_enabled():
-        chosen = HeadLogProb.apply(h, weight, targets, buffer_rows)
+        chosen = HeadLogProb.apply(h, weight, targets, buffer)
     else:
-        chosen = head_logprob_no_grad(h, weight, targets, buffer_rows)
+        chosen = head_logprob_no_grad(h, weight, targets, buffer)
     logprobs = torch.zeros(mask.shape, device=chosen.device).masked_scatter(mask, chosen)
     values = v_head(picked).squeeze(-1) if v_head is not None else None
     return logprobs, values
@@ -262,7 +263,7 @@ class FloorPPO:
         self.ppo_epochs = ppo_epochs
         self.pad_id = lm.config.pad_token_id
         self.device = param.device
-        self.buffer_rows = 0
+        self.buffer = None
 
     def _pack(self, queries, responses, rows):
         return pack_rows(queries, responses, rows, self.pad_id, self.device)
@@ -275,8 +276,8 @@ class FloorPPO:
         for start in range(0, n, self.mini_batch_size):
             rows = list(range(start, min(start + self.mini_batch_size, n)))
             batch = self._pack(queries, responses, rows)
-            logprobs, values = response_logprobs(self.lm, batch, self.v_head, self.buffer_rows)
-            ref, _ = response_logprobs(self.ref, batch, buffer_rows=self.buffer_rows)
+            logprobs, values = response_logprobs(self.lm, batch, self.v_head, self.buffer)
+            ref, _ = response_logprobs(self.ref, batch, buffer=self.buffer)
             k = batch["mask"].shape[1]
             for key, t in (("logprobs", logprobs), ("ref", ref), ("values", values), ("mask", batch["mask"])):
                 old[key][start : start + len(rows), :k] = t
@@ -293,7 +294,7 @@ class FloorPPO:
         mask = batch["mask"]
         index = torch.tensor(rows, device=self.device)
         take = {key: t[index, : mask.shape[1]] for key, t in old.items()}
-        logprobs, values = response_logprobs(self.lm, batch, self.v_head, self.buffer_rows)
+        logprobs, values = response_logprobs(self.lm, batch, self.v_head, self.buffer)
         ratio = torch.exp(logprobs.float() - take["logprobs"])
         adv = take["advantages"]
         pg_loss = masked_mean(torch.max(-adv * ratio, -adv * ratio.clamp(1 - CLIPRANGE, 1 + CLIPRANGE)), mask)
@@ -306,8 +307,13 @@ class FloorPPO:
 
     def step(self, queries: list, responses: list, scores: list) -> None:
         """One PPO step: rollout forward passes, then `ppo_epochs` shuffled passes over mini-batches."""
-        # The most response tokens a mini-batch can hold: the size of every LM-head buffer of the step.
-        self.buffer_rows = sum(sorted((len(r) for r in responses), reverse=True)[: self.mini_batch_size])
+        # One LM-head buffer for every pass, with the rows of the largest possible mini-batch and kept
+        # between steps: no vocabulary-sized block is freed and allocated again (the trainer does the
+        # same on CPU), so the glibc heap does not fragment.
+        rows = sum(sorted((len(r) for r in responses), reverse=True)[: self.mini_batch_size])
+        if self.buffer is None or len(self.buffer) < rows:
+            self.buffer = None
+            self.buffer = torch.empty((rows, self.lm.config.vocab_size), device=self.device)
         old = self._rollout(queries, responses, scores)
         n = len(queries)
         for _ in range(self.ppo_epochs):

@@ -871,6 +871,25 @@ def test_logprobs_and_entropy_from_hidden_under_autocast_match_the_autocast_head
     assert (fp32 - logprobs).abs().max() > 1e-4
 
 
+def test_logprobs_from_hidden_write_into_a_given_buffer_and_reject_one_that_does_not_fit():
+    hidden, weight, _, labels, weights = _linear_head_inputs(torch.float32, 12, 9, False, seed=13)
+    out = torch.full((20, 9), float("nan"))
+    logprobs, entropy = core.logprobs_and_entropy_from_hidden(hidden, weight, None, labels, out=out)
+    (logprobs.double() * weights).sum().backward()
+    ref_lp, ref_ent, (ref_grad_hidden, ref_grad_weight, _) = _linear_head_reference(hidden, weight, None, labels, weights)
+    torch.testing.assert_close(logprobs.double(), ref_lp, rtol=0, atol=F32_TOL)
+    torch.testing.assert_close(entropy.double(), ref_ent, rtol=0, atol=F32_TOL)
+    torch.testing.assert_close(hidden.grad.double(), ref_grad_hidden, rtol=0, atol=F32_TOL)
+    torch.testing.assert_close(weight.grad.double(), ref_grad_weight, rtol=0, atol=F32_TOL)
+    assert torch.isfinite(out[:12]).all() and torch.isnan(out[12:]).all()  # only the first N rows are used
+    with torch.no_grad():
+        torch.testing.assert_close(core.logprobs_from_hidden(hidden, weight, None, labels, out=out).double(), ref_lp,
+                                   rtol=0, atol=F32_TOL)
+    for bad in (torch.empty(11, 9), torch.empty(12, 8), torch.empty(12, 9, dtype=torch.float64), torch.empty(12 * 9)):
+        with pytest.raises(ValueError, match=r"out must be a \(12 or more, 9\) torch.float32 tensor"):
+            core.logprobs_from_hidden(hidden, weight, None, labels, out=bad)
+
+
 def test_lm_head_buffer_has_the_requested_rows():
     hidden, weight, _, _, _ = _linear_head_inputs(torch.float32, 5, 7, False, seed=12)
     with torch.no_grad():

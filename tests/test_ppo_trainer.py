@@ -386,8 +386,8 @@ def test_lm_head_and_softmax_see_only_the_response_token_slots(monkeypatch, enco
         monkeypatch.setattr(ppo_trainer_module, name, recording)
     real_head_logits = core_module._lm_head_logits
 
-    def recording_head(hidden, weight, bias, buffer_rows):
-        logits = real_head_logits(hidden, weight, bias, buffer_rows)
+    def recording_head(hidden, weight, bias, buffer_rows, out=None):
+        logits = real_head_logits(hidden, weight, bias, buffer_rows, out)
         softmax_rows.append(tuple(logits.shape))
         buffers.append(logits.untyped_storage().nbytes() // (4 * logits.shape[1]))
         return logits
@@ -441,6 +441,34 @@ def test_fused_lm_head_step_equals_the_model_head_step(monkeypatch, untied_head_
         assert "pretrained_model.lm_head.bias" in fused_weights
     for name, weight in plain_weights.items():
         torch.testing.assert_close(fused_weights[name], weight, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_cpu_steps_reuse_one_logits_buffer_when_keeping_freed_memory(monkeypatch, keep):
+    # With keep_freed_cpu_memory every fused-head pass of every step writes into one buffer, grown
+    # when a step has longer responses; without it each pass allocates its own.
+    import trl_lite.core as core_module
+
+    outs = []
+    real_head_logits = core_module._lm_head_logits
+
+    def recording_head(hidden, weight, bias, buffer_rows, out=None):
+        outs.append(None if out is None else (out.data_ptr(), out.shape[0]))
+        return real_head_logits(hidden, weight, bias, buffer_rows, out)
+
+    monkeypatch.setattr(core_module, "_lm_head_logits", recording_head)
+    trainer = make_trainer(batch_size=4, mini_batch_size=2, ppo_epochs=1, keep_freed_cpu_memory=keep)
+    batches = [random_batch(4, seed=3, response_len=(2, 4)), random_batch(4, seed=4, response_len=(9, 12))]
+    for batch in batches:
+        trainer.step(*batch)
+    assert len(outs) == 2 * (4 + 2)  # per step: policy and reference on 2 mini-batches, 2 training passes
+    if not keep:
+        assert outs == [None] * 12
+        return
+    largest = [sum(sorted((len(r) for r in responses), reverse=True)[:2]) for _, responses, _ in batches]
+    assert largest[1] > largest[0]
+    assert len(set(outs[:6])) == 1 and outs[0][1] == largest[0]
+    assert len(set(outs[6:])) == 1 and outs[6][1] == largest[1]
 
 
 def test_default_optimizer_is_fused_adam_with_the_config_learning_rate():

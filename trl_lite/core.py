@@ -108,16 +108,24 @@ def logprobs_and_entropy_from_logits(logits: torch.Tensor, labels: torch.Tensor)
     return _LogProbsAndEntropy.apply(logits, labels)
 
 
-def _lm_head_logits(hidden, weight, bias, buffer_rows: int | None) -> torch.Tensor:
+def _lm_head_logits(hidden, weight, bias, buffer_rows: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Logits ``hidden @ weight.T + bias`` in float32 (float64 for float64 inputs), ``(N, V)``.
 
-    The result is a view of a fresh ``(max(N, buffer_rows), V)`` allocation. Callers that give every
-    call of a step the same ``buffer_rows`` make all these allocations the same size, so the memory
-    one mini-batch frees is reused whole by the next instead of fragmenting the CPU heap.
+    The result is the first N rows of ``out`` when given, else a view of a fresh
+    ``(max(N, buffer_rows), V)`` allocation. Callers that give every call of a step the same
+    ``buffer_rows`` make all these allocations the same size, so the memory one mini-batch frees
+    fits the next; reusing one ``out`` allocates nothing at all.
     """
     dtype = torch.promote_types(weight.dtype, torch.float32)
-    capacity = max(hidden.shape[0], buffer_rows or 0)
-    logits = torch.empty((capacity, weight.shape[0]), dtype=dtype, device=hidden.device)[: hidden.shape[0]]
+    n, vocab = hidden.shape[0], weight.shape[0]
+    if out is None:
+        out = torch.empty((max(n, buffer_rows or 0), vocab), dtype=dtype, device=hidden.device)
+    elif out.dim() != 2 or out.shape[0] < n or out.shape[1] != vocab or out.dtype != dtype or out.device != hidden.device:
+        raise ValueError(
+            f"out must be a ({n} or more, {vocab}) {dtype} tensor on {hidden.device} for these logits, got "
+            f"{tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    logits = out[:n]
     if hidden.dtype == weight.dtype == dtype and not torch.is_autocast_enabled(hidden.device.type):
         if bias is None:
             return torch.mm(hidden, weight.t(), out=logits)
@@ -138,8 +146,8 @@ class _LinearLogProbsAndEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, buffer_rows):
-        probs = _lm_head_logits(hidden, weight, bias, buffer_rows)
+    def forward(ctx, hidden, weight, bias, labels, buffer_rows, out):
+        probs = _lm_head_logits(hidden, weight, bias, buffer_rows, out)
         dtype, n = probs.dtype, probs.shape[0]
         flat_labels = labels.reshape(-1, 1)
         logprobs = torch.empty(n, dtype=dtype, device=probs.device)
@@ -173,7 +181,7 @@ class _LinearLogProbsAndEntropy(torch.autograd.Function):
             grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
             grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
         grad_bias = grad_logits.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
-        return grad_hidden, grad_weight, grad_bias, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
 def logprobs_and_entropy_from_hidden(
@@ -182,16 +190,18 @@ def logprobs_and_entropy_from_hidden(
     bias: torch.Tensor | None,
     labels: torch.Tensor,
     buffer_rows: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of ``labels`` (differentiable) and entropy (detached) under a linear LM head.
 
     The same values as :func:`logprobs_and_entropy_from_logits` on ``hidden @ weight.T + bias``
     (upcast to float32), with one vocabulary-sized buffer instead of two; gradients reach
-    ``hidden``, ``weight`` and ``bias``. ``buffer_rows``: allocate the buffer for at least that
-    many rows (see :func:`_lm_head_logits`). Shapes: hidden ``(N, H)``, weight ``(V, H)``, bias
-    ``(V,)`` or None, labels ``(N,)`` -> two ``(N,)`` tensors.
+    ``hidden``, ``weight`` and ``bias``. The buffer is allocated for at least ``buffer_rows`` rows,
+    or is the first N rows of ``out`` (float32, ``(R >= N, V)``), which then holds the softmax
+    until the backward has run: ``out`` may be reused only after that.
+    Shapes: hidden ``(N, H)``, weight ``(V, H)``, bias ``(V,)`` or None, labels ``(N,)`` -> two ``(N,)`` tensors.
     """
-    return _LinearLogProbsAndEntropy.apply(hidden, weight, bias, labels, buffer_rows)
+    return _LinearLogProbsAndEntropy.apply(hidden, weight, bias, labels, buffer_rows, out)
 
 
 def logprobs_from_hidden(
@@ -200,16 +210,17 @@ def logprobs_from_hidden(
     bias: torch.Tensor | None,
     labels: torch.Tensor,
     buffer_rows: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-probability of ``labels`` under the linear LM head ``hidden @ weight.T + bias``.
 
-    :func:`logprobs_from_logits` of the float32 logits, built in one buffer (see
-    :func:`_lm_head_logits`); differentiable when grad is enabled. Shapes as in
-    :func:`logprobs_and_entropy_from_hidden`; returns ``(N,)``.
+    :func:`logprobs_from_logits` of the float32 logits, built in one buffer (``buffer_rows`` and
+    ``out`` as in :func:`logprobs_and_entropy_from_hidden`); differentiable when grad is enabled.
+    Shapes as in :func:`logprobs_and_entropy_from_hidden`; returns ``(N,)``.
     """
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
-        return logprobs_and_entropy_from_hidden(hidden, weight, bias, labels, buffer_rows)[0]
-    return logprobs_from_logits(_lm_head_logits(hidden, weight, bias, buffer_rows), labels)
+        return logprobs_and_entropy_from_hidden(hidden, weight, bias, labels, buffer_rows, out)[0]
+    return logprobs_from_logits(_lm_head_logits(hidden, weight, bias, buffer_rows, out), labels)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
