@@ -153,15 +153,14 @@ class _LinearLogProbsAndEntropy(torch.autograd.Function):
         logprobs = torch.empty(n, dtype=dtype, device=probs.device)
         entropy = torch.empty_like(logprobs)
         step = _chunk_rows(probs)
-        # Two chunk-sized work buffers, reused for every chunk.
-        log_p, product = torch.empty((2, min(step, n), probs.shape[1]), dtype=dtype, device=probs.device)
+        log_p = torch.empty((min(step, n), probs.shape[1]), dtype=dtype, device=probs.device)  # reused per chunk
         for start in range(0, n, step):
             rows = slice(start, start + step)
             z, chunk_log_p = probs[rows], log_p[: len(probs[rows])]
             torch.log_softmax(z, dim=-1, out=chunk_log_p)
             logprobs[rows] = chunk_log_p.gather(-1, flat_labels[rows]).squeeze(-1)
             p = torch.exp(chunk_log_p, out=z)  # the logits of this chunk are not needed again
-            entropy[rows] = -torch.mul(p, chunk_log_p, out=product[: len(p)]).sum(-1)
+            entropy[rows] = -chunk_log_p.mul_(p).sum(-1)  # the log-probs are not needed again either
         ctx.save_for_backward(hidden, weight, bias, probs, flat_labels)
         # The head's backward products run under the forward's autocast state, as they would in the model.
         device_type = hidden.device.type

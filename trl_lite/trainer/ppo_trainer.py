@@ -94,7 +94,7 @@ class _Rows:
     ``queries``/``responses``: lists of 1-D tensors; ``query_len``/``response_len``: ``(B,)``;
     ``action_mask``: ``(B, L)`` float, the compact action mask; ``buffer_rows``: the most token
     slots any mini-batch of these rows can have (the LM-head buffers of the step are sized to it);
-    ``logits_out``: the buffer the fused LM head writes into, when ``step()`` reuses one.
+    ``reuse_logits_buffer``: whether the fused LM head writes into the trainer's one buffer (``step()`` on CPU).
     """
 
     queries: list
@@ -104,7 +104,7 @@ class _Rows:
     response_len: torch.Tensor
     action_mask: torch.Tensor
     buffer_rows: int
-    logits_out: torch.Tensor | None = None
+    reuse_logits_buffer: bool = False
 
     def __len__(self):
         return len(self.queries)
@@ -207,7 +207,7 @@ class PPOTrainer:
         # (model, its LM head or None) for the heads the trainer applies itself (see _linear_head),
         # looked up once: unwrapping a prepared model reads package metadata, too slow for every mini-batch.
         self._unwrapped_model = unwrapped
-        self._logits_buffer = None  # see _reused_logits_buffer
+        self._logits_buffer = None  # see _logits_out
         self._linear_heads = [(self.model, unwrapped.linear_lm_head())]
         if self.ref_model is not None:
             ref_head = self.accelerator.unwrap_model(self.ref_model).linear_lm_head()
@@ -251,7 +251,7 @@ class PPOTrainer:
         # 2. Forward passes without grad (section 3)
         t = time.time()
         rows = self._make_rows(queries, responses, response_masks)
-        rows.logits_out = self._reused_logits_buffer(rows)
+        rows.reuse_logits_buffer = self.current_device.type == "cpu" and config.keep_freed_cpu_memory
         mask = rows.action_mask
         logprobs, ref_logprobs, values, full_kl = self._rollout_forward(rows)
         timing["time/ppo/forward_pass"] = time.time() - t
@@ -492,7 +492,7 @@ class PPOTrainer:
         if head is None:
             logprobs = logprobs_from_logits(outputs, targets)
         else:
-            out = _fitting(rows.logits_out, head)
+            out = self._logits_out(rows, head)
             logprobs = logprobs_from_hidden(outputs, head.weight, head.bias, targets, rows.buffer_rows, out)
         logprobs = _to_compact(logprobs, slots, len(idx), width)
         return logprobs, values, (outputs if return_logits else None), (slots if return_logits else None), width
@@ -519,26 +519,26 @@ class PPOTrainer:
                 return head
         return self.accelerator.unwrap_model(model).linear_lm_head()
 
-    def _reused_logits_buffer(self, rows: _Rows) -> torch.Tensor | None:
-        """The ``(R, V)`` buffer that every fused-head pass of this ``step()`` writes its logits into, or None.
+    def _logits_out(self, rows: _Rows, head: torch.nn.Linear) -> torch.Tensor | None:
+        """The ``(R, V)`` buffer the fused LM head of this pass writes its logits into, or None (a fresh one).
 
-        On CPU with ``keep_freed_cpu_memory`` only. One buffer, grown when a step needs more rows and
-        kept between steps, so no vocabulary-sized block is freed and allocated again per mini-batch:
-        glibc splits freed blocks for later small allocations, and a buffer that no longer fits in
-        what is left grows the heap; resident memory of w1 then varied by 30 MB between runs. Each
-        pass is done with the buffer before the next begins (a training pass after its backward).
-        Elsewhere each pass allocates its own (GPU caching allocators reuse blocks of a fixed size).
+        Only when ``rows.reuse_logits_buffer`` (CPU with ``keep_freed_cpu_memory``): one buffer, made
+        at the first fused pass, grown when a step needs more rows and kept between steps, so no
+        vocabulary-sized block is freed and allocated again per mini-batch. glibc splits freed blocks
+        for later small allocations, and a block that no longer fits in what is left grows the heap:
+        the resident peak of w1 varied by 30 MB between runs. Each pass of ``step()`` is done with
+        the buffer before the next begins (a training pass after its backward). Elsewhere each pass
+        allocates its own: GPU caching allocators reuse blocks of one size well.
         """
-        head = self._linear_heads[0][1]
-        if head is None or self.current_device.type != "cpu" or not self.config.keep_freed_cpu_memory:
+        if not rows.reuse_logits_buffer:
             return None
-        shape = (rows.buffer_rows, head.weight.shape[0])
-        buffer = self._logits_buffer
-        if _fitting(buffer, head) is None or buffer.shape[0] < shape[0]:
-            self._logits_buffer = None  # freed before the larger one is allocated
+        buffer = _fitting(self._logits_buffer, head)
+        if buffer is None or buffer.shape[0] < rows.buffer_rows:
+            self._logits_buffer = None  # freed before its successor is allocated
             dtype = torch.promote_types(head.weight.dtype, torch.float32)
-            self._logits_buffer = torch.empty(shape, dtype=dtype, device=self.current_device)
-        return self._logits_buffer
+            shape = (rows.buffer_rows, head.weight.shape[0])
+            self._logits_buffer = buffer = torch.empty(shape, dtype=dtype, device=head.weight.device)
+        return buffer
 
     @contextmanager
     def _reference(self):
@@ -645,7 +645,7 @@ class PPOTrainer:
                 logprobs, entropy = logprobs_and_entropy_from_logits(outputs, targets)
             else:
                 logprobs, entropy = logprobs_and_entropy_from_hidden(
-                    outputs, head.weight, head.bias, targets, rows.buffer_rows, _fitting(rows.logits_out, head)
+                    outputs, head.weight, head.bias, targets, rows.buffer_rows, self._logits_out(rows, head)
                 )
             del outputs  # the logits, when the head ran in the model: the saved softmax replaces them
             logprobs = _to_compact(logprobs, slots, len(idx), width)
