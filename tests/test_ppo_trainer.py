@@ -443,6 +443,25 @@ def test_fused_lm_head_step_equals_the_model_head_step(monkeypatch, untied_head_
         torch.testing.assert_close(fused_weights[name], weight, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_fused_head_follows_a_head_replaced_after_the_trainer_was_made():
+    # The trainer asks the model for its LM head on every pass, so a head swapped in later (as
+    # resize_token_embeddings does) is the one applied.
+    trainer = make_trainer(batch_size=2, mini_batch_size=2)
+    queries, responses, scores = random_batch(2, seed=6)
+    trainer.step(queries, responses, scores)  # the first head has been used
+    gpt2 = trainer.model.pretrained_model
+    gpt2.config.tie_word_embeddings = False
+    torch.manual_seed(11)
+    gpt2.lm_head = torch.nn.Linear(gpt2.config.n_embd, gpt2.config.vocab_size, bias=True)
+    inputs = trainer.prepare_model_inputs(queries, responses)
+    with torch.no_grad():
+        logprobs, _, _, masks = trainer.batched_forward_pass(trainer.model, queries, responses, inputs)
+        logits, _, _ = trainer.model(**inputs)
+    expected = torch.log_softmax(logits[:, :-1].double(), -1).gather(-1, inputs["input_ids"][:, 1:, None])[..., 0]
+    assert masks.sum() == sum(len(r) for r in responses)
+    torch.testing.assert_close(logprobs[masks.bool()].double(), expected[masks.bool()], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("keep", [True, False])
 def test_cpu_steps_reuse_one_logits_buffer_when_keeping_freed_memory(monkeypatch, keep):
     # With keep_freed_cpu_memory every fused-head pass of every step writes into one buffer, grown

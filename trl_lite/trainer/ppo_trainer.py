@@ -204,14 +204,13 @@ class PPOTrainer:
         self._pass_position_ids = "position_ids" in inspect.signature(unwrapped.transformers_model.forward).parameters
         self._pad_id = _pad_token_id(tokenizer, unwrapped.config)
         self._padding_side = getattr(tokenizer, "padding_side", "right") or "right"
-        # (model, its LM head or None) for the heads the trainer applies itself (see _linear_head),
-        # looked up once: unwrapping a prepared model reads package metadata, too slow for every mini-batch.
-        self._unwrapped_model = unwrapped
         self._logits_buffer = None  # see _logits_out
-        self._linear_heads = [(self.model, unwrapped.linear_lm_head())]
+        # (prepared model, unwrapped model) pairs, looked up once: unwrapping reads package metadata,
+        # too slow for every mini-batch.
+        self._unwrapped_model = unwrapped
+        self._unwrapped = [(self.model, unwrapped)]
         if self.ref_model is not None:
-            ref_head = self.accelerator.unwrap_model(self.ref_model).linear_lm_head()
-            self._linear_heads.append((self.ref_model, ref_head))
+            self._unwrapped.append((self.ref_model, self.accelerator.unwrap_model(self.ref_model)))
 
         if config.log_with is not None:
             self.accelerator.init_trackers(
@@ -514,10 +513,11 @@ class PPOTrainer:
         place, in a buffer of ``_Rows.buffer_rows`` rows: one vocabulary-sized tensor per mini-batch
         instead of two, of the same size in every mini-batch of a step.
         """
-        for known, head in self._linear_heads:
-            if model is known:
-                return head
-        return self.accelerator.unwrap_model(model).linear_lm_head()
+        unwrapped = next((inner for known, inner in self._unwrapped if model is known), None)
+        if unwrapped is None:
+            unwrapped = self.accelerator.unwrap_model(model)
+        # Asked every pass: the head may be replaced (resize_token_embeddings) after the trainer is made.
+        return unwrapped.linear_lm_head()
 
     def _logits_out(self, rows: _Rows, head: torch.nn.Linear) -> torch.Tensor | None:
         """The ``(R, V)`` buffer the fused LM head of this pass writes its logits into, or None (a fresh one).
@@ -525,8 +525,8 @@ class PPOTrainer:
         Only when ``rows.reuse_logits_buffer`` (CPU with ``keep_freed_cpu_memory``): one buffer, made
         at the first fused pass, grown when a step needs more rows and kept between steps, so no
         vocabulary-sized block is freed and allocated again per mini-batch. glibc splits freed blocks
-        for later small allocations, and a block that no longer fits in what is left grows the heap:
-        the resident peak of w1 varied by 30 MB between runs. Each pass of ``step()`` is done with
+        for later small allocations, and a block that no longer fits in what is left grows the heap
+        (the resident peak of w1 varied by tens of MB between runs). Each pass of ``step()`` is done with
         the buffer before the next begins (a training pass after its backward). Elsewhere each pass
         allocates its own: GPU caching allocators reuse blocks of one size well.
         """
