@@ -120,7 +120,7 @@ def _lm_head_logits(hidden, weight, bias, buffer_rows: int | None, out: torch.Te
     n, vocab = hidden.shape[0], weight.shape[0]
     if out is None:
         out = torch.empty((max(n, buffer_rows or 0), vocab), dtype=dtype, device=hidden.device)
-    elif out.dim() != 2 or out.shape[0] < n or out.shape[1] != vocab or out.dtype != dtype or out.device != hidden.device:
+    elif out.dim() != 2 or out.shape[0] < n or (out.shape[1], out.dtype, out.device) != (vocab, dtype, hidden.device):
         raise ValueError(
             f"out must be a ({n} or more, {vocab}) {dtype} tensor on {hidden.device} for these logits, got "
             f"{tuple(out.shape)} {out.dtype} on {out.device}"
@@ -141,8 +141,9 @@ class _LinearLogProbsAndEntropy(torch.autograd.Function):
     (a cache-sized log-softmax, the chosen log-probs and entropy taken from it, then its
     exponential written back). That buffer is all the backward keeps besides the head's inputs:
     ``grad_z = (onehot - softmax) * grad`` is formed in place, then
-    ``grad_hidden = grad_z W`` and ``grad_W = grad_z^T hidden``. Composing the LM head with
-    :class:`_LogProbsAndEntropy` instead keeps the logits and the softmax, two ``(N, V)`` tensors.
+    ``grad_hidden = grad_z W``, ``grad_W = grad_z^T hidden`` and ``grad_b = sum_n grad_z``.
+    Composing the LM head with :class:`_LogProbsAndEntropy` instead keeps the logits and the
+    softmax, two ``(N, V)`` tensors.
     """
 
     @staticmethod
