@@ -5,8 +5,9 @@ step can avoid: a policy and a reference forward without grad over the batch, th
 `ppo_epochs` epochs, forward + backward + Adam step per mini-batch, with the LM head applied only
 where a response token is predicted and every mini-batch padded to its own longest row. It uses
 the cheapest forms of that work that stock PyTorch offers (fused Adam, a cache-sized chunked
-log-softmax, glibc keeping freed memory - the same setting `PPOConfig.keep_freed_cpu_memory` makes
-the trainer apply to itself), so the comparison measures overhead, not different kernels.
+log-softmax, glibc keeping freed memory - applied when the floor is built, where the trainer applies
+`PPOConfig.keep_freed_cpu_memory` to itself), so the comparison measures overhead, not different
+kernels or allocator settings.
 
 Each (workload, method) runs in a fresh subprocess so that peak memory is measured alone:
 see `benchmarks/README.md` for how time, tokens/s and peak memory are defined.
@@ -19,6 +20,7 @@ Usage:
 
 import argparse
 import copy
+import ctypes
 import dataclasses
 import gc
 import json
@@ -250,6 +252,21 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> tupl
     return (advantages - mean) * torch.rsqrt(var + 1e-8) * mask, returns
 
 
+def keep_freed_heap() -> None:
+    """Make glibc keep freed blocks of up to 32 MiB for reuse (Linux with glibc; elsewhere nothing).
+
+    The same two mallopt settings `PPOConfig.keep_freed_cpu_memory` makes the trainer apply when it
+    is constructed, written here so the floor needs no trl_lite. The floor applies them at the same
+    point, once its models are built: applied at process start instead, the memory freed while
+    building would stay resident, count in the baseline of the peak and be reused for free.
+    """
+    if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
+        mallopt = ctypes.CDLL(None).mallopt
+        mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: glibc's largest accepted value on 64-bit systems
+        mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: never trim the heap
+
+
 class FloorPPO:
     """The unavoidable model work of one PPO step, hand-written on a plain GPT2LMHeadModel."""
 
@@ -258,6 +275,7 @@ class FloorPPO:
         self.ref = copy.deepcopy(lm).eval().requires_grad_(False)
         param = next(lm.parameters())
         self.v_head = nn.Linear(lm.config.n_embd, 1).to(device=param.device, dtype=param.dtype)
+        keep_freed_heap()  # where the trainer applies the same settings: after its models, before its optimizer
         self.optimizer = torch.optim.Adam([*lm.parameters(), *self.v_head.parameters()], lr=LEARNING_RATE, fused=True)
         self.mini_batch_size = mini_batch_size
         self.ppo_epochs = ppo_epochs
@@ -465,10 +483,6 @@ class WorkerProcess:
         self.label = f"{workload.name}/{method}"
         spec = dict(workload=dataclasses.asdict(workload), method=method, device=device, dtype=dtype)
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-        if method == "floor":
-            # glibc keeps freed blocks for reuse, as the trainer sets up for itself on CPU
-            # (PPOConfig.keep_freed_cpu_memory); the step worker is left to do that on its own.
-            env.update(MALLOC_MMAP_THRESHOLD_=str(32 << 20), MALLOC_TRIM_THRESHOLD_=str(2**31 - 1))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         self.stderr = tempfile.TemporaryFile(mode="w+")
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
