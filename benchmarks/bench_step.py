@@ -275,7 +275,8 @@ class FloorPPO:
         self.ref = copy.deepcopy(lm).eval().requires_grad_(False)
         param = next(lm.parameters())
         self.v_head = nn.Linear(lm.config.n_embd, 1).to(device=param.device, dtype=param.dtype)
-        keep_freed_heap()  # where the trainer applies the same settings: after its models, before its optimizer
+        if param.device.type == "cpu":  # as the trainer: on CPU, after its models, before its optimizer
+            keep_freed_heap()
         self.optimizer = torch.optim.Adam([*lm.parameters(), *self.v_head.parameters()], lr=LEARNING_RATE, fused=True)
         self.mini_batch_size = mini_batch_size
         self.ppo_epochs = ppo_epochs
