@@ -392,7 +392,7 @@ class PPOTrainer:
             action_mask = (k < response_len.unsqueeze(1)).float() * padded_masks
             sequences = [torch.cat((q, r)) for q, r in zip(queries, responses)]
         # Every mini-batch's LM-head buffer gets this many rows, so the memory freed by one mini-batch
-        # fits the next exactly (see core._lm_head_logits).
+        # fits the next exactly (see core.logprobs._lm_head_logits).
         counts = sorted((self._slot_count(r) for r in responses), reverse=True)
         buffer_rows = sum(counts[: self.config.mini_batch_size])
         return _Rows(queries, responses, sequences, query_len, response_len, action_mask, buffer_rows)

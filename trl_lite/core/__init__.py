@@ -1,0 +1,57 @@
+"""Pure tensor functions of PPO for language models, and the classic helpers of ``trl.core``.
+
+Nothing here holds state or knows about devices, processes or models; every function is tested
+against an independent float64 reference in ``tests/test_core.py``. Section numbers refer to
+``PPO_SPEC.md``. Shape names: ``B`` rows, ``L`` positions of a per-token tensor (the ``T = S - 1``
+next-token positions of the spec, or any sub-range of them), ``V`` vocabulary.
+
+- :mod:`.logprobs`: log-probs and entropy from logits, or fused with a linear LM head;
+- :mod:`.masked`: masked mean, variance and whitening;
+- :mod:`.ppo`: KL estimators, KL-shaped rewards, GAE, the clipped policy and value losses;
+- :mod:`.utils`: statistics dicts, ``LengthSampler``, ``set_seed``.
+"""
+
+from .logprobs import (
+    entropy_from_logits,
+    full_kl_from_logits,
+    logprobs_and_entropy_from_hidden,
+    logprobs_and_entropy_from_logits,
+    logprobs_from_hidden,
+    logprobs_from_logits,
+)
+from .masked import clip_by_value, masked_mean, masked_var, masked_whiten
+from .ppo import (
+    KL_PENALTIES,
+    compute_gae,
+    compute_kl_rewards,
+    kl_estimate,
+    last_index,
+    ppo_policy_loss,
+    ppo_value_loss,
+)
+from .utils import LengthSampler, flatten_dict, set_seed, stack_dicts, stats_to_np
+
+__all__ = [
+    "KL_PENALTIES",
+    "LengthSampler",
+    "clip_by_value",
+    "compute_gae",
+    "compute_kl_rewards",
+    "entropy_from_logits",
+    "flatten_dict",
+    "full_kl_from_logits",
+    "kl_estimate",
+    "last_index",
+    "logprobs_and_entropy_from_hidden",
+    "logprobs_and_entropy_from_logits",
+    "logprobs_from_hidden",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "ppo_policy_loss",
+    "ppo_value_loss",
+    "set_seed",
+    "stack_dicts",
+    "stats_to_np",
+]

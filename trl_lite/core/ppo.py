@@ -1,0 +1,137 @@
+"""The PPO equations of PPO_SPEC sections 4-6: KL estimators, KL-shaped rewards, GAE and the clipped losses."""
+
+from __future__ import annotations
+
+import torch
+
+from .masked import clip_by_value, masked_mean
+
+KL_PENALTIES = ("kl", "abs", "mse", "full")
+
+
+def kl_estimate(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    kl_penalty: str = "kl",
+    full_kl: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token KL estimate between policy and reference (PPO_SPEC section 4).
+
+    ``"kl"``: ``lp - ref``; ``"abs"``: ``|lp - ref|``; ``"mse"``: ``0.5 (lp - ref)^2``; ``"full"``: the
+    exact KL of the full next-token distributions, which the caller computes with
+    :func:`full_kl_from_logits` and passes as ``full_kl``. Shape: ``(B, L)`` -> ``(B, L)``.
+    """
+    if kl_penalty == "kl":
+        return logprobs - ref_logprobs
+    if kl_penalty == "abs":
+        return (logprobs - ref_logprobs).abs()
+    if kl_penalty == "mse":
+        return 0.5 * (logprobs - ref_logprobs) ** 2
+    if kl_penalty == "full":
+        if full_kl is None:
+            raise ValueError('kl_penalty="full" needs full_kl (from full_kl_from_logits), got None.')
+        return full_kl
+    raise ValueError(f"kl_penalty must be one of {KL_PENALTIES}, got {kl_penalty!r}.")
+
+
+def last_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last 1 in every row of ``mask`` (0 for a row of zeros). Shape: ``(B, L)`` -> ``(B,)``."""
+    positions = torch.arange(mask.shape[-1], device=mask.device)
+    return (positions * (mask > 0)).amax(-1)
+
+
+def compute_kl_rewards(
+    scores: torch.Tensor,
+    kl: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL-shaped per-token rewards (PPO_SPEC section 4).
+
+    ``non_score_reward = -kl_coef * kl`` inside the mask; each row's score is added at its last
+    action position. Shape: scores ``(B,)``, kl and mask ``(B, L)`` -> rewards and
+    non_score_reward ``(B, L)``, both zero outside the mask.
+    """
+    non_score_reward = -kl_coef * kl * mask
+    has_action = mask.any(-1)
+    score_at_end = torch.zeros_like(non_score_reward)
+    score_at_end.scatter_(-1, last_index(mask).unsqueeze(-1), (scores * has_action).unsqueeze(-1).to(kl.dtype))
+    return non_score_reward + score_at_end, non_score_reward
+
+
+def compute_gae(
+    values: torch.Tensor,
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (PPO_SPEC section 5), before whitening.
+
+    Values and rewards are zeroed outside the mask; then for ``t = L-1 .. 0``:
+    ``delta_t = r_t + gamma V_{t+1} - V_t`` (``V_L = 0``), ``A_t = delta_t + gamma lam A_{t+1}``;
+    ``returns = A + V``. Shape: ``(B, L)`` three times -> advantages, returns ``(B, L)``.
+    """
+    values = values * mask
+    rewards = rewards * mask
+    length = rewards.shape[-1]
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(rewards[:, 0])
+    next_advantage = torch.zeros_like(rewards[:, 0])
+    # The recursion runs backwards in time; rows stay vectorised.
+    for t in reversed(range(length)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        next_advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = next_advantage
+        next_value = values[:, t]
+    return advantages, advantages + values
+
+
+def ppo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate policy loss (PPO_SPEC section 6).
+
+    ``ratio = exp(lp - lp_old)``; loss ``= masked_mean(max(-A ratio, -A clamp(ratio, 1 +- eps)))``.
+    Shape: ``(B, L)`` four times -> loss ``()`` and detached statistics ``()``: clipfrac,
+    approxkl (``0.5 masked_mean((lp - lp_old)^2)``), policykl (``masked_mean(lp_old - lp)``),
+    ratio (masked mean).
+    """
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    loss = masked_mean(torch.max(unclipped, clipped), mask)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((clipped > unclipped).to(logprobs.dtype), mask),
+            "approxkl": 0.5 * masked_mean(log_ratio**2, mask),
+            "policykl": masked_mean(-log_ratio, mask),
+            "ratio": masked_mean(ratio, mask),
+        }
+    return loss, stats
+
+
+def ppo_value_loss(
+    vpreds: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss (PPO_SPEC section 6).
+
+    ``v_clip = clamp(v, v_old +- c)``; loss ``= 0.5 masked_mean(max((v - R)^2, (v_clip - R)^2))``.
+    Shape: ``(B, L)`` four times -> loss ``()`` and detached clipfrac ``()``.
+    """
+    vpred_clipped = clip_by_value(vpreds, old_values - cliprange_value, old_values + cliprange_value)
+    loss_unclipped = (vpreds - returns) ** 2
+    loss_clipped = (vpred_clipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.max(loss_unclipped, loss_clipped), mask)
+    with torch.no_grad():
+        stats = {"clipfrac": masked_mean((loss_clipped > loss_unclipped).to(vpreds.dtype), mask)}
+    return loss, stats
