@@ -366,6 +366,7 @@ def test_lm_head_and_softmax_see_only_the_response_token_slots(monkeypatch, enco
     # Decoder-only models go through the fused head (core._lm_head_logits), T5 through its own head.
     import trl_lite.core.logprobs as core_module
     import trl_lite.trainer.ppo_trainer as ppo_trainer_module
+    import trl_lite.trainer.rollout as rollout_module
 
     if encoder_decoder:
         model = AutoModelForSeq2SeqLMWithValueHead.from_pretrained(make_t5())
@@ -376,14 +377,14 @@ def test_lm_head_and_softmax_see_only_the_response_token_slots(monkeypatch, enco
     lengths = [len(r) - encoder_decoder for r in responses]
     assert len(set(lengths)) > 1  # the mini-batches do have padding to leave out
     softmax_rows, buffers = [], []
-    for name in ("logprobs_from_logits", "logprobs_and_entropy_from_logits"):
-        real = getattr(ppo_trainer_module, name)
+    for module, name in ((rollout_module, "logprobs_from_logits"), (ppo_trainer_module, "logprobs_and_entropy_from_logits")):
+        real = getattr(module, name)
 
         def recording(logits, labels, real=real):
             softmax_rows.append(tuple(logits.shape))
             return real(logits, labels)
 
-        monkeypatch.setattr(ppo_trainer_module, name, recording)
+        monkeypatch.setattr(module, name, recording)
     real_head_logits = core_module._lm_head_logits
 
     def recording_head(hidden, weight, bias, buffer_rows, out=None):

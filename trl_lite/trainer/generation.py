@@ -1,0 +1,129 @@
+"""Generation for the rollout: one query or a batch of them, from the policy or the reference,
+with full weights gathered once per call under ZeRO-3."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+
+class GenerationMixin:
+    """``PPOTrainer.generate`` and its batching: :class:`PPOTrainer` mixes it in."""
+
+    @contextmanager
+    def _generation_model(self, model):
+        """The unwrapped model with full weights: under ZeRO-3 gathered once for the whole call."""
+        unwrapped = self.accelerator.unwrap_model(model)
+        if self._is_zero3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
+                yield unwrapped
+        else:
+            yield unwrapped
+
+    @torch.no_grad()
+    def generate(
+        self,
+        query_tensor,
+        length_sampler=None,
+        batch_size: int = 4,
+        return_prompt: bool = True,
+        generate_ref_response: bool = False,
+        remove_padding: bool = True,
+        **generation_kwargs,
+    ):
+        """Generate responses for one query (1-D tensor) or a list of them.
+
+        A list is generated in chunks of ``batch_size`` with left padding and returned as a list of
+        1-D tensors with padding (and anything after the first EOS) removed. ``length_sampler``
+        draws ``max_new_tokens`` per call (per chunk for a list). With ``generate_ref_response``
+        the reference model's responses are returned too.
+
+        Under ZeRO-3 generation is collective: every process must call ``generate`` the same number
+        of times, but the processes may pass different numbers of queries and lengths.
+        """
+        if isinstance(query_tensor, (list, tuple)):
+            responses = self._generate_batched(
+                self.model, query_tensor, length_sampler, batch_size, return_prompt, remove_padding, **generation_kwargs
+            )
+            if not generate_ref_response:
+                return responses
+            with self._reference() as ref:
+                ref_responses = self._generate_batched(
+                    ref, query_tensor, length_sampler, batch_size, return_prompt, remove_padding, **generation_kwargs
+                )
+            return responses, ref_responses
+        if not isinstance(query_tensor, torch.Tensor) or query_tensor.dim() != 1:
+            raise ValueError(
+                "query_tensor must be a 1-D tensor of token ids or a list of them, got "
+                f"{type(query_tensor).__name__}{tuple(query_tensor.shape) if isinstance(query_tensor, torch.Tensor) else ''}."
+            )
+        if length_sampler is not None:
+            generation_kwargs["max_new_tokens"] = length_sampler()
+        query = query_tensor.unsqueeze(0).to(self.current_device)
+        with self._generation_model(self.model) as model:
+            response = model.generate(input_ids=query, **generation_kwargs)
+        if not return_prompt and not self.is_encoder_decoder:
+            response = response[:, query.shape[1] :]
+        if not generate_ref_response:
+            return response
+        with self._reference() as ref, self._generation_model(ref) as ref_model:
+            ref_response = ref_model.generate(input_ids=query, **generation_kwargs)
+        if not return_prompt and not self.is_encoder_decoder:
+            ref_response = ref_response[:, query.shape[1] :]
+        return response, ref_response
+
+    def _generate_batched(self, model, queries, length_sampler, batch_size, return_prompt, remove_padding, **kwargs):
+        """Generate for a list of queries in left-padded chunks; one 1-D tensor per query."""
+        if self.tokenizer is None:
+            raise ValueError("generate() with a list of queries needs the trainer's tokenizer (for padding); got None.")
+        device = self.current_device
+        eos = self.tokenizer.eos_token_id
+        pad = self._pad_id
+        kwargs.setdefault("pad_token_id", pad)
+        outputs = []
+        was_training = model.training
+        model.eval()
+        starts = range(0, len(queries), batch_size)
+        with self._generation_model(model) as gen_model:
+            for _ in range(self._missing_generate_calls(len(starts))):
+                # Under ZeRO-3 every forward pass is a collective, so a process with fewer chunks
+                # than another joins the extra calls with a one-row stand-in whose output is dropped.
+                stand_in = (queries[0][:1] if len(queries) else torch.tensor([pad])).to(device).unsqueeze(0)
+                gen_model.generate(input_ids=stand_in, attention_mask=torch.ones_like(stand_in), **kwargs)
+            for start in starts:
+                if length_sampler is not None:
+                    kwargs["max_new_tokens"] = length_sampler()
+                chunk = [q.to(device) for q in queries[start : start + batch_size]]
+                input_ids = pad_sequence(chunk, batch_first=True, padding_value=pad, padding_side="left")
+                lengths = torch.tensor([len(q) for q in chunk], device=device)
+                attention_mask = (
+                    torch.arange(input_ids.shape[1], device=device) >= (input_ids.shape[1] - lengths).unsqueeze(1)
+                ).long()
+                generations = gen_model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+                for row, generation in enumerate(generations):
+                    if not self.is_encoder_decoder:
+                        prompt_pad = input_ids.shape[1] - int(lengths[row])
+                        generation = generation[prompt_pad:]
+                        if not return_prompt:
+                            generation = generation[int(lengths[row]) :]
+                    if remove_padding and eos is not None:
+                        eos_at = (generation == eos).nonzero()
+                        if self.is_encoder_decoder:
+                            eos_at = eos_at[eos_at > 0]
+                        if len(eos_at):
+                            generation = generation[: int(eos_at.flatten()[0]) + 1]
+                    outputs.append(generation)
+        if was_training:
+            model.train()
+        return outputs
+
+    def _missing_generate_calls(self, calls: int) -> int:
+        """How many fewer ``generate`` calls this process makes than the busiest one (0 unless ZeRO-3)."""
+        if not self._is_zero3 or self.accelerator.num_processes == 1:
+            return 0
+        counts = self.accelerator.gather(torch.tensor([calls], device=self.current_device))
+        return int(counts.max()) - calls
