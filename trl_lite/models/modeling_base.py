@@ -25,6 +25,8 @@ from transformers.utils import cached_file, is_peft_available
 if is_peft_available():
     from peft import PeftConfig, PeftModel, get_peft_model
 
+from .reward_adapter import adapter_weights_file, check_reward_adapter_arguments, load_score_head
+
 logger = logging.getLogger(__name__)
 
 # Name of the file holding the extra modules of a PEFT checkpoint (the adapter file holds no base weights).
@@ -41,7 +43,7 @@ _EXTRA_MODULE_SOURCES = (
 _HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
 # Of those, the ones that describe the adapter repository rather than its base model.
 _ADAPTER_ONLY_HUB_KWARGS = ("revision", "subfolder")
-# Prefix of the wrapped model's entries in the wrapper's own `state_dict()`.
+# Attribute holding the wrapped model; `named_parameters()` names start with it, `state_dict()` keys do not.
 _WRAPPED_PREFIX = "pretrained_model."
 
 # Names of the first parameter of decoder layer `{layer}` in common architectures, tried in order.
@@ -115,6 +117,46 @@ def load_extra_modules_state_dict(name_or_path: str, module_names, hub_kwargs: d
     return {}
 
 
+def _drop_wrapped_prefix(module, state_dict, prefix, local_metadata) -> None:
+    """State-dict post-hook: the wrapped model's keys lose `pretrained_model.` (classic TRL's naming).
+
+    `module.state_dict()` then holds the transformers (or PEFT) model's own keys plus `v_head.*`
+    (and any other extra module's keys). Keys are re-inserted in their original order.
+    """
+    inner = prefix + _WRAPPED_PREFIX
+    own = [key for key in state_dict if key.startswith(prefix)]
+    for key in own:
+        value = state_dict.pop(key)
+        state_dict[prefix + key[len(inner) :] if key.startswith(inner) else key] = value
+
+
+def _add_wrapped_prefix(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors) -> None:
+    """Load-state-dict pre-hook: accept classic keys (no `pretrained_model.`) and prefixed ones alike.
+
+    A key under `prefix` that names neither the wrapped model nor one of the wrapper's own modules
+    belongs to the wrapped model and gets its prefix back, so torch's loading finds its parameter.
+    """
+    own_modules = {name for name in module._modules if name != _WRAPPED_PREFIX[:-1]}
+    for key in [key for key in state_dict if key.startswith(prefix)]:
+        rest = key[len(prefix) :]
+        if not rest.startswith(_WRAPPED_PREFIX) and rest.split(".", 1)[0] not in own_modules:
+            state_dict[prefix + _WRAPPED_PREFIX + rest] = state_dict.pop(key)
+
+
+# The wrapped model's prefix as a whole name segment, at the start of a key or after an outer prefix.
+_WRAPPED_SEGMENT = re.compile(r"(^|\.)" + re.escape(_WRAPPED_PREFIX))
+
+
+def _report_classic_keys(module, incompatible_keys) -> None:
+    """Load-state-dict post-hook: missing and unexpected keys are reported in `state_dict()` naming.
+
+    Callers compare them with `state_dict()` keys (safetensors' `load_model`, used by accelerate's
+    `load_state`, does so to ignore tied weights it did not save).
+    """
+    for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        keys[:] = [_WRAPPED_SEGMENT.sub(r"\1", key, count=1) for key in keys]
+
+
 class PreTrainedModelWrapper(nn.Module):
     """A transformers (or PEFT) model plus extra modules, with transformers-style loading and saving.
 
@@ -126,11 +168,22 @@ class PreTrainedModelWrapper(nn.Module):
     transformers_parent_class = None
     supported_args = ()
     supported_modules = ("v_head",)
+    # Names the score head of a reward adapter may have in its adapter file (classic TRL's).
+    supported_rm_modules = ("score",)
 
     def __init__(self, pretrained_model):
         super().__init__()
         _check_wrappable(pretrained_model, "pretrained_model")
+        self._check_model(pretrained_model)
         self.pretrained_model = pretrained_model
+        # Hooks rather than overriding state_dict/load_state_dict: they also run when the wrapper
+        # sits inside DDP or a DeepSpeed engine, which save and load it under their own prefix.
+        self.register_state_dict_post_hook(_drop_wrapped_prefix)
+        self.register_load_state_dict_pre_hook(_add_wrapped_prefix)
+        self.register_load_state_dict_post_hook(_report_classic_keys)
+        self.supports_rm_adapter = False
+        self.rm_adapter_name = None
+        self.policy_adapter_name = pretrained_model.active_adapter if is_peft_model(pretrained_model) else "default"
         self.config = pretrained_model.config
         self.is_peft_model = is_peft_model(pretrained_model)
         self.is_encoder_decoder = bool(getattr(self.config, "is_encoder_decoder", False))
@@ -169,19 +222,34 @@ class PreTrainedModelWrapper(nn.Module):
         wrapper_kwargs, hf_kwargs = cls._split_kwargs(kwargs)
         peft_config = hf_kwargs.pop("peft_config", None)
         is_trainable = hf_kwargs.pop("is_trainable", False)
+        reward_adapter = hf_kwargs.pop("reward_adapter", None)
+        reward_adapter_name = hf_kwargs.pop("reward_adapter_name", "reward_adapter")
         _check_peft_config(peft_config)
         source = pretrained_model_name_or_path
+        hub_kwargs = {key: hf_kwargs[key] for key in _HUB_KWARGS if key in hf_kwargs}
+        if reward_adapter is not None:
+            check_reward_adapter_arguments(reward_adapter, reward_adapter_name)
+            # A missing adapter file is reported before any model is loaded or adapted.
+            adapter_weights_file(reward_adapter, lambda name: _resolve_file(reward_adapter, name, hub_kwargs))
         if isinstance(source, (str, os.PathLike)):
             source = os.fspath(source)
             pretrained_model = cls._load_from_name(source, model_args, hf_kwargs, is_trainable, peft_config)
         else:
             _check_wrappable(source, "pretrained_model_name_or_path (when not a str or path)")
+            # Before peft injects an adapter into the caller's model in place.
+            cls._check_model(source)
             pretrained_model = source
         if peft_config is not None:
             pretrained_model = _add_adapter(pretrained_model, peft_config)
+        if reward_adapter is not None and not is_peft_model(pretrained_model):
+            raise ValueError(
+                "reward_adapter needs a PEFT policy (the reward adapter is loaded beside the policy adapter): "
+                f"pass peft_config=... or a peft.PeftModel, got a {type(pretrained_model).__name__}"
+            )
         model = cls(pretrained_model, **wrapper_kwargs)
+        if reward_adapter is not None:
+            model._attach_reward_adapter(reward_adapter, reward_adapter_name, hub_kwargs)
         if isinstance(source, str):
-            hub_kwargs = {key: hf_kwargs[key] for key in _HUB_KWARGS if key in hf_kwargs}
             state_dict = load_extra_modules_state_dict(source, cls.supported_modules, hub_kwargs)
             if not state_dict:
                 logger.warning(
@@ -211,6 +279,92 @@ class PreTrainedModelWrapper(nn.Module):
         base = cls.transformers_parent_class.from_pretrained(base_name, *model_args, **base_kwargs)
         return PeftModel.from_pretrained(base, source, is_trainable=is_trainable, **hub_kwargs)
 
+    @classmethod
+    def _check_model(cls, model) -> None:
+        """Raise ValueError when `model` cannot be wrapped by this class (subclasses say why)."""
+
+    @classmethod
+    def add_and_load_reward_modeling_adapter(
+        cls, pretrained_model, adapter_model_id: str, adapter_name: str = "reward_model_adapter", token=None, **hub_kwargs
+    ) -> nn.Linear:
+        """Load a reward model's adapter into the `PeftModel` `pretrained_model` as `adapter_name`.
+
+        The adapter is frozen and not activated; the model keeps its training mode. Returns the
+        reward model's score head (frozen `nn.Linear`, in the model's dtype) read from the adapter file.
+        """
+        if token is not None:
+            hub_kwargs["token"] = token
+        weights = adapter_weights_file(
+            adapter_model_id, lambda filename: _resolve_file(adapter_model_id, filename, hub_kwargs)
+        )
+        if adapter_name in pretrained_model.peft_config:
+            raise ValueError(
+                f"reward_adapter_name={adapter_name!r} is already an adapter of the model "
+                f"({sorted(pretrained_model.peft_config)}); choose another name"
+            )
+        base = pretrained_model.get_base_model()
+        output_embeddings = base.get_output_embeddings()
+        device = output_embeddings.weight.device if output_embeddings is not None else base.device
+        score = load_score_head(weights, cls.supported_rm_modules, base.dtype, device)
+        was_training = pretrained_model.training
+        # peft puts the whole model in eval mode when it loads an adapter for inference.
+        pretrained_model.load_adapter(adapter_model_id, adapter_name, is_trainable=False, **hub_kwargs)
+        pretrained_model.train(was_training)
+        return score
+
+    def _attach_reward_adapter(self, reward_adapter: str, reward_adapter_name: str, hub_kwargs: dict) -> None:
+        """Load the reward adapter beside the policy adapter and keep its score head as `self.score`."""
+        self.score = self.add_and_load_reward_modeling_adapter(
+            self.pretrained_model, reward_adapter, reward_adapter_name, **hub_kwargs
+        )
+        self.supports_rm_adapter = True
+        self.rm_adapter_name = reward_adapter_name
+
+    def _last_hidden_states(self, input_ids, attention_mask, kwargs: dict) -> torch.Tensor:
+        """Last hidden states (B, S, H) of the transformers model, after its final norm.
+
+        The base model (`base_model_prefix`) alone when it has one: no vocabulary-sized logits are
+        computed. PEFT's LoRA layers sit inside it, so the active adapter applies.
+        """
+        model = self.transformers_model
+        backbone = getattr(model, getattr(model, "base_model_prefix", ""), None)
+        if isinstance(backbone, nn.Module) and backbone is not model:
+            return backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+        outputs = self.pretrained_model(
+            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, return_dict=True, **kwargs
+        )
+        return outputs.hidden_states[-1]
+
+    def compute_reward_score(self, input_ids, attention_mask=None, **kwargs) -> torch.Tensor:
+        """Reward scores at every position, with the reward adapter active; no gradient.
+
+        Shapes: input_ids, attention_mask (B, S) -> scores (B, S, num_labels): the reward model's
+        score head on each position's last hidden state (a sequence classifier reads the last
+        non-padding position). The model runs in eval mode with only the reward adapter on; the
+        policy adapter, the training mode and every parameter's `requires_grad` are restored after,
+        also when the forward raises. Other kwargs go to the transformers model.
+        """
+        if not self.supports_rm_adapter:
+            raise ValueError(
+                "compute_reward_score needs a reward adapter: build the model with "
+                "from_pretrained(..., peft_config=..., reward_adapter=<adapter dir or hub id>)"
+            )
+        peft_model = self.pretrained_model
+        was_training = self.training
+        # peft's set_adapter also flips requires_grad of the adapters it (de)activates.
+        requires_grad = [(param, param.requires_grad) for param in self.parameters()]
+        try:
+            peft_model.set_adapter(self.rm_adapter_name)
+            self.eval()
+            with torch.no_grad():
+                hidden_states = self._last_hidden_states(input_ids, attention_mask, kwargs)
+                return self.score(hidden_states.to(self.score.weight.dtype))
+        finally:
+            peft_model.set_adapter(self.policy_adapter_name)
+            self.train(was_training)
+            for param, flag in requires_grad:
+                param.requires_grad_(flag)
+
     def post_init(self, state_dict: dict) -> None:
         """Load the extra modules' weights from a state dict keyed like `v_head.summary.weight`.
 
@@ -226,17 +380,20 @@ class PreTrainedModelWrapper(nn.Module):
     def _checkpoint_state_dicts(self, state_dict: dict | None):
         """Split a wrapper state dict into (wrapped model's entries, extra modules' entries).
 
-        Accepts the wrapper's own `state_dict()` (the default; also what `accelerator.get_state_dict`
-        returns) or one already in checkpoint naming.
+        Accepts the wrapper's `state_dict()` (classic keys, the default; also what
+        `accelerator.get_state_dict` returns) or keys with the `pretrained_model.` prefix (as DeepSpeed
+        ZeRO-3 names its consolidated weights). Entries of the reward adapter's score head are left
+        out: they are loaded from the reward adapter, not saved with the policy.
         """
         if state_dict is None:
             state_dict = self.state_dict()
         prefixes = tuple(f"{name}." for name in self.supported_modules)
+        others = tuple(f"{name}." for name in self._modules if name not in (_WRAPPED_PREFIX[:-1], *self.supported_modules))
         extra = {key: value for key, value in state_dict.items() if key.startswith(prefixes)}
         base = {
             key[len(_WRAPPED_PREFIX) :] if key.startswith(_WRAPPED_PREFIX) else key: value
             for key, value in state_dict.items()
-            if not key.startswith(prefixes)
+            if not key.startswith(prefixes + others)
         }
         return base, extra
 

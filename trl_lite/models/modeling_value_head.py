@@ -4,7 +4,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-from .modeling_base import PreTrainedModelWrapper
+from .modeling_base import PreTrainedModelWrapper, is_peft_model
 
 # Config attributes of architectures whose forward post-processes the LM head output (soft-capping,
 # scaling); for these the fast path (backbone + LM head at chosen positions) would differ from forward.
@@ -108,7 +108,6 @@ class _ValueHeadModel(PreTrainedModelWrapper):
                 f"accepted: {list(self.supported_args)}"
             )
         _check_head_kwargs(head_kwargs)
-        self._check_architecture()
         self.v_head = ValueHead(self.config, summary_dropout_prob=head_kwargs.get("summary_dropout_prob"))
         self._init_weights(
             head_kwargs.get("v_head_initializer_range", 0.2), head_kwargs.get("v_head_init_strategy", None)
@@ -124,15 +123,24 @@ class _ValueHeadModel(PreTrainedModelWrapper):
         _check_head_kwargs(kwargs)
         return super().from_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
-    def _check_architecture(self) -> None:
-        """Raise ValueError if the model is (not) an encoder-decoder when the wrapper expects the opposite."""
-        expects_encoder_decoder = self.transformers_parent_class is AutoModelForSeq2SeqLM
-        if self.is_encoder_decoder != expects_encoder_decoder:
-            kind = "an encoder-decoder" if self.is_encoder_decoder else "a decoder-only"
-            other = f"AutoModelFor{'Seq2SeqLM' if self.is_encoder_decoder else 'CausalLM'}WithValueHead"
+    @classmethod
+    def _check_model(cls, model) -> None:
+        """Raise ValueError for a model without a language-model head, or of the other architecture."""
+        base = model.get_base_model() if is_peft_model(model) else model
+        named = any(name.rpartition(".")[2] in cls.lm_head_namings for name, _ in base.named_modules())
+        if base.get_output_embeddings() is None and not named:
             raise ValueError(
-                f"{type(self).__name__} cannot wrap {kind} model ({type(self.config).__name__}); use {other}"
+                f"{cls.__name__} needs a model with a language-model head, got {type(base).__name__}, which has "
+                f"none (get_output_embeddings() is None and no module is named one of {cls.lm_head_namings}); "
+                f"pass a model loaded with {cls.transformers_parent_class.__name__} (e.g. GPT2LMHeadModel, "
+                "T5ForConditionalGeneration), or its name or path"
             )
+        is_encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+        expects_encoder_decoder = cls.transformers_parent_class is AutoModelForSeq2SeqLM
+        if is_encoder_decoder != expects_encoder_decoder:
+            kind = "an encoder-decoder" if is_encoder_decoder else "a decoder-only"
+            other = f"AutoModelFor{'Seq2SeqLM' if is_encoder_decoder else 'CausalLM'}WithValueHead"
+            raise ValueError(f"{cls.__name__} cannot wrap {kind} model ({type(model.config).__name__}); use {other}")
 
     def _init_weights(self, v_head_initializer_range: float = 0.2, v_head_init_strategy: str | None = None) -> None:
         """Initialise the head: None keeps torch's Linear default, "normal" draws N(0, range^2) weights, zero bias."""
@@ -182,6 +190,8 @@ class AutoModelForCausalLMWithValueHead(_ValueHeadModel):
     """
 
     transformers_parent_class = AutoModelForCausalLM
+    # Module names classic TRL looks for to decide that a model has an LM head (classic's values).
+    lm_head_namings = ["lm_head", "embed_out"]
 
     def forward(
         self,
@@ -272,6 +282,7 @@ class AutoModelForSeq2SeqLMWithValueHead(_ValueHeadModel):
     """
 
     transformers_parent_class = AutoModelForSeq2SeqLM
+    lm_head_namings = ["lm_head", "embed_out", "output_projection"]
 
     def forward(
         self,
