@@ -26,9 +26,13 @@ def test_every_field_has_help_text():
     assert undocumented == []
 
 
-def test_backward_batch_size_is_derived():
-    config = PPOConfig(batch_size=12, mini_batch_size=3, gradient_accumulation_steps=2)
+def test_backward_batch_size_and_total_ppo_epochs_are_derived():
+    config = PPOConfig(batch_size=12, mini_batch_size=3, gradient_accumulation_steps=2, steps=25)
     assert config.backward_batch_size == 6
+    assert config.total_ppo_epochs == 3  # ceil(25 / 12), as classic scripts count their steps
+    config.steps = 24
+    config.validate()
+    assert config.total_ppo_epochs == 2
 
 
 def test_deprecated_aliases_set_the_new_fields():
@@ -55,6 +59,7 @@ BAD_CONFIGS = [
     (dict(gradient_accumulation_steps=0), ValueError, ["gradient_accumulation_steps", "positive int", "got 0"]),
     (dict(ppo_epochs=-1), ValueError, ["ppo_epochs", "positive int", "got -1"]),
     (dict(steps=0), ValueError, ["steps", "positive int", "got 0"]),
+    (dict(dataset_num_proc=0), ValueError, ["dataset_num_proc", "positive int", "got 0"]),
     (dict(gamma=1.5), ValueError, ["gamma", "[0.0, 1.0]", "got 1.5"]),
     (dict(lam=-0.1), ValueError, ["lam", "[0.0, 1.0]", "got -0.1"]),
     (dict(cliprange=-0.2), ValueError, ["cliprange", ">= 0.0", "got -0.2"]),

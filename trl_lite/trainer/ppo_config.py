@@ -34,6 +34,9 @@ class PPOConfig:
     model_name: str | None = field(default=None, metadata={"help": "Name of the model, logged with the run."})
     query_dataset: str | None = field(default=None, metadata={"help": "Name of the query dataset, logged with the run."})
     reward_model: str | None = field(default=None, metadata={"help": "Name of the reward model, logged with the run."})
+    dataset_num_proc: int | None = field(
+        default=None, metadata={"help": "Worker processes for dataset preprocessing in scripts (classic field)."}
+    )
     remove_unused_columns: bool = field(
         default=True, metadata={"help": "Drop dataset columns the collator does not use (classic field; see docs)."}
     )
@@ -123,6 +126,8 @@ class PPOConfig:
             _check_float(name, getattr(self, name), minimum=0.0)
         for name in ("gamma", "lam"):
             _check_float(name, getattr(self, name), minimum=0.0, maximum=1.0)
+        if self.dataset_num_proc is not None:
+            _check_positive_int("dataset_num_proc", self.dataset_num_proc)
         for name in ("max_grad_norm", "score_clip"):
             if getattr(self, name) is not None:
                 _check_positive_float(name, getattr(self, name))
@@ -152,6 +157,8 @@ class PPOConfig:
             if not isinstance(getattr(self, name), dict):
                 raise TypeError(f"{name} must be a dict, got {type(getattr(self, name)).__name__}.")
         self.backward_batch_size = backward_batch_size
+        # Not a field (as in classic TRL): the step() calls of a script's run, which classic scripts read.
+        self.total_ppo_epochs = math.ceil(self.steps / self.batch_size)
 
 
 def _check_positive_int(name: str, value) -> None:
