@@ -9,7 +9,15 @@ from .models import (
     PreTrainedModelWrapper,
     create_reference_model,
 )
-from .trainer import AdaptiveKLController, FixedKLController, PPOConfig, PPOTrainer, RunningMoments
+from .trainer import (
+    AdaptiveKLController,
+    FixedKLController,
+    PPOConfig,
+    PPOTrainer,
+    RewardConfig,
+    RewardTrainer,
+    RunningMoments,
+)
 
 __all__ = [
     "AdaptiveKLController",
@@ -20,6 +28,8 @@ __all__ = [
     "PPOConfig",
     "PPOTrainer",
     "PreTrainedModelWrapper",
+    "RewardConfig",
+    "RewardTrainer",
     "RunningMoments",
     "create_reference_model",
     "set_seed",

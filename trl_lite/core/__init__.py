@@ -8,6 +8,7 @@ next-token positions of the spec, or any sub-range of them), ``V`` vocabulary.
 - :mod:`.logprobs`: log-probs and entropy from logits, or fused with a linear LM head;
 - :mod:`.masked`: masked mean, variance and whitening;
 - :mod:`.ppo`: KL estimators, KL-shaped rewards, GAE, the clipped policy and value losses;
+- :mod:`.reward`: the pairwise ranking loss of reward models and its statistics;
 - :mod:`.utils`: statistics dicts, ``LengthSampler``, ``set_seed``.
 """
 
@@ -29,6 +30,7 @@ from .ppo import (
     ppo_policy_loss,
     ppo_value_loss,
 )
+from .reward import pairwise_ranking_loss, preference_stats
 from .utils import LengthSampler, flatten_dict, set_seed, stack_dicts, stats_to_np
 
 __all__ = [
@@ -49,8 +51,10 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "pairwise_ranking_loss",
     "ppo_policy_loss",
     "ppo_value_loss",
+    "preference_stats",
     "set_seed",
     "stack_dicts",
     "stats_to_np",

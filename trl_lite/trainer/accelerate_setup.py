@@ -1,5 +1,5 @@
-"""How the trainer sets up processes and devices: the Accelerator, DeepSpeed's config and reference
-engine, the default optimizer, and freeing the device cache.
+"""How the trainers set up processes and devices: the Accelerator, DeepSpeed's config and reference
+engine, the default optimizer, and freeing the device cache. Used by ``PPOTrainer`` and ``RewardTrainer``.
 
 The CPU fixes (gloo under DeepSpeed, ``cpu=True`` for data parallel) are those measured in the
 project's ENVIRONMENT.md; everything else is plain accelerate.
@@ -18,13 +18,19 @@ from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs,
 from .ppo_config import PPOConfig
 
 
-def build_accelerator(config: PPOConfig) -> Accelerator:
+def build_accelerator(config, sync_with_dataloader: bool = False, **defaults) -> Accelerator:
     """The trainer's Accelerator, with the CPU fixes of ENVIRONMENT.md for multi-process runs.
+
+    ``config`` is any config with ``accelerator_kwargs``, ``project_kwargs``, ``log_with`` and
+    ``gradient_accumulation_steps`` (``PPOConfig``, ``RewardConfig``). ``sync_with_dataloader``: whether
+    the end of a prepared dataloader forces an optimizer step (``PPOTrainer.step()`` accumulates over its
+    own mini-batches, so not there). ``defaults``: Accelerator arguments that ``accelerator_kwargs`` may
+    override (e.g. ``mixed_precision``).
 
     Under DeepSpeed without CUDA the process group needs gloo; for plain data parallel without
     CUDA, ``cpu=True`` is what makes accelerate use MULTI_CPU with real DDP.
     """
-    kwargs = dict(config.accelerator_kwargs)
+    kwargs = {**defaults, **config.accelerator_kwargs}
     handlers = list(kwargs.pop("kwargs_handlers", []))
     multi_process = int(os.environ.get("WORLD_SIZE", "1")) > 1
     use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
@@ -35,8 +41,9 @@ def build_accelerator(config: PPOConfig) -> Accelerator:
         else:
             kwargs.setdefault("cpu", True)
     project_config = ProjectConfiguration(**config.project_kwargs)
-    # step() accumulates over its own mini-batches; the end of the user's dataloader must not force a sync.
-    accumulation = GradientAccumulationPlugin(num_steps=config.gradient_accumulation_steps, sync_with_dataloader=False)
+    accumulation = GradientAccumulationPlugin(
+        num_steps=config.gradient_accumulation_steps, sync_with_dataloader=sync_with_dataloader
+    )
     return Accelerator(
         log_with=config.log_with,
         gradient_accumulation_plugin=accumulation,
@@ -47,16 +54,37 @@ def build_accelerator(config: PPOConfig) -> Accelerator:
 
 
 def fill_deepspeed_config(accelerator: Accelerator, config: PPOConfig) -> None:
-    """Set what DeepSpeed needs before ``prepare``: micro-batch, accumulation and clipping from the config."""
+    """Set what DeepSpeed needs before ``prepare`` from a ``PPOConfig`` (see :func:`fill_deepspeed_batch_config`)."""
+    fill_deepspeed_batch_config(
+        accelerator, config.mini_batch_size, config.gradient_accumulation_steps, config.max_grad_norm
+    )
+
+
+def fill_deepspeed_batch_config(
+    accelerator: Accelerator, micro_batch_size: int, gradient_accumulation_steps: int, max_grad_norm: float | None
+) -> None:
+    """Set what DeepSpeed needs before ``prepare``: micro-batch (rows per forward/backward pass and
+    process), accumulation and clipping (None: off)."""
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
-    ds_config["train_micro_batch_size_per_gpu"] = config.mini_batch_size
-    ds_config["gradient_accumulation_steps"] = config.gradient_accumulation_steps
+    ds_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    ds_config["gradient_accumulation_steps"] = gradient_accumulation_steps
     # accelerate replaces an unset ("auto") gradient_clipping with 1.0; 0.0 turns DeepSpeed's clipping off.
-    ds_config["gradient_clipping"] = config.max_grad_norm if config.max_grad_norm is not None else 0.0
+    ds_config["gradient_clipping"] = max_grad_norm if max_grad_norm is not None else 0.0
     if ds_config.get("zero_optimization", {}).get("stage") == 3:
         # save_pretrained gathers the full weights through accelerator.get_state_dict, which needs this.
         ds_config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
-    ds_config["train_batch_size"] = config.mini_batch_size * config.gradient_accumulation_steps * accelerator.num_processes
+    ds_config["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * accelerator.num_processes
+
+
+def save_full_model(accelerator: Accelerator, model, tokenizer, save_directory: str) -> None:
+    """``save_pretrained`` of the unwrapped model with its full weights (gathered under ZeRO-3) and of
+    the tokenizer (if any), from the main process; every process must call it."""
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(save_directory, state_dict=state_dict)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(save_directory)
+    accelerator.wait_for_everyone()
 
 
 def prepare_deepspeed_reference(ref_model, accelerator: Accelerator):
@@ -75,12 +103,15 @@ def prepare_deepspeed_reference(ref_model, accelerator: Accelerator):
     return engine
 
 
-def default_optimizer(model, learning_rate: float) -> torch.optim.Adam:
-    """Adam over the trainable parameters; the fused implementation (one pass over each tensor per
-    step instead of about ten) where PyTorch has it for every parameter."""
+def default_optimizer(model, learning_rate: float, weight_decay: float | None = None) -> torch.optim.Optimizer:
+    """Adam over the trainable parameters, or AdamW (decoupled weight decay) when ``weight_decay`` is
+    given; the fused implementation (one pass over each tensor per step instead of about ten) where
+    PyTorch has it for every parameter."""
     params = [p for p in model.parameters() if p.requires_grad]
     fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-    return torch.optim.Adam(params, lr=learning_rate, fused=fused or None)
+    if weight_decay is None:
+        return torch.optim.Adam(params, lr=learning_rate, fused=fused or None)
+    return torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, fused=fused or None)
 
 
 def empty_device_cache() -> None:

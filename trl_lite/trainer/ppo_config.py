@@ -133,10 +133,7 @@ class PPOConfig:
                 _check_positive_float(name, getattr(self, name))
         if self.kl_penalty not in KL_PENALTIES:
             raise ValueError(f"kl_penalty must be one of {KL_PENALTIES}, got {self.kl_penalty!r}.")
-        if self.log_with not in (None, "wandb", "tensorboard", "comet_ml", "mlflow", "aim", "clearml", "dvclive", "all"):
-            raise ValueError(
-                f"log_with must be None or an accelerate tracker name ('wandb', 'tensorboard', 'all', ...), got {self.log_with!r}."
-            )
+        _check_log_with(self.log_with)
         for name in ("adap_kl_ctrl", "early_stopping", "use_score_scaling", "use_score_norm", "whiten_rewards",
                      "gradient_checkpointing", "remove_unused_columns", "optimize_device_cache", "keep_freed_cpu_memory"):
             if not isinstance(getattr(self, name), bool):
@@ -159,6 +156,13 @@ class PPOConfig:
         self.backward_batch_size = backward_batch_size
         # Not a field (as in classic TRL): the step() calls of a script's run, which classic scripts read.
         self.total_ppo_epochs = math.ceil(self.steps / self.batch_size)
+
+
+def _check_log_with(value) -> None:
+    if value not in (None, "wandb", "tensorboard", "comet_ml", "mlflow", "aim", "clearml", "dvclive", "all"):
+        raise ValueError(
+            f"log_with must be None or an accelerate tracker name ('wandb', 'tensorboard', 'all', ...), got {value!r}."
+        )
 
 
 def _check_positive_int(name: str, value) -> None:
