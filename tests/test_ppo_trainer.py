@@ -321,7 +321,7 @@ def test_dataloader_is_shuffled_batches_of_batch_size_dropping_the_rest():
 def test_constructor_rejects_wrong_types():
     model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2())
     with pytest.raises(TypeError, match="model must be"):
-        PPOTrainer(PPOConfig(batch_size=2, mini_batch_size=2), make_gpt2())
+        PPOTrainer(PPOConfig(batch_size=2, mini_batch_size=2), torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="config must be a PPOConfig"):
         PPOTrainer({"batch_size": 2}, model)
     with pytest.raises(ValueError, match="ref_model is the same object"):

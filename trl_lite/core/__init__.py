@@ -9,9 +9,18 @@ next-token positions of the spec, or any sub-range of them), ``V`` vocabulary.
 - :mod:`.masked`: masked mean, variance and whitening;
 - :mod:`.ppo`: KL estimators, KL-shaped rewards, GAE, the clipped policy and value losses;
 - :mod:`.reward`: the pairwise ranking loss of reward models and its statistics;
+- :mod:`.advantages`: the critic-free estimators (RLOO, GRPO, REINFORCE++) and the k3 KL term;
 - :mod:`.utils`: statistics dicts, ``LengthSampler``, ``set_seed``.
 """
 
+from .advantages import (
+    ADVANTAGE_ESTIMATORS,
+    discounted_returns,
+    grpo_advantages,
+    k3_kl,
+    rloo_advantages,
+    sequence_to_tokens,
+)
 from .logprobs import (
     entropy_from_logits,
     full_kl_from_logits,
@@ -34,14 +43,18 @@ from .reward import pairwise_ranking_loss, preference_stats
 from .utils import LengthSampler, flatten_dict, set_seed, stack_dicts, stats_to_np
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
     "KL_PENALTIES",
     "LengthSampler",
     "clip_by_value",
     "compute_gae",
     "compute_kl_rewards",
+    "discounted_returns",
     "entropy_from_logits",
     "flatten_dict",
     "full_kl_from_logits",
+    "grpo_advantages",
+    "k3_kl",
     "kl_estimate",
     "last_index",
     "logprobs_and_entropy_from_hidden",
@@ -55,6 +68,8 @@ __all__ = [
     "ppo_policy_loss",
     "ppo_value_loss",
     "preference_stats",
+    "rloo_advantages",
+    "sequence_to_tokens",
     "set_seed",
     "stack_dicts",
     "stats_to_np",

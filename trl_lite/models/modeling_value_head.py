@@ -201,6 +201,7 @@ class AutoModelForCausalLMWithValueHead(_ValueHeadModel):
         return_past_key_values: bool = False,
         logits_positions: torch.Tensor | None = None,
         return_lm_head_inputs: bool = False,
+        return_values: bool = True,
         **kwargs,
     ):
         """Logits, loss and values; other kwargs (position_ids, labels, ...) go to the transformers model.
@@ -210,7 +211,8 @@ class AutoModelForCausalLMWithValueHead(_ValueHeadModel):
         / (N, V) at `logits_positions`; loss or None; value (B, S);
         and past_key_values last when `return_past_key_values`. With `return_lm_head_inputs`, the
         first output is the LM head's input at `logits_positions`, (B, K, H) or (N, H), in the
-        model's dtype.
+        model's dtype. With `return_values=False` the value head does not run and value is None
+        (critic-free training, a separate critic, the reference pass).
         """
         kwargs = self._prepare_kwargs(past_key_values, return_past_key_values, kwargs)
         parts = self._backbone_and_lm_head(kwargs) if logits_positions is not None else None
@@ -231,14 +233,14 @@ class AutoModelForCausalLMWithValueHead(_ValueHeadModel):
             lm_logits = selected if return_lm_head_inputs else lm_head(selected)
         else:
             outputs = self.pretrained_model(
-                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **kwargs
+                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=return_values, **kwargs
             )
-            hidden_states = outputs.hidden_states[-1]
+            hidden_states = outputs.hidden_states[-1] if return_values else None
             lm_logits, loss = outputs.logits, outputs.loss
             if logits_positions is not None:
                 _check_logits_positions(logits_positions, lm_logits.shape[0])
                 lm_logits = gather_positions(lm_logits, logits_positions)
-        value = self.v_head(hidden_states)
+        value = self.v_head(hidden_states) if return_values else None
         return self._outputs(
             lm_logits, loss, value, outputs.past_key_values, return_past_key_values, upcast=not return_lm_head_inputs
         )
@@ -291,6 +293,7 @@ class AutoModelForSeq2SeqLMWithValueHead(_ValueHeadModel):
         attention_mask=None,
         return_past_key_values: bool = False,
         logits_positions: torch.Tensor | None = None,
+        return_values: bool = True,
         **kwargs,
     ):
         """Logits, loss and decoder values; other kwargs (decoder_input_ids, labels, ...) go to the model.
@@ -298,15 +301,15 @@ class AutoModelForSeq2SeqLMWithValueHead(_ValueHeadModel):
         Shapes: input_ids, attention_mask (B, S_enc); decoder_input_ids (B, S_dec); logits_positions
         (B, K) of decoder positions, or a pair (rows, positions) of length N. Returns lm_logits
         (B, S_dec, V), (B, K, V) or (N, V); loss or None;
-        value (B, S_dec); past_key_values last when `return_past_key_values`.
-        The full forward runs even with `logits_positions`, whose logits are then gathered: decoder
+        value (B, S_dec), or None with `return_values=False` (the head does not run); past_key_values
+        last when `return_past_key_values`. The full forward runs even with `logits_positions`, whose logits are then gathered: decoder
         lengths in PPO are short, and the LM head input differs between architectures (T5 rescales it).
         """
         kwargs = self._prepare_kwargs(past_key_values, return_past_key_values, kwargs)
         outputs = self.pretrained_model(
-            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, **kwargs
+            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=return_values, **kwargs
         )
-        value = self.v_head(outputs.decoder_hidden_states[-1])
+        value = self.v_head(outputs.decoder_hidden_states[-1]) if return_values else None
         lm_logits = outputs.logits
         if logits_positions is not None:
             _check_logits_positions(logits_positions, lm_logits.shape[0])

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core import KL_PENALTIES
+from ..core import ADVANTAGE_ESTIMATORS, KL_PENALTIES
 
 
 def _default_exp_name() -> str:
@@ -65,7 +65,33 @@ class PPOConfig:
     lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
     cliprange: float = field(default=0.2, metadata={"help": "Clip range of the policy ratio."})
     cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value prediction."})
-    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
+    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss (ignored by critic-free estimators)."})
+    # Critic-free advantages (PPO_SPEC section 12)
+    advantage_estimator: str = field(
+        default="gae",
+        metadata={
+            "help": "'gae' (value head or critic), or critic-free: 'rloo' (leave-one-out group baseline), "
+            "'grpo' (group-normalised scores) or 'reinforce_pp' (whitened discounted returns, REINFORCE++). "
+            "Critic-free estimators run no value head and report no value statistics."
+        },
+    )
+    num_samples_per_query: int = field(
+        default=1,
+        metadata={
+            "help": "Responses per query: without step(group_ids=...), consecutive runs of this many rows form "
+            "one group for 'rloo' and 'grpo'. batch_size must be a multiple of it (groups stay in one process)."
+        },
+    )
+    kl_in_reward: bool | None = field(
+        default=None,
+        metadata={
+            "help": "KL penalty in the per-token reward (True) or as kl_coef * k3 in the loss (False). None: "
+            "the estimator's default, False for 'grpo' and True otherwise."
+        },
+    )
+    grpo_scale_rewards: bool = field(
+        default=True, metadata={"help": "'grpo': divide by the group's score std (False: only subtract the mean)."}
+    )
     # Batching
     batch_size: int = field(default=128, metadata={"help": "Triplets per step() call, per process."})
     forward_batch_size: int | None = field(
@@ -133,9 +159,17 @@ class PPOConfig:
                 _check_positive_float(name, getattr(self, name))
         if self.kl_penalty not in KL_PENALTIES:
             raise ValueError(f"kl_penalty must be one of {KL_PENALTIES}, got {self.kl_penalty!r}.")
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(
+                f"advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, got {self.advantage_estimator!r}."
+            )
+        _check_positive_int("num_samples_per_query", self.num_samples_per_query)
+        if self.kl_in_reward is not None and not isinstance(self.kl_in_reward, bool):
+            raise TypeError(f"kl_in_reward must be None, True or False, got {self.kl_in_reward!r}.")
         _check_log_with(self.log_with)
         for name in ("adap_kl_ctrl", "early_stopping", "use_score_scaling", "use_score_norm", "whiten_rewards",
-                     "gradient_checkpointing", "remove_unused_columns", "optimize_device_cache", "keep_freed_cpu_memory"):
+                     "gradient_checkpointing", "remove_unused_columns", "optimize_device_cache", "keep_freed_cpu_memory",
+                     "grpo_scale_rewards"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if self.mini_batch_size > self.batch_size:
@@ -148,6 +182,17 @@ class PPOConfig:
                 f"batch_size ({self.batch_size}) must be a multiple of mini_batch_size * gradient_accumulation_steps "
                 f"({self.mini_batch_size} * {self.gradient_accumulation_steps} = {backward_batch_size})."
             )
+        if self.batch_size % self.num_samples_per_query != 0:
+            raise ValueError(
+                f"batch_size ({self.batch_size}) must be a multiple of num_samples_per_query "
+                f"({self.num_samples_per_query}): a group of responses to one query must not be split across steps "
+                "or processes."
+            )
+        if self.whiten_rewards and self.advantage_estimator in ("rloo", "grpo"):
+            raise ValueError(
+                f"whiten_rewards=True applies to per-token rewards ('gae', 'reinforce_pp'), not to "
+                f"advantage_estimator={self.advantage_estimator!r}, whose baseline comes from the group's scores."
+            )
         if self.use_score_norm and not self.use_score_scaling:
             raise ValueError("use_score_norm=True needs use_score_scaling=True (normalisation uses the running moments).")
         for name in ("tracker_kwargs", "accelerator_kwargs", "project_kwargs", "push_to_hub_if_best_kwargs"):
@@ -156,6 +201,18 @@ class PPOConfig:
         self.backward_batch_size = backward_batch_size
         # Not a field (as in classic TRL): the step() calls of a script's run, which classic scripts read.
         self.total_ppo_epochs = math.ceil(self.steps / self.batch_size)
+
+    @property
+    def critic_free(self) -> bool:
+        """Whether the advantage estimator needs no values (every estimator but 'gae')."""
+        return self.advantage_estimator != "gae"
+
+    @property
+    def kl_in_reward_resolved(self) -> bool:
+        """``kl_in_reward``, or the estimator's default when it is None (False for 'grpo', else True)."""
+        if self.kl_in_reward is not None:
+            return self.kl_in_reward
+        return self.advantage_estimator != "grpo"
 
 
 def _check_log_with(value) -> None:

@@ -26,8 +26,11 @@ from .. import core
 from ..core import (
     compute_gae,
     compute_kl_rewards,
+    discounted_returns,
     entropy_from_logits,
     flatten_dict,
+    grpo_advantages,
+    k3_kl,
     kl_estimate,
     logprobs_and_entropy_from_hidden,
     logprobs_and_entropy_from_logits,
@@ -36,6 +39,8 @@ from ..core import (
     masked_whiten,
     ppo_policy_loss,
     ppo_value_loss,
+    rloo_advantages,
+    sequence_to_tokens,
     stats_to_np,
 )
 from ..models import (
@@ -57,7 +62,13 @@ from .ppo_config import PPOConfig
 from .resumable_loader import ResumableLoader
 from .rollout import RolloutMixin, _to_compact
 from .running_moments import RunningMoments
-from .step_inputs import check_constructor_args, scores_tensor, validate_step_inputs
+from .step_inputs import (
+    check_constructor_args,
+    resolve_group_ids,
+    scores_tensor,
+    validate_step_inputs,
+    wrap_plain_model,
+)
 
 # Statistics that are distributions (1-D arrays): concatenated over processes instead of averaged.
 _DIST_STATS = (
@@ -76,9 +87,12 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin):
 
     Args:
         config: the run's :class:`PPOConfig`.
-        model: the policy, an ``AutoModelForCausalLMWithValueHead`` or ``AutoModelForSeq2SeqLMWithValueHead``.
-        ref_model: the frozen reference; made with :func:`create_reference_model` when None, or, for a
-            PEFT model, the same model with its adapter disabled.
+        model: the policy, an ``AutoModelForCausalLMWithValueHead`` or ``AutoModelForSeq2SeqLMWithValueHead``;
+            with a critic-free ``advantage_estimator`` also a plain transformers LM (or ``PeftModel`` of one),
+            which ``save_pretrained`` writes back as a plain model. Whenever the estimator needs no values,
+            the policy's value head is frozen and never run.
+        ref_model: the frozen reference (a value-head model or a plain LM); made with
+            :func:`create_reference_model` when None, or, for a PEFT model, the same model with its adapter disabled.
         tokenizer: used for padding side and pad id, ``generate`` and ``save_pretrained``.
         dataset: optional ``torch`` or ``datasets`` dataset; gives ``trainer.dataloader``.
         optimizer: default ``Adam`` over the trainable parameters at ``config.learning_rate``.
@@ -101,8 +115,14 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin):
     ):
         config = PPOConfig() if config is None else config
         check_constructor_args(config, model, ref_model, tokenizer, optimizer, lr_scheduler, num_shared_layers)
+        # A plain LM gets a value-head wrapper for logits_positions and the fused LM head; its head never runs.
+        model, self._policy_is_plain = wrap_plain_model(model)
+        ref_model, _ = wrap_plain_model(ref_model) if ref_model is not None else (None, False)
         core.set_seed(config.seed)
         self.config = config
+        if not self._uses_value_head:
+            # No gradient, optimizer state or DDP bucket for a head that never runs.
+            model.v_head.requires_grad_(False)
         self.accelerator = build_accelerator(config)
         config.world_size = self.accelerator.num_processes
         config.global_backward_batch_size = config.backward_batch_size * config.world_size
@@ -180,6 +200,11 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin):
                 init_kwargs=config.tracker_kwargs,
             )
 
+    @property
+    def _uses_value_head(self) -> bool:
+        """Whether the policy's value head runs and trains: only for GAE, and never on a plain LM."""
+        return not self.config.critic_free and not self._policy_is_plain
+
     # ------------------------------------------------------------------------------------------
     # The PPO step
     # ------------------------------------------------------------------------------------------
@@ -189,15 +214,20 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin):
         responses: list[torch.LongTensor],
         scores: list[torch.FloatTensor],
         response_masks: list[torch.Tensor] | None = None,
+        group_ids: list[int] | torch.Tensor | None = None,
     ) -> dict:
         """Run one PPO step on ``batch_size`` (query, response, score) triplets of this process.
 
-        Returns the statistics of PPO_SPEC section 8 (floats and 1-D numpy arrays).
+        ``group_ids`` (``'rloo'``/``'grpo'``): one id per row, rows of a group answer one query;
+        default: consecutive runs of ``num_samples_per_query`` rows (PPO_SPEC section 12).
+        Returns the statistics of PPO_SPEC section 8 (floats and 1-D numpy arrays); critic-free
+        estimators report no value statistics.
         """
         validate_step_inputs(
             queries, responses, scores, response_masks,
             batch_size=self.config.batch_size, vocab_size=self._vocab_size, is_encoder_decoder=self.is_encoder_decoder,
         )  # fmt: skip
+        groups = resolve_group_ids(group_ids, queries, self.config)
         config = self.config
         timing = {}
         t0 = time.time()
@@ -219,28 +249,35 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin):
         logprobs, ref_logprobs, values, full_kl = self._rollout_forward(rows)
         timing["time/ppo/forward_pass"] = time.time() - t
 
-        # 3. KL-shaped rewards (section 4)
+        # 3. KL-shaped rewards (section 4); with kl_in_reward=False the KL goes to the loss (section 12)
         t = time.time()
         kl_coef = self.kl_ctl.value
         kls = kl_estimate(logprobs, ref_logprobs, config.kl_penalty, full_kl)
-        rewards, non_score_reward = compute_kl_rewards(scores, kls, mask, kl_coef)
+        reward_kl_coef = kl_coef if config.kl_in_reward_resolved else 0.0
+        rewards, non_score_reward = compute_kl_rewards(scores, kls, mask, reward_kl_coef)
         timing["time/ppo/compute_rewards"] = time.time() - t
 
-        # 4. Advantages (section 5)
+        # 4. Advantages (section 5, or section 12 for critic-free estimators)
         t = time.time()
-        values, advantages, returns = self._advantages(values, rewards, mask)
+        if config.critic_free:
+            advantages = self._critic_free_advantages(scores, rewards, non_score_reward, mask, groups)
+            values = returns = None
+        else:
+            values, advantages, returns = self._advantages(values, rewards, mask)
         timing["time/ppo/compute_advantages"] = time.time() - t
 
         # 5. PPO epochs (section 6)
         t = time.time()
-        train_stats = self._optimize(rows, logprobs, values, advantages, returns)
+        kl_loss_ref = None if config.kl_in_reward_resolved else ref_logprobs
+        train_stats = self._optimize(rows, logprobs, values, advantages, returns, kl_loss_ref, kl_coef)
         timing["time/ppo/optimize_step"] = time.time() - t
 
         # 6. Statistics (section 8)
         t = time.time()
         stats = self._step_stats(rows, scores, kls, logprobs, ref_logprobs, non_score_reward, advantages, kl_coef)
         stats.update(train_stats)
-        stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
+        if not config.critic_free:
+            stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
         stats = self._reduce_stats(stats)
         timing["time/ppo/calc_stats"] = time.time() - t
         stats["ppo/learning_rate"] = self.optimizer.param_groups[0]["lr"]
@@ -271,6 +308,24 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin):
         advantages = self._whiten(advantages, mask)
         return values * mask, advantages.detach(), returns.detach()
 
+    def _critic_free_advantages(self, scores, rewards, non_score_reward, mask, groups):
+        """Advantages ``(B, L)`` of the critic-free estimators (PPO_SPEC section 12).
+
+        ``scores (B,)`` after shaping; ``rewards``, ``non_score_reward`` ``(B, L)`` (the latter zero
+        when the KL is in the loss); ``groups (B,)`` group ids for 'rloo'/'grpo'.
+        """
+        config = self.config
+        if config.advantage_estimator == "reinforce_pp":
+            if config.whiten_rewards:
+                rewards = self._whiten(rewards, mask, shift_mean=False)
+            return (self._whiten(discounted_returns(rewards, mask, config.gamma), mask) * mask).detach()
+        sequence_rewards = scores + non_score_reward.sum(-1)
+        groups = groups.to(sequence_rewards.device)
+        if config.advantage_estimator == "rloo":
+            sequence_advantages = rloo_advantages(sequence_rewards, groups)
+        else:
+            sequence_advantages = grpo_advantages(sequence_rewards, groups, config.grpo_scale_rewards)
+        return sequence_to_tokens(sequence_advantages, mask).detach()
 
     def _whiten(self, values, mask, shift_mean=True):
         """``masked_whiten`` with the statistics of the action tokens of every process. Shape ``(B, L)``.
@@ -288,8 +343,12 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin):
     # ------------------------------------------------------------------------------------------
     # Optimisation
     # ------------------------------------------------------------------------------------------
-    def _optimize(self, rows, old_logprobs, old_values, advantages, returns) -> dict:
-        """``ppo_epochs`` epochs of shuffled mini-batches (PPO_SPEC section 6). Returns averaged statistics."""
+    def _optimize(self, rows, old_logprobs, old_values, advantages, returns, ref_logprobs=None, kl_coef=0.0) -> dict:
+        """``ppo_epochs`` epochs of shuffled mini-batches (PPO_SPEC section 6). Returns averaged statistics.
+
+        ``old_values``/``returns`` are None for critic-free estimators; ``ref_logprobs`` is given
+        when the KL term is in the loss (``kl_coef * k3``, PPO_SPEC section 12).
+        """
         config = self.config
         batch = len(rows)
         minibatch_stats, ratios = [], []
@@ -300,9 +359,10 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin):
             epoch_policykl = []
             for idx in order.split(config.mini_batch_size):
                 w = self._width(rows, idx)
-                stats, ratio = self._train_rows(
-                    rows, idx, old_logprobs[idx, :w], old_values[idx, :w], advantages[idx, :w], returns[idx, :w]
+                old, old_v, adv, ret, ref = (
+                    None if x is None else x[idx, :w] for x in (old_logprobs, old_values, advantages, returns, ref_logprobs)
                 )
+                stats, ratio = self._train_rows(rows, idx, old, old_v, adv, ret, ref, kl_coef)
                 if stats is not None:
                     minibatch_stats.append(stats)
                     ratios.append(ratio)
@@ -312,7 +372,7 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin):
         if minibatch_stats:
             stacked = {k: torch.stack([s[k] for s in minibatch_stats]).mean() for k in minibatch_stats[0]}
         else:
-            stacked = {k: torch.tensor(float("nan")) for k in _TRAIN_STAT_KEYS}
+            stacked = {k: torch.tensor(float("nan")) for k in self._train_stat_keys(ref_logprobs is not None)}
         stats = {f"ppo/{k}": v for k, v in stacked.items()}
         stats["ppo/policy/ratio"] = torch.cat(ratios) if ratios else torch.zeros(0)
         stats["ppo/skipped_minibatches"] = torch.tensor(float(self.skipped_minibatches - skipped_before))
@@ -326,7 +386,12 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin):
         policykl = self.accelerator.reduce(policykl, reduction="mean")
         return bool(policykl.item() > 1.5 * self.config.target_kl)
 
-    def _train_rows(self, rows, idx, old_logprobs, old_values, advantages, returns):
+    def _train_stat_keys(self, kl_in_loss: bool) -> tuple:
+        """Names (without ``ppo/``) of the mini-batch statistics of this run."""
+        keys = _POLICY_STAT_KEYS + (() if self.config.critic_free else _VALUE_STAT_KEYS)
+        return keys + (("policy/kl_loss",) if kl_in_loss else ())
+
+    def _train_rows(self, rows, idx, old_logprobs, old_values, advantages, returns, ref_logprobs=None, kl_coef=0.0):
         """One mini-batch: forward with grad, losses, guarded backward and optimizer step.
 
         Returns its statistics (None when skipped) and the masked per-token ratios.
@@ -334,7 +399,9 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin):
         mask = rows.action_mask[idx, : old_logprobs.shape[1]]
         with self.accelerator.accumulate(self.model):
             head = self._linear_head(self.model)
-            outputs, targets, vpreds, slots, width = self._head_rows(self.model, rows, idx, head is not None)
+            outputs, targets, vpreds, slots, width = self._head_rows(
+                self.model, rows, idx, head is not None, return_values=self._uses_value_head
+            )
             if head is None:
                 logprobs, entropy = logprobs_and_entropy_from_logits(outputs, targets)
             else:
@@ -347,7 +414,12 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin):
             pg_loss, vf_loss, stats = self.loss(
                 old_logprobs, old_values, None, vpreds, logprobs, mask, advantages, returns, entropy=entropy
             )
-            loss = pg_loss + self.config.vf_coef * vf_loss
+            loss = pg_loss if vf_loss is None else pg_loss + self.config.vf_coef * vf_loss
+            if ref_logprobs is not None:
+                kl_loss = masked_mean(k3_kl(logprobs, ref_logprobs), mask)
+                loss = loss + kl_coef * kl_loss
+                stats["policy/kl_loss"] = kl_loss.detach()
+                stats["loss/total"] = loss.detach()
             reason = self._skip_reason(loss, stats["policy/ratio"], mask)
             if reason is not None:
                 self._skip(reason)
@@ -408,23 +480,30 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin):
 
         Shapes: every per-token argument ``(b, L)``, logits ``(b, L, V)``. The entropy statistic
         comes from ``entropy`` ``(b, L)`` when given (logits may then be None), else from the logits.
-        Returns the policy loss, the value loss and a dict of detached 0-d statistics.
+        Returns the policy loss, the value loss and a dict of detached 0-d statistics. Critic-free
+        (``values``, ``vpreds``, ``returns`` None): the value loss is None and no value statistic is made.
         """
         if entropy is None:
             entropy = entropy_from_logits(logits.detach())
         pg_loss, pg_stats = ppo_policy_loss(logprobs, old_logprobs, advantages, mask, self.config.cliprange)
-        vf_loss, vf_stats = ppo_value_loss(vpreds, values, returns, mask, self.config.cliprange_value)
         with torch.no_grad():
             stats = {
                 "loss/policy": pg_loss.detach(),
-                "loss/value": vf_loss.detach(),
-                "loss/total": (pg_loss + self.config.vf_coef * vf_loss).detach(),
+                "loss/total": pg_loss.detach(),
                 "policy/entropy": masked_mean(entropy, mask),
                 "policy/approxkl": pg_stats["approxkl"],
                 "policy/policykl": pg_stats["policykl"],
                 "policy/clipfrac": pg_stats["clipfrac"],
                 "policy/advantages_mean": masked_mean(advantages, mask),
                 "policy/ratio": pg_stats["ratio"],
+            }
+        if vpreds is None:
+            return pg_loss, None, stats
+        vf_loss, vf_stats = ppo_value_loss(vpreds, values, returns, mask, self.config.cliprange_value)
+        with torch.no_grad():
+            stats.update({
+                "loss/value": vf_loss.detach(),
+                "loss/total": (pg_loss + self.config.vf_coef * vf_loss).detach(),
                 "returns/mean": masked_mean(returns, mask),
                 "returns/var": masked_var(returns, mask),
                 "val/vpred": masked_mean(vpreds.detach(), mask),
@@ -432,7 +511,7 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin):
                 "val/clipfrac": vf_stats["clipfrac"],
                 "val/mean": masked_mean(values, mask),
                 "val/var": masked_var(values, mask),
-            }
+            })  # fmt: skip
         return pg_loss, vf_loss, stats
 
     # ------------------------------------------------------------------------------------------
@@ -545,11 +624,16 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin):
         self.accelerator.log(logs, step=self.current_step)
 
     def save_pretrained(self, save_directory: str) -> None:
-        """Save the policy with its value head (full weights, also under ZeRO-3) and the tokenizer."""
+        """Save the policy (full weights, also under ZeRO-3) and the tokenizer: with its value head, or as
+        the plain transformers (or PEFT) model the user passed."""
         state_dict = self.accelerator.get_state_dict(self.model)
         if self.accelerator.is_main_process:
             unwrapped = self.accelerator.unwrap_model(self.model)
-            unwrapped.save_pretrained(save_directory, state_dict=state_dict)
+            if self._policy_is_plain:
+                base_state, _ = unwrapped._checkpoint_state_dicts(state_dict)
+                unwrapped.pretrained_model.save_pretrained(save_directory, state_dict=base_state)
+            else:
+                unwrapped.save_pretrained(save_directory, state_dict=state_dict)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(save_directory)
         self.accelerator.wait_for_everyone()
@@ -598,10 +682,12 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin):
         return self.accelerator.prepare(self._build_dataloader(dataset, data_collator))
 
 
-_TRAIN_STAT_KEYS = (
-    "loss/policy", "loss/value", "loss/total", "policy/entropy", "policy/approxkl", "policy/policykl",
-    "policy/clipfrac", "policy/advantages_mean", "policy/ratio", "returns/mean", "returns/var",
-    "val/vpred", "val/error", "val/clipfrac", "val/mean", "val/var",
+_POLICY_STAT_KEYS = (
+    "loss/policy", "loss/total", "policy/entropy", "policy/approxkl", "policy/policykl",
+    "policy/clipfrac", "policy/advantages_mean", "policy/ratio",
+)  # fmt: skip
+_VALUE_STAT_KEYS = (
+    "loss/value", "returns/mean", "returns/var", "val/vpred", "val/error", "val/clipfrac", "val/mean", "val/var",
 )  # fmt: skip
 
 

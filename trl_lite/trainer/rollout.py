@@ -169,14 +169,17 @@ class RolloutMixin:
         k = torch.arange(total, device=device) - (counts_t.cumsum(0) - counts_t)[row]
         return row, k
 
-    def _forward_rows(self, model, rows: Rows, idx: torch.Tensor, return_logits: bool = False):
+    def _forward_rows(self, model, rows: Rows, idx: torch.Tensor, return_logits: bool = False, return_values: bool = True):
         """Log-probs and values at the action positions of rows ``idx``.
 
-        Shapes: logprobs, values ``(b, L_mb)`` (log-probs 0 past each response); with
-        ``return_logits`` also the logits ``(N, V)`` at the token ``slots`` (else None for both).
+        Shapes: logprobs, values ``(b, L_mb)`` (log-probs 0 past each response; values None without
+        ``return_values``, when the value head does not run); with ``return_logits`` also the logits
+        ``(N, V)`` at the token ``slots`` (else None for both).
         """
         head = None if return_logits else self._linear_head(model)
-        outputs, targets, values, slots, width = self._head_rows(model, rows, idx, lm_head_inputs=head is not None)
+        outputs, targets, values, slots, width = self._head_rows(
+            model, rows, idx, lm_head_inputs=head is not None, return_values=return_values
+        )
         if head is None:
             logprobs = logprobs_from_logits(outputs, targets)
         else:
@@ -185,15 +188,16 @@ class RolloutMixin:
         logprobs = _to_compact(logprobs, slots, len(idx), width)
         return logprobs, values, (outputs if return_logits else None), (slots if return_logits else None), width
 
-    def _head_rows(self, model, rows: Rows, idx: torch.Tensor, lm_head_inputs: bool = False):
+    def _head_rows(self, model, rows: Rows, idx: torch.Tensor, lm_head_inputs: bool = False, return_values: bool = True):
         """The LM head's logits ``(N, V)`` at the token slots of rows ``idx`` - or, with ``lm_head_inputs``,
-        its inputs ``(N, H)`` - their target ids ``(N,)`` and the values ``(b, L_mb)``."""
+        its inputs ``(N, H)`` - their target ids ``(N,)`` and the values ``(b, L_mb)`` (None without ``return_values``)."""
         inputs, positions, slots, targets, width = self._minibatch_inputs(rows, idx)
         if lm_head_inputs:
             inputs["return_lm_head_inputs"] = True
-        outputs, _, values = model(**inputs)
-        values = values[:, :-1] if self.is_encoder_decoder else values.gather(1, positions)
-        return outputs, targets, values.float(), slots, width
+        outputs, _, values = model(**inputs, return_values=return_values)
+        if values is not None:
+            values = (values[:, :-1] if self.is_encoder_decoder else values.gather(1, positions)).float()
+        return outputs, targets, values, slots, width
 
     def _linear_head(self, model) -> torch.nn.Linear | None:
         """The model's LM head when the trainer may fuse it with the log-softmax, else None.
@@ -243,17 +247,23 @@ class RolloutMixin:
         """Policy and reference passes without grad, in mini-batches (PPO_SPEC section 3).
 
         Returns logprobs, ref_logprobs, values ``(B, L)`` and, for ``kl_penalty="full"``, the exact
-        per-token KL ``(B, L)`` (else None). Full-KL logits live one mini-batch at a time.
+        per-token KL ``(B, L)`` (else None). Full-KL logits live one mini-batch at a time. The
+        reference's value head never runs, nor the policy's when ``_uses_value_head`` is False
+        (values are then zeros).
         """
         full = self.config.kl_penalty == "full"
         batch, width = len(rows), rows.action_mask.shape[1]
         out = torch.zeros(4 if full else 3, batch, width, device=self.current_device)
         self.model.eval()
         for idx in torch.arange(batch, device=self.current_device).split(self.config.mini_batch_size):
-            logprobs, values, logits, slots, w = self._forward_rows(self.model, rows, idx, return_logits=full)
+            logprobs, values, logits, slots, w = self._forward_rows(
+                self.model, rows, idx, return_logits=full, return_values=self._uses_value_head
+            )
             with self._reference() as ref:
-                ref_logprobs, _, ref_logits, _, _ = self._forward_rows(ref, rows, idx, return_logits=full)
-            out[0, idx, :w], out[1, idx, :w], out[2, idx, :w] = logprobs, ref_logprobs, values
+                ref_logprobs, _, ref_logits, _, _ = self._forward_rows(ref, rows, idx, return_logits=full, return_values=False)
+            out[0, idx, :w], out[1, idx, :w] = logprobs, ref_logprobs
+            if values is not None:
+                out[2, idx, :w] = values
             if full:
                 out[3, idx, :w] = _to_compact(full_kl_from_logits(logits, ref_logits), slots, len(idx), w)
         mask = rows.action_mask

@@ -8,25 +8,37 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..models import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead
+from ..models.modeling_base import is_peft_model
 from .ppo_config import PPOConfig
 
 SUPPORTED_MODELS = (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead)
+# Estimators whose baseline comes from the other responses to the same query.
+GROUP_ESTIMATORS = ("rloo", "grpo")
+
+
+def _is_plain_model(model) -> bool:
+    """A transformers model or a PEFT model of one, without a value head."""
+    return isinstance(model, PreTrainedModel) or is_peft_model(model)
 
 
 def check_constructor_args(config, model, ref_model, tokenizer, optimizer, lr_scheduler, num_shared_layers):
     if not isinstance(config, PPOConfig):
         raise TypeError(f"config must be a PPOConfig, got {type(config).__name__}.")
     config.validate()  # fields may have been changed after the config was built
-    if not isinstance(model, SUPPORTED_MODELS):
+    if not isinstance(model, SUPPORTED_MODELS) and not _is_plain_model(model):
         raise TypeError(
-            "model must be an AutoModelForCausalLMWithValueHead or AutoModelForSeq2SeqLMWithValueHead "
-            f"(wrap a transformers model with .from_pretrained(model)), got {type(model).__name__}."
+            "model must be an AutoModelForCausalLMWithValueHead or AutoModelForSeq2SeqLMWithValueHead, or (for a "
+            "critic-free advantage_estimator) a plain transformers causal/seq2seq LM or PeftModel, "
+            f"got {type(model).__name__}."
         )
-    if ref_model is not None and not isinstance(ref_model, SUPPORTED_MODELS):
-        raise TypeError(f"ref_model must be None or a value-head model like model, got {type(ref_model).__name__}.")
+    _check_plain_policy(config, model)
+    if ref_model is not None and not isinstance(ref_model, SUPPORTED_MODELS) and not _is_plain_model(ref_model):
+        raise TypeError(
+            f"ref_model must be None, a value-head model or a plain transformers LM, got {type(ref_model).__name__}."
+        )
     if ref_model is not None and ref_model is model:
         raise ValueError("ref_model is the same object as model; pass None to get a frozen copy.")
     if ref_model is not None and num_shared_layers is not None:
@@ -37,6 +49,89 @@ def check_constructor_args(config, model, ref_model, tokenizer, optimizer, lr_sc
         raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}.")
     if lr_scheduler is not None and not hasattr(lr_scheduler, "step"):
         raise TypeError(f"lr_scheduler must be a torch LR scheduler or None, got {type(lr_scheduler).__name__}.")
+
+
+def _check_plain_policy(config, model) -> None:
+    """A plain LM has no value head to train: GAE needs one (or a critic), critic-free estimators do not."""
+    if _is_plain_model(model) and not config.critic_free:
+        raise ValueError(
+            f"model is a plain {type(model).__name__} (no value head) but advantage_estimator='gae' needs values: "
+            "use a critic-free advantage_estimator ('rloo', 'grpo', 'reinforce_pp') or wrap the model with "
+            "AutoModelForCausalLMWithValueHead.from_pretrained(model)."
+        )
+
+
+def wrap_plain_model(model):
+    """``(value-head wrapper, True)`` for a plain transformers/PEFT LM, ``(model, False)`` otherwise.
+
+    The wrapper gives the trainer ``logits_positions`` and the fused LM head; its value head is
+    never run for a plain model. Made without touching the global RNG, so wrapping does not change
+    what the run draws later.
+    """
+    if not _is_plain_model(model):
+        return model, False
+    encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+    wrapper = AutoModelForSeq2SeqLMWithValueHead if encoder_decoder else AutoModelForCausalLMWithValueHead
+    with torch.random.fork_rng(devices=[]):
+        return wrapper(model), True
+
+
+def resolve_group_ids(group_ids, queries, config) -> torch.Tensor | None:
+    """The group id of each row ``(B,)`` for 'rloo'/'grpo' (None for the other estimators).
+
+    Without ``group_ids``, consecutive runs of ``num_samples_per_query`` rows form the groups.
+    Raises when a group has fewer than 2 rows, when rows of one group hold different queries
+    (a group split or shuffled across the batch), or for a malformed ``group_ids``.
+    """
+    estimator, n = config.advantage_estimator, config.batch_size
+    if estimator not in GROUP_ESTIMATORS:
+        if group_ids is not None:
+            raise ValueError(
+                f"group_ids apply only to advantage_estimator 'rloo' or 'grpo'; got group_ids with "
+                f"advantage_estimator={estimator!r}."
+            )
+        return None
+    if group_ids is None:
+        if config.num_samples_per_query < 2:
+            raise ValueError(
+                f"advantage_estimator={estimator!r} needs groups of at least 2 responses per query: set "
+                "num_samples_per_query >= 2 (consecutive rows form a group) or pass step(..., group_ids=...); "
+                f"got num_samples_per_query={config.num_samples_per_query} and no group_ids."
+            )
+        ids = torch.arange(n) // config.num_samples_per_query
+    else:
+        if isinstance(group_ids, torch.Tensor):
+            ids = group_ids.detach().cpu()
+        elif isinstance(group_ids, (list, tuple)):
+            ids = torch.as_tensor([int(g) if isinstance(g, (torch.Tensor, np.integer)) else g for g in group_ids])
+        else:
+            raise TypeError(f"group_ids must be a list or 1-D tensor of {n} ints, got {type(group_ids).__name__}.")
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dtype.is_complex:
+            raise TypeError(f"group_ids must hold integer ids, got dtype {ids.dtype}.")
+        if ids.dim() != 1 or len(ids) != n:
+            raise ValueError(
+                f"group_ids must hold one id per row, config.batch_size={n} (per process), got shape {tuple(ids.shape)}."
+            )
+    uniques, index, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+    if (counts < 2).any():
+        small = int(uniques[counts < 2][0])
+        raise ValueError(
+            f"group_ids: group {small} has {int(counts[counts < 2][0])} row in this batch; advantage_estimator="
+            f"{estimator!r} needs at least 2 responses per query in each group, all in the same step() call "
+            "of one process (a group must not be split across the batch or processes)."
+        )
+    first = torch.zeros(len(uniques), dtype=torch.long).scatter_reduce(
+        0, index, torch.arange(n), reduce="amin", include_self=False
+    )
+    for i, g in enumerate(index.tolist()):
+        j = int(first[g])
+        if not torch.equal(queries[i].cpu(), queries[j].cpu()):
+            raise ValueError(
+                f"group_ids: rows {j} and {i} are in one group but their queries differ; the responses of a "
+                "group must answer the same query (with num_samples_per_query, the k responses of a query "
+                "must be consecutive, as generate(..., num_return_sequences=k) returns them)."
+            )
+    return index
 
 
 def validate_step_inputs(

@@ -1,0 +1,78 @@
+"""Critic-free advantages of PPO_SPEC section 12: RLOO, GRPO, REINFORCE++ returns, and the k3
+KL estimate the loss takes when the KL penalty is not in the reward.
+
+Groups are given as ``group_ids (B,)``: integer ids, rows with equal ids form one group (rows of a
+group answer one query). Ids need not be contiguous or sorted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ADVANTAGE_ESTIMATORS = ("gae", "rloo", "grpo", "reinforce_pp")
+# Added to a group's standard deviation before dividing by it (GRPO).
+GRPO_EPS = 1e-6
+
+
+def _group_sums(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the sum of ``values`` over its group and the group's size. Shape: ``(B,)`` twice -> ``(B,)`` twice."""
+    _, index = torch.unique(group_ids, return_inverse=True)
+    groups = int(index.max()) + 1 if index.numel() else 0
+    sums = values.new_zeros(groups).index_add_(0, index, values)
+    counts = values.new_zeros(groups).index_add_(0, index, torch.ones_like(values))
+    return sums[index], counts[index]
+
+
+def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """REINFORCE leave-one-out: ``A_i = r_i - mean_{j in G(i), j != i} r_j``.
+
+    Every group needs at least 2 rows (a row of a group of 1 gets NaN). Shape: rewards and
+    group_ids ``(B,)`` -> ``(B,)``.
+    """
+    sums, counts = _group_sums(rewards, group_ids)
+    return rewards - (sums - rewards) / (counts - 1)
+
+
+def grpo_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, scale_rewards: bool = True, eps: float = GRPO_EPS
+) -> torch.Tensor:
+    """GRPO: ``A_i = (r_i - mean_G r) / (std_G r + eps)``, the unbiased std of the group; without
+    ``scale_rewards`` only the group mean is subtracted.
+
+    With ``scale_rewards`` every group needs at least 2 rows. Shape: ``(B,)`` twice -> ``(B,)``.
+    """
+    sums, counts = _group_sums(rewards, group_ids)
+    centred = rewards - sums / counts
+    if not scale_rewards:
+        return centred
+    squares, _ = _group_sums(centred**2, group_ids)
+    return centred / ((squares / (counts - 1)).sqrt() + eps)
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """REINFORCE++ returns before whitening: ``R_t = sum_{s >= t} gamma^(s-t) r_s`` along each row.
+
+    Rewards outside the mask count as 0. Shape: rewards and mask ``(B, L)`` -> ``(B, L)``, zero
+    outside the mask.
+    """
+    rewards = rewards * mask
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[-1])):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+    return returns * mask
+
+
+def sequence_to_tokens(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One advantage per row given to every action token of the row. Shape: ``(B,)``, ``(B, L)`` -> ``(B, L)``."""
+    return advantages.unsqueeze(-1) * mask
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimate of KL(policy || reference) per token: ``exp(ref - lp) - (ref - lp) - 1``.
+
+    Non-negative and unbiased for samples of the policy. Shape: ``(B, L)`` twice -> ``(B, L)``.
+    """
+    log_ratio = ref_logprobs - logprobs
+    return torch.exp(log_ratio) - log_ratio - 1
