@@ -4,7 +4,8 @@ Everything lives in the spec's ``(B, T)`` layout: the whole batch is padded once
 the model gives full logits ``(B, S, V)``, log-probabilities come from a log-softmax over the whole
 vocabulary, and every formula is written out with plain torch. It is slow on purpose and shares no
 code with ``trl_lite`` beyond the value-head model it trains (its transformers model and ``v_head``
-are called directly).
+are called directly). The critic-free estimators of section 12 train a plain transformers model
+(or a value-head model whose head is never called).
 """
 
 from __future__ import annotations
@@ -84,15 +85,18 @@ def make_batch(queries, responses, response_masks, pad_id, padding_side, is_enco
     return PaddedBatch(inputs, ids[:, 1:], mask)
 
 
-def forward(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(model, inputs: dict, values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Full next-token logits ``(b, T, V)`` and values ``(b, T)`` of a value-head model.
 
-    Calls the transformers model for the logits and the value head on its last hidden state.
+    Calls the transformers model for the logits and the value head on its last hidden state. A
+    plain transformers model, or ``values=False``, gives None for the values.
     """
-    out = model.pretrained_model(**inputs, output_hidden_states=True, use_cache=False)
+    network = getattr(model, "pretrained_model", model)
+    out = network(**inputs, output_hidden_states=True, use_cache=False)
+    if not values or not hasattr(model, "v_head"):
+        return out.logits[:, :-1].float(), None
     hidden = out.decoder_hidden_states[-1] if "decoder_input_ids" in inputs else out.hidden_states[-1]
-    values = model.v_head(hidden)
-    return out.logits[:, :-1].float(), values[:, :-1].float()
+    return out.logits[:, :-1].float(), model.v_head(hidden)[:, :-1].float()
 
 
 def logprobs_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -136,6 +140,31 @@ def kl_per_token(kind: str, lp, ref_lp, logits, ref_logits) -> torch.Tensor:
     return (logp.exp() * (logp - logq)).sum(-1)
 
 
+def group_advantages(estimator: str, rewards: list, groups: list, scale: bool) -> list:
+    """RLOO or GRPO advantages of section 12, one per row, by loops over each row's group."""
+    out = []
+    for i, r in enumerate(rewards):
+        members = [rewards[j] for j in range(len(rewards)) if groups[j] == groups[i]]
+        if estimator == "rloo":
+            out.append(r - (sum(members) - r) / (len(members) - 1))
+            continue
+        mean = sum(members) / len(members)
+        std = (sum((x - mean) ** 2 for x in members) / (len(members) - 1)) ** 0.5
+        out.append((r - mean) / (std + 1e-6) if scale else r - mean)
+    return out
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """REINFORCE++ returns ``R_t = sum_{s >= t} gamma^(s-t) r_s`` on the action positions. ``(B, T)``."""
+    batch, length = rewards.shape
+    returns = torch.zeros(batch, length)
+    for b in range(batch):
+        for t in range(length):
+            if mask[b, t]:
+                returns[b, t] = sum(gamma ** (s - t) * rewards[b, s] * mask[b, s] for s in range(t, length))
+    return returns
+
+
 def gae(values: torch.Tensor, rewards: torch.Tensor, gamma: float, lam: float) -> torch.Tensor:
     """Advantages by the backward recursion of PPO_SPEC section 5 (``V_T = 0``). Shapes ``(B, T)``."""
     batch, length = rewards.shape
@@ -164,7 +193,9 @@ class PlainPPO:
     def __init__(self, model, ref_model, config, pad_id: int, padding_side: str = "right"):
         self.model, self.ref_model, self.config = model, ref_model, config
         self.pad_id, self.padding_side = pad_id, padding_side
-        self.is_encoder_decoder = model.pretrained_model.config.is_encoder_decoder
+        self.is_encoder_decoder = getattr(model, "pretrained_model", model).config.is_encoder_decoder
+        self.critic_free = config.advantage_estimator != "gae"
+        self.kl_in_reward = config.kl_in_reward if config.kl_in_reward is not None else config.advantage_estimator != "grpo"
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(params, lr=config.learning_rate)
         self.kl_coef = config.init_kl_coef
@@ -196,15 +227,15 @@ class PlainPPO:
         parts = {"logprobs": [], "ref_logprobs": [], "values": [], "full_kl": []}
         rows = torch.arange(len(batch.targets))
         for idx in rows.split(self.config.mini_batch_size):
-            logits, values = forward(self.model, batch.rows(idx))
+            logits, values = forward(self.model, batch.rows(idx), values=not self.critic_free)
             ref_logits, _ = forward(self.ref_model, batch.rows(idx))
             parts["logprobs"].append(logprobs_of(logits, batch.targets[idx]))
             parts["ref_logprobs"].append(logprobs_of(ref_logits, batch.targets[idx]))
-            parts["values"].append(values)
+            parts["values"].append(values if values is not None else torch.zeros_like(logits[..., 0]))
             parts["full_kl"].append(kl_per_token("full", None, None, logits, ref_logits))
         return {key: torch.cat(value) for key, value in parts.items()}
 
-    def step(self, queries, responses, scores, response_masks=None) -> dict:
+    def step(self, queries, responses, scores, response_masks=None, group_ids=None) -> dict:
         """One PPO step; returns the statistics of PPO_SPEC section 8 that the tests compare."""
         config = self.config
         scores = self.shaped_scores = self.shape_scores(scores)
@@ -218,22 +249,37 @@ class PlainPPO:
             kl = out["full_kl"] * mask
         else:
             kl = kl_per_token(config.kl_penalty, logprobs, ref_logprobs, None, None) * mask
-        non_score_reward = -self.kl_coef * kl
+        non_score_reward = -self.kl_coef * kl if self.kl_in_reward else torch.zeros_like(kl)
         rewards = non_score_reward.clone()
         for b in range(len(scores)):
             last = int(mask[b].nonzero().max())
             rewards[b, last] += scores[b]
 
-        # Section 5: GAE on masked values and rewards, then whitened advantages.
-        values = out["values"] * mask
-        if config.whiten_rewards:
-            rewards = whiten(rewards, mask, shift_mean=False)
-        advantages = gae(values, rewards * mask, config.gamma, config.lam)
-        returns = advantages + values
-        advantages = whiten(advantages, mask)
+        if config.advantage_estimator in ("rloo", "grpo"):
+            # Section 12: one advantage per row from its group, given to each of its action tokens.
+            k = config.num_samples_per_query
+            groups = list(group_ids) if group_ids is not None else [b // k for b in range(len(scores))]
+            row_rewards = [float(scores[b]) + float(non_score_reward[b].sum()) for b in range(len(scores))]
+            row_advantages = group_advantages(config.advantage_estimator, row_rewards, groups, config.grpo_scale_rewards)
+            advantages = torch.tensor(row_advantages).unsqueeze(1) * mask
+            values = returns = None
+        elif config.advantage_estimator == "reinforce_pp":
+            if config.whiten_rewards:
+                rewards = whiten(rewards, mask, shift_mean=False)
+            advantages = whiten(discounted_returns(rewards, mask, config.gamma), mask)
+            values = returns = None
+        else:
+            # Section 5: GAE on masked values and rewards, then whitened advantages.
+            values = out["values"] * mask
+            if config.whiten_rewards:
+                rewards = whiten(rewards, mask, shift_mean=False)
+            advantages = gae(values, rewards * mask, config.gamma, config.lam)
+            returns = advantages + values
+            advantages = whiten(advantages, mask)
 
         # Section 6: the epochs.
-        train = self.optimize(batch, logprobs, values, advantages, returns)
+        ref_for_loss = None if self.kl_in_reward else ref_logprobs
+        train = self.optimize(batch, logprobs, values, advantages, returns, ref_for_loss)
 
         kl_per_row = kl.sum(-1)
         stats = {
@@ -249,7 +295,8 @@ class PlainPPO:
             "ppo/policy/advantages": advantages[mask.bool()],
         }
         stats.update(train)
-        stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
+        if not self.critic_free:
+            stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
 
         # Section 7: the adaptive KL controller (Ziegler et al.).
         if config.adap_kl_ctrl:
@@ -257,8 +304,12 @@ class PlainPPO:
             self.kl_coef *= 1 + error * config.batch_size / config.horizon
         return {key: value.detach().numpy() if value.dim() else value.item() for key, value in stats.items()}
 
-    def optimize(self, batch: PaddedBatch, old_logprobs, old_values, advantages, returns) -> dict:
-        """Section 6: ``ppo_epochs`` epochs of shuffled mini-batches; the mean of their statistics."""
+    def optimize(self, batch: PaddedBatch, old_logprobs, old_values, advantages, returns, ref_logprobs=None) -> dict:
+        """Section 6: ``ppo_epochs`` epochs of shuffled mini-batches; the mean of their statistics.
+
+        ``old_values`` and ``returns`` are None for critic-free estimators; ``ref_logprobs`` is given
+        when the KL is in the loss (section 12).
+        """
         config = self.config
         self.model.train()
         collected = []
@@ -268,18 +319,19 @@ class PlainPPO:
             order = torch.randperm(len(batch.targets))
             epoch_policykl = []
             for idx in order.split(config.mini_batch_size):
-                stats = self.train_minibatch(batch, idx, old_logprobs[idx], old_values[idx], advantages[idx], returns[idx])
+                cut = [None if x is None else x[idx] for x in (old_values, returns, ref_logprobs)]
+                stats = self.train_minibatch(batch, idx, old_logprobs[idx], cut[0], advantages[idx], cut[1], cut[2])
                 collected.append(stats)
                 epoch_policykl.append(stats["ppo/policy/policykl"])
             if config.early_stopping and torch.stack(epoch_policykl).mean() > 1.5 * config.target_kl:
                 break
         return {key: torch.stack([s[key] for s in collected]).mean() for key in collected[0]}
 
-    def train_minibatch(self, batch: PaddedBatch, idx, old_lp, old_values, advantages, returns) -> dict:
+    def train_minibatch(self, batch: PaddedBatch, idx, old_lp, old_values, advantages, returns, ref_lp=None) -> dict:
         """Forward with grad, the clipped losses, backward and (every ``gradient_accumulation_steps``) a step."""
         config = self.config
         mask = batch.mask[idx]
-        logits, vpred = forward(self.model, batch.rows(idx))
+        logits, vpred = forward(self.model, batch.rows(idx), values=not self.critic_free)
         lp = logprobs_of(logits, batch.targets[idx])
 
         ratio = torch.exp(lp - old_lp)
@@ -287,10 +339,16 @@ class PlainPPO:
         pg_clipped = -advantages * torch.clamp(ratio, 1 - config.cliprange, 1 + config.cliprange)
         pg_loss = masked_mean(torch.max(pg_unclipped, pg_clipped), mask)
 
-        v_clip = torch.clamp(vpred, old_values - config.cliprange_value, old_values + config.cliprange_value)
-        vf_unclipped, vf_clipped = (vpred - returns) ** 2, (v_clip - returns) ** 2
-        vf_loss = 0.5 * masked_mean(torch.max(vf_unclipped, vf_clipped), mask)
-        loss = pg_loss + config.vf_coef * vf_loss
+        loss = pg_loss
+        if not self.critic_free:
+            v_clip = torch.clamp(vpred, old_values - config.cliprange_value, old_values + config.cliprange_value)
+            vf_unclipped, vf_clipped = (vpred - returns) ** 2, (v_clip - returns) ** 2
+            vf_loss = 0.5 * masked_mean(torch.max(vf_unclipped, vf_clipped), mask)
+            loss = pg_loss + config.vf_coef * vf_loss
+        if ref_lp is not None:
+            # Section 12: k3 = exp(ref - lp) - (ref - lp) - 1 on the new log-probs.
+            kl_loss = masked_mean(torch.exp(ref_lp - lp) - (ref_lp - lp) - 1, mask)
+            loss = loss + self.kl_coef * kl_loss
         if masked_mean(ratio, mask) > config.ratio_threshold:
             raise AssertionError("PlainPPO does not model mini-batches skipped by ratio_threshold")
 
@@ -303,15 +361,21 @@ class PlainPPO:
 
         with torch.no_grad():
             log_ratio = lp - old_lp
-            return {
+            stats = {
                 "ppo/loss/policy": pg_loss.detach(),
-                "ppo/loss/value": vf_loss.detach(),
                 "ppo/loss/total": loss.detach(),
                 "ppo/policy/entropy": masked_mean(entropy_of(logits), mask),
                 "ppo/policy/approxkl": 0.5 * masked_mean(log_ratio**2, mask),
                 "ppo/policy/policykl": masked_mean(-log_ratio, mask),
                 "ppo/policy/clipfrac": masked_mean((pg_clipped > pg_unclipped).float(), mask),
                 "ppo/policy/advantages_mean": masked_mean(advantages, mask),
+            }
+            if ref_lp is not None:
+                stats["ppo/policy/kl_loss"] = kl_loss.detach()
+            if self.critic_free:
+                return stats
+            return stats | {
+                "ppo/loss/value": vf_loss.detach(),
                 "ppo/returns/mean": masked_mean(returns, mask),
                 "ppo/returns/var": masked_var(returns, mask),
                 "ppo/val/vpred": masked_mean(vpred, mask),
