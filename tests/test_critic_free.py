@@ -281,3 +281,28 @@ def test_default_groups_must_share_their_query():
     trainer = make_trainer()
     with pytest.raises(ValueError, match="rows 0 and 1 are in one group but their queries differ"):
         trainer.step(*random_batch(8))
+
+
+# ---------------------------------------------------------------------------------------------
+# generate(num_return_sequences=k): the k responses of a query next to each other
+# ---------------------------------------------------------------------------------------------
+def test_generate_returns_the_k_responses_of_each_query_together():
+    trainer = make_trainer()
+    queries = [torch.tensor([5, 6, 7]), torch.tensor([8]), torch.tensor([9, 10, 11, 12, 13])]
+    beams = dict(num_beams=3, num_return_sequences=3, do_sample=False, max_new_tokens=4, eos_token_id=None)
+    batched = trainer.generate(queries, batch_size=2, **beams)
+    assert len(batched) == 9
+    for i, query in enumerate(queries):
+        alone = trainer.generate([query], batch_size=1, **beams)
+        for j in range(3):
+            assert torch.equal(batched[3 * i + j], alone[j]), (i, j)
+            assert torch.equal(batched[3 * i + j][: len(query)], query)
+    torch.manual_seed(0)
+    sampled = trainer.generate(queries, batch_size=2, return_prompt=False, num_return_sequences=4,
+                               do_sample=True, max_new_tokens=5)  # fmt: skip
+    assert len(sampled) == 12 and all(1 <= len(r) <= 5 for r in sampled)
+    # The layout step() groups by: consecutive runs of 4 rows share their query.
+    rows = [queries[i // 4] for i in range(12)]
+    trainer = make_trainer(batch_size=12, mini_batch_size=4)
+    stats = trainer.step(rows, sampled, [float(len(r)) for r in sampled])
+    assert stats["ppo/policy/advantages"].shape == (sum(len(r) for r in sampled),)

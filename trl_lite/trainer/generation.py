@@ -37,10 +37,12 @@ class GenerationMixin:
     ):
         """Generate responses for one query (1-D tensor) or a list of them.
 
-        A list is generated in chunks of ``batch_size`` with left padding and returned as a list of
-        1-D tensors with padding (and anything after the first EOS) removed. ``length_sampler``
-        draws ``max_new_tokens`` per call (per chunk for a list). With ``generate_ref_response``
-        the reference model's responses are returned too.
+        A list is generated in chunks of ``batch_size`` queries with left padding and returned as a
+        list of 1-D tensors with padding (and anything after the first EOS) removed. With
+        ``num_return_sequences=k`` (a generation kwarg; sampling or beams) each query gets k responses,
+        next to each other: entries ``i*k .. i*k+k-1`` answer query ``i``, the layout ``step()``
+        expects for ``num_samples_per_query=k``. ``length_sampler`` draws ``max_new_tokens`` per call
+        (per chunk for a list). With ``generate_ref_response`` the reference model's responses are returned too.
 
         Under ZeRO-3 generation is collective: every process must call ``generate`` the same number
         of times, but the processes may pass different numbers of queries and lengths.
@@ -85,6 +87,8 @@ class GenerationMixin:
         pad = self._pad_id
         kwargs.setdefault("pad_token_id", pad)
         outputs = []
+        # transformers returns the k sequences of each prompt next to each other (repeat_interleave).
+        per_query = int(kwargs.get("num_return_sequences") or 1)
         was_training = model.training
         model.eval()
         starts = range(0, len(queries), batch_size)
@@ -104,7 +108,8 @@ class GenerationMixin:
                     torch.arange(input_ids.shape[1], device=device) >= (input_ids.shape[1] - lengths).unsqueeze(1)
                 ).long()
                 generations = gen_model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-                for row, generation in enumerate(generations):
+                for index, generation in enumerate(generations):
+                    row = index // per_query
                     if not self.is_encoder_decoder:
                         prompt_pad = input_ids.shape[1] - int(lengths[row])
                         generation = generation[prompt_pad:]
