@@ -11,7 +11,7 @@ _TRAINER_STATE = "trl_lite_trainer_state.json"
 
 
 class CheckpointMixin:
-    """``save_checkpoint``/``load_checkpoint`` for a trainer with an ``accelerator``.
+    """``save_checkpoint``/``load_checkpoint`` for a trainer with an ``accelerator`` (``PPOTrainer``, ``RewardTrainer``).
 
     Everything ``accelerator.prepare`` saw (models, optimizers, schedulers, registered objects) and
     every process's RNG states go through ``accelerator.save_state``; the trainer adds its own
@@ -20,8 +20,9 @@ class CheckpointMixin:
     """
 
     def save_checkpoint(self, path: str) -> None:
-        """Save everything a run needs to continue exactly: weights, optimizer, scheduler, KL
-        controller, score moments, step counter, dataloader position and every process's RNG.
+        """Save everything a run needs to continue exactly: what accelerate holds (weights, optimizer,
+        scheduler, registered objects, every process's RNG) and the trainer's own counters (for
+        ``PPOTrainer``: KL controller, score moments, step counter, dataloader position).
 
         The checkpoint is written to a sibling directory and renamed into place, so a run killed
         while saving leaves the previous checkpoint at ``path`` whole.
