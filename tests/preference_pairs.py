@@ -13,12 +13,12 @@ POSITIVE = "good great wonderful fine funny loved liked enjoyed".split()
 NEGATIVE = "bad awful boring dull sad hated never too".split()
 
 
-def make_reward_model(seed: int = 0, n_embd: int = 32) -> GPT2ForSequenceClassification:
+def make_reward_model(seed: int = 0, n_embd: int = 32, dropout: float = 0.0) -> GPT2ForSequenceClassification:
     """A randomly initialised 2-layer GPT-2 with a one-output score head over the tiny tokenizer's vocabulary."""
     torch.manual_seed(seed)
     config = GPT2Config(
         vocab_size=VOCAB_SIZE, n_positions=64, n_embd=n_embd, n_layer=2, n_head=2, num_labels=1,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0, eos_token_id=1, bos_token_id=1,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, pad_token_id=0, eos_token_id=1, bos_token_id=1,
     )  # fmt: skip
     return GPT2ForSequenceClassification(config)
 

@@ -175,6 +175,57 @@ def test_linear_schedule_with_warmup_is_logged(tmp_path):
     assert [h["step"] for h in trainer.log_history] == [1, 2, 3, 4, 5, 6]
 
 
+def test_resume_from_a_checkpoint_is_exact(tmp_path):
+    """A run stopped at step 4 (mid-epoch, dropout on, accumulation) and resumed equals the run done straight."""
+    tokenizer = make_tokenizer()
+    train, heldout = planted_pairs(20, seed=14), planted_pairs(6, seed=15)
+
+    def trainer(out, save_steps):
+        args = config(
+            tmp_path, output_dir=str(tmp_path / out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+            max_steps=8, save_steps=save_steps, logging_steps=3, learning_rate=3e-3, warmup_steps=2,
+        )  # fmt: skip
+        model = make_reward_model(seed=2, dropout=0.1)
+        return RewardTrainer(model, args, train_dataset=train, eval_dataset=heldout, tokenizer=tokenizer)
+
+    straight = trainer("straight", save_steps=0)
+    straight.train()
+    stopped = trainer("stopped", save_steps=4)
+
+    class Killed(Exception):
+        pass
+
+    save = stopped.save_checkpoint
+
+    def save_then_die(path):
+        save(path)
+        raise Killed
+
+    stopped.save_checkpoint = save_then_die  # the process dies just after its step-4 checkpoint
+    with pytest.raises(Killed):
+        stopped.train()
+    assert stopped.global_step == 4
+    checkpoint = tmp_path / "stopped" / "checkpoint"
+    resumed = trainer("resumed", save_steps=0)
+    result = resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.global_step == 8 and result["global_step"] == 8
+    for a, b in zip(resumed.model.parameters(), straight.model.parameters()):
+        assert torch.equal(a, b)
+    assert resumed.log_history == straight.log_history
+    assert [h["step"] for h in straight.log_history if "eval_loss" in h] == [5]  # the epoch ended inside the resumed part
+    assert resumed.lr_scheduler.get_last_lr() == straight.lr_scheduler.get_last_lr()
+
+
+def test_checkpoint_of_another_run_length_is_refused(tmp_path):
+    tokenizer = make_tokenizer()
+    args = config(tmp_path, max_steps=2, save_steps=2)
+    RewardTrainer(make_reward_model(), args, train_dataset=planted_pairs(8, 1), tokenizer=tokenizer).train()
+    other = RewardTrainer(make_reward_model(), config(tmp_path, max_steps=3), train_dataset=planted_pairs(8, 1),
+                          tokenizer=tokenizer)  # fmt: skip
+    with pytest.raises(ValueError, match="the checkpoint's run has 2 optimizer steps, this trainer 3"):
+        other.load_checkpoint(str(tmp_path / "rm" / "checkpoint"))
+
+
 # ----------------------------------------------------------------------------------------------
 # Saving, adapters, precision
 # ----------------------------------------------------------------------------------------------

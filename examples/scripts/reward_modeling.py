@@ -12,7 +12,7 @@
         examples/scripts/reward_modeling.py
 
 Every RewardConfig field is a flag (--num_train_epochs, --max_length, --center_rewards_coefficient,
---log_with tensorboard, ...). Written to --output_dir: the reward model with its tokenizer (loads with
+--log_with tensorboard, --save_steps N with --resume_from_checkpoint DIR, ...). Written to --output_dir: the reward model with its tokenizer (loads with
 `AutoModelForSequenceClassification.from_pretrained` and in `pipeline("text-classification")`, which
 returns the raw reward), log_history.json and training_curves.png.
 """
@@ -70,6 +70,9 @@ class ScriptArguments:
     )
     eval_every_nth: int = field(
         default=10, metadata={"help": "Without a 'test' split, every n-th pair is held out for evaluation."}
+    )
+    resume_from_checkpoint: str | None = field(
+        default=None, metadata={"help": "Checkpoint to continue from (written with --save_steps N)."}
     )
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters (and the score head) only."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
@@ -147,14 +150,16 @@ def plot_reward_history(ax, log_history: list[dict], title: str = "reward model"
     ax.legend(lines, [line.get_label() for line in lines], loc="center right")
 
 
-def train_reward_model(model, tokenizer, train: Dataset, heldout: Dataset, config: RewardConfig, peft_config=None):
-    """Train with RewardTrainer, saving to `config.output_dir`. Returns the trainer and the held-out
-    metrics before and after training."""
+def train_reward_model(
+    model, tokenizer, train: Dataset, heldout: Dataset, config: RewardConfig, peft_config=None, resume_from=None
+):
+    """Train with RewardTrainer (from checkpoint `resume_from` if given), saving to `config.output_dir`.
+    Returns the trainer and the held-out metrics before and after training."""
     trainer = RewardTrainer(
         model, config, train_dataset=train, eval_dataset=heldout, tokenizer=tokenizer, peft_config=peft_config
     )
     before = trainer.evaluate(metric_key_prefix="before")
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from)
     after = trainer.evaluate()
     trainer.save_model()
     return trainer, before, after
@@ -174,7 +179,9 @@ def main() -> None:
         model, tokenizer = load_reward_model(args.model_name_or_path)
     train, heldout = load_pairs(args.dataset_name, args.eval_every_nth)
     peft_config = lora_config(args) if args.use_peft else None
-    trainer, before, after = train_reward_model(model, tokenizer, train, heldout, config, peft_config)
+    trainer, before, after = train_reward_model(
+        model, tokenizer, train, heldout, config, peft_config, args.resume_from_checkpoint
+    )
     if trainer.accelerator.is_main_process:
         output_dir = Path(config.output_dir)
         (output_dir / "log_history.json").write_text(json.dumps(trainer.log_history, indent=1))

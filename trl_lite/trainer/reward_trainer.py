@@ -29,6 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 from .. import core
 from ..core import flatten_dict, pairwise_ranking_loss, preference_stats
 from .accelerate_setup import build_accelerator, default_optimizer, fill_deepspeed_batch_config, save_full_model
+from .checkpointing import CheckpointMixin
 from .resumable_loader import ResumableLoader
 from .reward_config import RewardConfig
 from .reward_data import RewardDataCollatorWithPadding, prepare_pairs
@@ -37,8 +38,12 @@ from .reward_data import RewardDataCollatorWithPadding, prepare_pairs
 _SUMS = ("loss", "accuracy", "rewards/chosen", "rewards/rejected", "pairs")
 
 
-class RewardTrainer:
+class RewardTrainer(CheckpointMixin):
     """Trains a scalar reward model on chosen/rejected pairs (classic TRL's ``RewardTrainer`` API).
+
+    ``save_checkpoint(path)``/``load_checkpoint(path)`` (or ``train(resume_from_checkpoint=path)``)
+    continue a run exactly: weights, optimizer, scheduler, step and epoch, the dataloader's position,
+    the metrics of the current logging window and every process's RNG states.
 
     Args:
         model: a transformers ``PreTrainedModel`` for sequence classification with ``num_labels=1``
@@ -358,6 +363,47 @@ class RewardTrainer:
     def save_model(self, output_dir: str | None = None) -> None:
         """Classic name of :meth:`save_pretrained`; ``output_dir`` defaults to ``args.output_dir``."""
         self.save_pretrained(output_dir or self.args.output_dir)
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpoint and resume (the mechanism is in .checkpointing)
+    # ------------------------------------------------------------------------------------------
+    def save_checkpoint(self, path: str) -> None:
+        """Write a checkpoint to ``path`` (every process calls it); see :class:`.checkpointing.CheckpointMixin`."""
+        # The metric sums are per process but only the main process writes the trainer's state:
+        # it saves the sums over all processes (a collective, so here, before the main-only part).
+        self._global_sums = self.accelerator.reduce(torch.stack([self._window, self._totals]), reduction="sum")
+        super().save_checkpoint(path)
+
+    def _checkpoint_state(self) -> dict:
+        """The trainer's counters that accelerate's state does not hold (JSON-serialisable)."""
+        return {
+            "global_step": self.global_step,
+            "epoch": self.epoch,
+            "max_steps": self.max_steps,
+            "log_history": self.log_history,
+            "window": self._global_sums[0].tolist(),
+            "totals": self._global_sums[1].tolist(),
+            "grad_norm": self._grad_norm,
+            "dataloader": self.train_dataloader.state_dict(),
+        }
+
+    def _load_checkpoint_state(self, state: dict) -> None:
+        if state["max_steps"] != self.max_steps:
+            raise ValueError(
+                f"the checkpoint's run has {state['max_steps']} optimizer steps, this trainer {self.max_steps}: "
+                "resume with the same data, batch sizes, epochs and max_steps."
+            )
+        self.global_step = state["global_step"]
+        self.epoch = state["epoch"]
+        self.log_history = state["log_history"]
+        # The saved sums cover every process: the main process takes them, the others start from zero,
+        # so the next logged means (sums over processes) are those of the uninterrupted run.
+        own = 1.0 if self.accelerator.is_main_process else 0.0
+        device = self.accelerator.device
+        self._window = own * torch.tensor(state["window"], dtype=torch.float64, device=device)
+        self._totals = own * torch.tensor(state["totals"], dtype=torch.float64, device=device)
+        self._grad_norm = state["grad_norm"]
+        self.train_dataloader.load_state_dict(state["dataloader"])
 
 
 def _is_peft_model(model) -> bool:
