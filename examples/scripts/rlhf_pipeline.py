@@ -145,6 +145,7 @@ def sft_stage(args: PipelineArguments, output_dir: Path) -> dict:
         report_to="none",
         seed=args.seed,
         disable_tqdm=True,
+        dataloader_pin_memory=torch.cuda.is_available(),
     )
     trainer = Trainer(
         model=model,
