@@ -93,6 +93,8 @@ def make_batch(workload: Workload) -> tuple:
     Token ids avoid the last id, which is the pad / end-of-text id of the model config.
     Returns lists of `batch_size` 1-D LongTensors (queries, responses) and 0-d float tensors (scores).
     """
+    if isinstance(workload, CriticFreeWorkload):
+        return grouped_batch(workload)
     g = torch.Generator().manual_seed(workload.seed)
     queries, responses, scores = [], [], []
     for _ in range(workload.batch_size):
@@ -343,6 +345,8 @@ class FloorPPO:
 
 def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtype):
     """Build the models for `method` and return a function `(queries, responses, scores) -> None`."""
+    if isinstance(workload, CriticFreeWorkload) and workload.advantage_estimator != "gae":
+        return make_critic_free_step_fn(method, workload, device, dtype)
     lm = make_lm(workload, device, dtype)
     if method == "floor":
         return FloorPPO(lm, workload.mini_batch_size, workload.ppo_epochs).step
@@ -361,6 +365,96 @@ def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtyp
     )
     trainer = PPOTrainer(config, model, ref_model, tokenizer=None)
     return trainer.step
+
+
+# ---------------------------------------------------------------------------------------------
+# Critic-free workloads (PPO_SPEC section 12): GRPO on a plain causal LM, against GAE on the same batch
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class CriticFreeWorkload(Workload):
+    """A workload whose rows come in groups of `num_samples_per_query` sharing a query, stepped with
+    `advantage_estimator` ("gae": the value-head trainer and `FloorPPO`, as the other workloads)."""
+
+    num_samples_per_query: int = 4
+    advantage_estimator: str = "grpo"
+
+
+GRPO_W1 = CriticFreeWorkload("grpo-w1", n_layer=2, n_embd=128, n_head=2, batch_size=16, mini_batch_size=4, ppo_epochs=4)
+# The same batch stepped with GAE and a value head: the time a critic costs.
+GAE_W1_GROUPED = dataclasses.replace(GRPO_W1, name="gae-w1-grouped", advantage_estimator="gae")
+WORKLOAD_GROUPS["critic_free"] = lambda: [GRPO_W1, GAE_W1_GROUPED]
+
+
+def grouped_batch(workload: CriticFreeWorkload) -> tuple:
+    """`make_batch` of the plain workload, with the query of each group's first row given to the whole group."""
+    queries, responses, scores = make_batch(Workload(**{f.name: getattr(workload, f.name) for f in dataclasses.fields(Workload)}))
+    k = workload.num_samples_per_query
+    return [queries[i - i % k] for i in range(len(queries))], responses, scores
+
+
+class CriticFreeFloor(FloorPPO):
+    """The unavoidable model work of one GRPO step: the policy and reference forwards without grad,
+    then forward + backward + Adam per mini-batch on the clipped loss plus `KL_COEF * k3`. No value head."""
+
+    def __init__(self, lm, mini_batch_size: int, ppo_epochs: int, num_samples_per_query: int):
+        super().__init__(lm, mini_batch_size, ppo_epochs)
+        self.v_head = None
+        self.optimizer = torch.optim.Adam(lm.parameters(), lr=LEARNING_RATE, fused=True)
+        self.k = num_samples_per_query
+
+    @torch.no_grad()
+    def _rollout(self, queries, responses, scores) -> dict:
+        """Old and reference log-probs, mask and GRPO advantages, each (B, K_max) in response-token order."""
+        n, k_max = len(queries), max(len(r) for r in responses)
+        old = {key: torch.zeros(n, k_max, device=self.device) for key in ("logprobs", "ref", "mask")}
+        for start in range(0, n, self.mini_batch_size):
+            rows = list(range(start, min(start + self.mini_batch_size, n)))
+            batch = self._pack(queries, responses, rows)
+            logprobs, _ = response_logprobs(self.lm, batch, buffer=self.buffer)
+            ref, _ = response_logprobs(self.ref, batch, buffer=self.buffer)
+            k = batch["mask"].shape[1]
+            for key, t in (("logprobs", logprobs), ("ref", ref), ("mask", batch["mask"])):
+                old[key][start : start + len(rows), :k] = t
+        groups = torch.stack(scores).to(self.device).float().view(-1, self.k)
+        advantages = (groups - groups.mean(-1, keepdim=True)) / (groups.std(-1, keepdim=True) + 1e-6)
+        old["advantages"] = advantages.reshape(-1, 1) * old["mask"]
+        return old
+
+    def _train_minibatch(self, queries, responses, rows, old: dict):
+        batch = self._pack(queries, responses, rows)
+        mask = batch["mask"]
+        index = torch.tensor(rows, device=self.device)
+        take = {key: t[index, : mask.shape[1]] for key, t in old.items()}
+        logprobs, _ = response_logprobs(self.lm, batch, buffer=self.buffer)
+        ratio = torch.exp(logprobs.float() - take["logprobs"])
+        adv = take["advantages"]
+        pg_loss = masked_mean(torch.max(-adv * ratio, -adv * ratio.clamp(1 - CLIPRANGE, 1 + CLIPRANGE)), mask)
+        log_ratio = take["ref"] - logprobs.float()
+        k3 = torch.exp(log_ratio) - log_ratio - 1
+        (pg_loss + KL_COEF * masked_mean(k3, mask)).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def make_critic_free_step_fn(method: str, workload: CriticFreeWorkload, device: str, dtype: torch.dtype):
+    """`make_step_fn` for a critic-free workload: `PPOTrainer` on the plain model, or `CriticFreeFloor`."""
+    lm = make_lm(workload, device, dtype)
+    if method == "floor":
+        return CriticFreeFloor(lm, workload.mini_batch_size, workload.ppo_epochs, workload.num_samples_per_query).step
+    from trl_lite import PPOConfig, PPOTrainer
+
+    config = PPOConfig(
+        batch_size=workload.batch_size,
+        mini_batch_size=workload.mini_batch_size,
+        ppo_epochs=workload.ppo_epochs,
+        learning_rate=LEARNING_RATE,
+        init_kl_coef=KL_COEF,
+        adap_kl_ctrl=False,
+        advantage_estimator=workload.advantage_estimator,
+        num_samples_per_query=workload.num_samples_per_query,
+        seed=workload.seed,
+    )
+    return PPOTrainer(config, lm, copy.deepcopy(lm), tokenizer=None).step
 
 
 class PeakMemory:
@@ -517,7 +611,8 @@ def worker_main(spec_json: str) -> None:
     """Entry point of a measuring subprocess: build, then answer `step`, `profile`, `finish` lines."""
     spec = json.loads(spec_json)
     fields = spec.pop("workload")
-    workload = Workload(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    kind = CriticFreeWorkload if "advantage_estimator" in fields else Workload
+    workload = kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
     runner = StepRunner(workload, **spec)
     print(RESULT_MARKER + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
