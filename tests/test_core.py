@@ -657,6 +657,8 @@ def test_flatten_dict():
     }
     assert core.flatten_dict({"a": {"b": 1}}, sep=".") == {"a.b": 1}
     assert core.flatten_dict({}) == {}
+    with pytest.raises(ValueError, match="separator '/' may not appear in a key, got key 'a/b'"):
+        core.flatten_dict({"x": {"a/b": 1}})
 
 
 def test_stack_dicts():
@@ -667,10 +669,11 @@ def test_stack_dicts():
     ]
     stacked = core.stack_dicts(dicts)
     assert set(stacked) == {"loss", "adv"}
-    assert stacked["loss"].shape == (3,)
-    assert stacked["loss"].tolist() == [1.0, 2.0, 4.0]
-    assert stacked["adv"].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
-    assert core.stack_dicts([{"x": 0.5}, {"x": 1.5}])["x"].tolist() == [0.5, 1.5]
+    # Classic: one row per dict, 0-d values as one column, ragged rows right-padded with -1.
+    assert stacked["loss"].tolist() == [[1.0], [2.0], [4.0]]
+    assert stacked["adv"].tolist() == [[1.0, 2.0, -1.0], [3.0, -1.0, -1.0], [4.0, 5.0, 6.0]]
+    assert core.WANDB_PADDING == -1
+    assert core.stack_dicts([{"x": 0.5}, {"x": 1.5}])["x"].tolist() == [[0.5], [1.5]]
 
 
 def test_stats_to_np():
@@ -683,6 +686,8 @@ def test_stats_to_np():
         "numpy0d": np.array(7.0),
         "numpy": np.array([1, 2]),
         "float": 2.5,
+        "int": 3,
+        "np_float32": np.float32(1.5),
         "text": "hello",
     }
     out = core.stats_to_np(stats)
@@ -694,6 +699,8 @@ def test_stats_to_np():
     assert type(out["numpy0d"]) is float and out["numpy0d"] == 7.0
     assert out["numpy"].tolist() == [1, 2]
     assert out["float"] == 2.5 and out["text"] == "hello"
+    assert type(out["int"]) is float and out["int"] == 3.0
+    assert type(out["np_float32"]) is float and out["np_float32"] == 1.5
 
 
 def test_length_sampler_range_excludes_max():

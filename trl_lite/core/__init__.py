@@ -10,7 +10,9 @@ next-token positions of the spec, or any sub-range of them), ``V`` vocabulary.
 - :mod:`.ppo`: KL estimators, KL-shaped rewards, GAE, the clipped policy and value losses;
 - :mod:`.reward`: the pairwise ranking loss of reward models and its statistics;
 - :mod:`.advantages`: the critic-free estimators (RLOO, GRPO, REINFORCE++) and the k3 KL term;
-- :mod:`.utils`: statistics dicts, ``LengthSampler``, ``set_seed``.
+- :mod:`.utils`: statistics dicts, ``LengthSampler``, ``set_seed``;
+- :mod:`.classic`: the other public helpers of classic ``trl.core`` (``whiten``, ``respond_to_batch``,
+  ``top_k_top_p_filtering``, ``convert_to_scalar``, ``PPODecorators``, ...).
 """
 
 from .advantages import (
@@ -20,6 +22,19 @@ from .advantages import (
     k3_kl,
     rloo_advantages,
     sequence_to_tokens,
+)
+from .classic import (
+    PPODecorators,
+    add_suffix,
+    average_torch_dicts,
+    build_bert_batch_from_txt,
+    convert_to_scalar,
+    listify_batch,
+    pad_to_size,
+    randn_tensor,
+    respond_to_batch,
+    top_k_top_p_filtering,
+    whiten,
 )
 from .logprobs import (
     entropy_from_logits,
@@ -40,15 +55,21 @@ from .ppo import (
     ppo_value_loss,
 )
 from .reward import pairwise_ranking_loss, preference_stats
-from .utils import LengthSampler, flatten_dict, set_seed, stack_dicts, stats_to_np
+from .utils import WANDB_PADDING, LengthSampler, flatten_dict, set_seed, stack_dicts, stats_to_np
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "KL_PENALTIES",
     "LengthSampler",
+    "PPODecorators",
+    "WANDB_PADDING",
+    "add_suffix",
+    "average_torch_dicts",
+    "build_bert_batch_from_txt",
     "clip_by_value",
     "compute_gae",
     "compute_kl_rewards",
+    "convert_to_scalar",
     "discounted_returns",
     "entropy_from_logits",
     "flatten_dict",
@@ -57,6 +78,7 @@ __all__ = [
     "k3_kl",
     "kl_estimate",
     "last_index",
+    "listify_batch",
     "logprobs_and_entropy_from_hidden",
     "logprobs_and_entropy_from_logits",
     "logprobs_from_hidden",
@@ -64,13 +86,18 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "pad_to_size",
     "pairwise_ranking_loss",
     "ppo_policy_loss",
     "ppo_value_loss",
     "preference_stats",
+    "randn_tensor",
+    "respond_to_batch",
     "rloo_advantages",
     "sequence_to_tokens",
     "set_seed",
     "stack_dicts",
     "stats_to_np",
+    "top_k_top_p_filtering",
+    "whiten",
 ]

@@ -7,12 +7,22 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
+
+# The value classic pads ragged statistics with (``stack_dicts``), so trackers can tell it apart.
+WANDB_PADDING = -1
 
 
 def flatten_dict(nested: Mapping, sep: str = "/", prefix: str = "") -> dict:
-    """``{"a": {"b": 1}}`` -> ``{"a/b": 1}``."""
+    """``{"a": {"b": 1}}`` -> ``{"a/b": 1}``.
+
+    A key that contains ``sep`` would make two different nestings flatten to the same name, so it
+    is rejected with ``ValueError`` (as in classic).
+    """
     flat = {}
     for key, value in nested.items():
+        if sep in str(key):
+            raise ValueError(f"flatten_dict: the separator {sep!r} may not appear in a key, got key {key!r}.")
         name = f"{prefix}{sep}{key}" if prefix else str(key)
         if isinstance(value, Mapping):
             flat.update(flatten_dict(value, sep, name))
@@ -22,15 +32,15 @@ def flatten_dict(nested: Mapping, sep: str = "/", prefix: str = "") -> dict:
 
 
 def stack_dicts(stats_dicts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Stack a list of dicts with the same keys into one dict of stacked tensors.
+    """Stack a list of dicts with the same keys into one dict of ``(N, M)`` tensors, as classic does.
 
-    0-d values become a ``(N,)`` tensor; 1-D values of different lengths are concatenated.
+    Each of the ``N`` values is flattened to 1-D (a 0-d value becomes one element); shorter rows are
+    right-padded with ``WANDB_PADDING`` (-1) to the longest length ``M``.
     """
-    keys = stats_dicts[0].keys()
     stacked = {}
-    for key in keys:
-        items = [torch.as_tensor(d[key]) for d in stats_dicts]
-        stacked[key] = torch.stack(items) if items[0].dim() == 0 else torch.cat([t.flatten() for t in items])
+    for key in stats_dicts[0]:
+        rows = [torch.as_tensor(d[key]).flatten() for d in stats_dicts]
+        stacked[key] = pad_sequence(rows, batch_first=True, padding_value=WANDB_PADDING)
     return stacked
 
 
@@ -43,7 +53,9 @@ def stats_to_np(stats: Mapping) -> dict:
             if value.dtype in (torch.bfloat16, torch.float16):
                 value = value.float()
             value = value.numpy()
-        if isinstance(value, np.ndarray) and value.ndim == 0:
+        # Numbers become floats as in classic; 0-d arrays too (classic kept those as arrays), so a
+        # step's scalar statistics are plain floats for every logger.
+        if (isinstance(value, np.ndarray) and value.ndim == 0) or (np.isscalar(value) and isinstance(value, (int, float, np.number))):
             value = float(value)
         out[key] = value
     return out
