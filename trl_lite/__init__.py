@@ -3,6 +3,7 @@
 __version__ = "0.1.0"
 
 from .core import LengthSampler, set_seed
+from .extras import BestOfNSampler
 from .models import (
     AutoModelForCausalLMWithValueHead,
     AutoModelForSeq2SeqLMWithValueHead,
@@ -23,6 +24,7 @@ __all__ = [
     "AdaptiveKLController",
     "AutoModelForCausalLMWithValueHead",
     "AutoModelForSeq2SeqLMWithValueHead",
+    "BestOfNSampler",
     "FixedKLController",
     "LengthSampler",
     "PPOConfig",
