@@ -3,6 +3,7 @@
 __version__ = "0.1.0"
 
 from .core import LengthSampler, set_seed
+from .environment import TextEnvironment, TextHistory
 from .extras import BestOfNSampler
 from .models import (
     AutoModelForCausalLMWithValueHead,
@@ -33,6 +34,8 @@ __all__ = [
     "RewardConfig",
     "RewardTrainer",
     "RunningMoments",
+    "TextEnvironment",
+    "TextHistory",
     "create_reference_model",
     "set_seed",
 ]

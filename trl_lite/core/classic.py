@@ -13,7 +13,6 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 def whiten(values: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
     """Scale ``values`` to unit (unbiased) variance over all elements; also centre them when ``shift_mean``.
@@ -38,6 +37,8 @@ def top_k_top_p_filtering(
     The filtering is transformers' own (``TopKLogitsWarper``, ``TopPLogitsWarper``), as in generation.
     Shape: ``(B, V)`` -> ``(B, V)``.
     """
+    from transformers import TopKLogitsWarper, TopPLogitsWarper
+
     if top_k > 0:
         logits = TopKLogitsWarper(top_k=top_k, filter_value=filter_value, min_tokens_to_keep=min_tokens_to_keep)(None, logits)
     # As in classic, top_p=1.0 runs the nucleus filter too: it drops tokens whose probability is 0.
