@@ -9,6 +9,22 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 
+@contextmanager
+def eval_mode(model: torch.nn.Module):
+    """Eval mode (no dropout) inside the block; afterwards every submodule gets back its own mode.
+
+    Generation must not depend on the mode ``step()`` leaves the model in: with dropout on, greedy
+    decoding of a query alone and of the same query in a batch would differ.
+    """
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
 class GenerationMixin:
     """``PPOTrainer.generate`` and its batching: :class:`PPOTrainer` mixes it in."""
 
@@ -66,13 +82,13 @@ class GenerationMixin:
         if length_sampler is not None:
             generation_kwargs["max_new_tokens"] = length_sampler()
         query = query_tensor.unsqueeze(0).to(self.current_device)
-        with self._generation_model(self.model) as model:
+        with eval_mode(self.model), self._generation_model(self.model) as model:
             response = model.generate(input_ids=query, **generation_kwargs)
         if not return_prompt and not self.is_encoder_decoder:
             response = response[:, query.shape[1] :]
         if not generate_ref_response:
             return response
-        with self._reference() as ref, self._generation_model(ref) as ref_model:
+        with self._reference() as ref, eval_mode(ref), self._generation_model(ref) as ref_model:
             ref_response = ref_model.generate(input_ids=query, **generation_kwargs)
         if not return_prompt and not self.is_encoder_decoder:
             ref_response = ref_response[:, query.shape[1] :]
@@ -89,10 +105,8 @@ class GenerationMixin:
         outputs = []
         # transformers returns the k sequences of each prompt next to each other (repeat_interleave).
         per_query = int(kwargs.get("num_return_sequences") or 1)
-        was_training = model.training
-        model.eval()
         starts = range(0, len(queries), batch_size)
-        with self._generation_model(model) as gen_model:
+        with eval_mode(model), self._generation_model(model) as gen_model:
             for _ in range(self._missing_generate_calls(len(starts))):
                 # Under ZeRO-3 every forward pass is a collective, so a process with fewer chunks
                 # than another joins the extra calls with a one-row stand-in whose output is dropped.
@@ -122,8 +136,6 @@ class GenerationMixin:
                         if len(eos_at):
                             generation = generation[: int(eos_at.flatten()[0]) + 1]
                     outputs.append(generation)
-        if was_training:
-            model.train()
         return outputs
 
     def _missing_generate_calls(self, calls: int) -> int:
