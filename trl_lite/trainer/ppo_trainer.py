@@ -55,6 +55,7 @@ from .accelerate_setup import (
     prepare_deepspeed_reference,
 )
 from .checkpointing import CheckpointMixin
+from .classic_helpers import ClassicHelpersMixin
 from .cpu_memory import keep_freed_cpu_memory
 from .generation import GenerationMixin
 from .kl_controllers import AdaptiveKLController, FixedKLController
@@ -82,7 +83,7 @@ _DIST_STATS = (
 )
 
 
-class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin):
+class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersMixin):
     """PPO for language models with the classic API: the user generates and scores, ``step()`` trains.
 
     Args:
@@ -152,6 +153,13 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin):
         self._signature_columns = _signature_columns(model)
         self._data_generator = torch.Generator().manual_seed(config.seed)
         dataloader = self._build_dataloader(dataset, data_collator) if dataset is not None else None
+        if dataset is None:
+            warnings.warn(
+                f"PPOTrainer got no dataset: step() expects batches of config.batch_size={config.batch_size} rows "
+                "per process; make sure that is the number of queries you pass to each step().",
+                UserWarning,
+                stacklevel=2,
+            )
 
         self.is_deepspeed_enabled = getattr(self.accelerator.state, "deepspeed_plugin", None) is not None
         self._is_zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3

@@ -6,6 +6,8 @@ what was given and what is accepted.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -42,7 +44,13 @@ def check_constructor_args(config, model, ref_model, tokenizer, optimizer, lr_sc
     if ref_model is not None and ref_model is model:
         raise ValueError("ref_model is the same object as model; pass None to get a frozen copy.")
     if ref_model is not None and num_shared_layers is not None:
-        raise ValueError("num_shared_layers only applies when the trainer creates the reference (ref_model=None).")
+        # Classic ignores it with a warning; scripts that pass both must keep running.
+        warnings.warn(
+            f"num_shared_layers={num_shared_layers} is ignored: a ref_model was given, so the policy and the "
+            "reference are separate models and share no layers.",
+            UserWarning,
+            stacklevel=3,
+        )
     if tokenizer is not None and not isinstance(tokenizer, PreTrainedTokenizerBase):
         raise TypeError(f"tokenizer must be a transformers tokenizer or None, got {type(tokenizer).__name__}.")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -170,8 +178,11 @@ def validate_step_inputs(
         if isinstance(score, bool) or not isinstance(score, (torch.Tensor, int, float, np.number, np.ndarray)):
             raise TypeError(f"scores[{i}] must be a number or a 0-d tensor, got {type(score).__name__}.")
         score_t = torch.as_tensor(score)
-        if score_t.numel() != 1:
-            raise ValueError(f"scores[{i}] must be one number (a 0-d tensor), got shape {tuple(score_t.shape)}.")
+        # As classic: a 1-element 1-D tensor is squeezed; anything with more dimensions is refused.
+        if score_t.dim() > 1 or score_t.numel() != 1:
+            raise ValueError(
+                f"scores[{i}] must be one number: a float, a 0-d tensor or a 1-element 1-D tensor, got shape {tuple(score_t.shape)}."
+            )
         if not torch.isfinite(score_t.float()).all():
             raise ValueError(f"scores[{i}] must be finite, got {score_t.item()}.")
     if response_masks is not None:

@@ -1,0 +1,135 @@
+"""Classic ``PPOTrainer`` private methods that classic examples and tests call, as thin wrappers.
+
+``step()`` does not use them; they give code written against classic TRL the names and results it
+expects: ``_kl_penalty``, ``_step_safety_checker``, ``gather_stats``, ``record_step_stats``,
+``_save_pretrained`` and ``create_model_card``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import __version__
+from ..core import full_kl_from_logits, kl_estimate, masked_mean
+from .step_inputs import validate_step_inputs
+
+_MODEL_CARD = """---
+license: apache-2.0
+tags:
+- trl_lite
+- ppo
+- reinforcement-learning
+---
+
+# {model_name}
+
+A language model with a value head, tuned with PPO by trl_lite {version} (the classic TRL `PPOTrainer` API).
+
+## Usage
+
+```python
+from transformers import pipeline
+
+generator = pipeline("text-generation", model="{model_id}")
+outputs = generator("Hello, my llama is cute")
+```
+
+```python
+from transformers import AutoTokenizer
+from trl_lite import AutoModelForCausalLMWithValueHead
+
+tokenizer = AutoTokenizer.from_pretrained("{model_id}")
+model = AutoModelForCausalLMWithValueHead.from_pretrained("{model_id}")
+```
+"""
+
+
+class ClassicHelpersMixin:
+    """Classic private methods of ``PPOTrainer``: :class:`PPOTrainer` mixes it in."""
+
+    def _kl_penalty(self, logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+        """Per-token KL estimate of ``config.kl_penalty`` between policy and reference log-probs.
+
+        ``"kl"``, ``"abs"``, ``"mse"``: log-probs of the chosen tokens, ``(B, L)`` -> ``(B, L)``.
+        ``"full"``: full log-softmax rows, ``(B, L, V)`` -> ``(B, L)``, the exact ``KL(policy || ref)``.
+        """
+        if self.config.kl_penalty == "full":
+            return full_kl_from_logits(logprob, ref_logprob)
+        return kl_estimate(logprob, ref_logprob, self.config.kl_penalty)
+
+    def _step_safety_checker(self, batch_size: int, queries, responses, scores, masks=None):
+        """Check a ``step()`` batch as ``step()`` does; return it on the trainer's device, scores as 0-d tensors.
+
+        Returns ``(queries, responses, scores, masks)``; raises ``ValueError``/``TypeError`` naming the bad argument.
+        """
+        validate_step_inputs(queries, responses, scores, masks, batch_size=batch_size, vocab_size=self._vocab_size,
+                             is_encoder_decoder=self.is_encoder_decoder)
+        device = self.current_device
+        queries = [q.to(device) for q in queries]
+        responses = [r.to(device) for r in responses]
+        scores = [torch.as_tensor(s, dtype=torch.float32).to(device).reshape(()) for s in scores]
+        masks = [m.to(device) for m in masks] if masks is not None else None
+        return queries, responses, scores, masks
+
+    def gather_stats(self, stats: dict) -> dict:
+        """Average every tensor of ``stats`` over the processes (other values are kept); one process: unchanged."""
+        if self.accelerator.num_processes == 1:
+            return stats
+        return {
+            key: self.accelerator.reduce(value.to(self.current_device).float(), reduction="mean")
+            if isinstance(value, torch.Tensor) else value
+            for key, value in stats.items()
+        }
+
+    def record_step_stats(self, kl_coef: float, **data) -> dict:
+        """Classic's step statistics from the tensors of a step.
+
+        ``data``: ``masks``, ``kls``, ``logprobs``, ``ref_logprobs``, ``non_score_reward`` ``(B, L)``;
+        ``scores`` ``(B,)``; ``queries``, ``responses`` (lists of 1-D tensors); ``train_stats``
+        (dict of per-mini-batch tensors, averaged over dim 0 into ``ppo/<key>``).
+        """
+        mask = data["masks"]
+        kl_per_row = (data["kls"] * mask).sum(-1)
+        query_lens = torch.tensor([len(q) for q in data["queries"]], dtype=torch.float)
+        response_lens = torch.tensor([len(r) for r in data["responses"]], dtype=torch.float)
+        stats = {
+            "objective/kl": kl_per_row.mean(),
+            "objective/kl_dist": kl_per_row,
+            "objective/logprobs": data["logprobs"],
+            "objective/ref_logprobs": data["ref_logprobs"],
+            "objective/kl_coef": kl_coef,
+            "objective/entropy": (-data["logprobs"] * mask).sum(-1).mean(),
+            "ppo/mean_non_score_reward": masked_mean(data["non_score_reward"], mask),
+            "ppo/mean_scores": data["scores"].mean(),
+            "ppo/std_scores": data["scores"].std(),
+            "tokens/queries_len_mean": query_lens.mean().item(),
+            "tokens/queries_len_std": query_lens.std().item(),
+            "tokens/queries_dist": query_lens.numpy(),
+            "tokens/responses_len_mean": response_lens.mean().item(),
+            "tokens/responses_len_std": response_lens.std().item(),
+            "tokens/responses_dist": response_lens.numpy(),
+        }
+        for key, value in data.get("train_stats", {}).items():
+            stats[f"ppo/{key}"] = torch.as_tensor(value).float().mean(dim=0)
+        if "ppo/val/error" in stats and "ppo/returns/var" in stats:
+            stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
+        return stats
+
+    def _save_pretrained(self, save_directory: str) -> None:
+        """:meth:`save_pretrained` plus a model card (``README.md``) in ``save_directory``."""
+        self.save_pretrained(save_directory)
+        if self.accelerator.is_main_process:
+            self.create_model_card(save_directory)
+
+    def create_model_card(self, path: str, model_name: str | None = "TRL Model") -> None:
+        """Write a model card, ``<path>/README.md``: what the model is and how to load it (from ``path``).
+
+        Classic looked up the hub user for the model id and wrote nothing when offline; here the
+        card is always written and names the local path.
+        """
+        os.makedirs(path, exist_ok=True)
+        card = _MODEL_CARD.format(model_name=model_name, model_id=path, version=__version__)
+        with open(os.path.join(path, "README.md"), "w", encoding="utf-8") as f:
+            f.write(card)
