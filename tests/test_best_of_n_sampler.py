@@ -154,3 +154,19 @@ def test_bad_arguments_are_rejected(policy):
     bad_scores = BestOfNSampler(policy, tok, lambda texts: [1.0], LengthSampler(1, 2), sample_size=2)
     with pytest.raises(ValueError, match="got 1 scores for 2 texts"):
         bad_scores.generate(QUERIES[0])
+
+
+def test_the_classic_docs_generation_config(policy):
+    """The settings of classic's best-of-n docs, in a GenerationConfig and as keyword arguments."""
+    from transformers import GenerationConfig
+
+    tok = make_tokenizer()
+    config = GenerationConfig(min_length=-1, top_k=0.0, top_p=1.0, do_sample=True, pad_token_id=tok.eos_token_id)
+    before = config.to_dict()
+    sampler = BestOfNSampler(policy, tok, word_count_score, LengthSampler(4, 16), generation_config=config, seed=0)
+    out = sampler.generate([torch.tensor(q) for q in QUERIES], device="cpu", max_new_tokens=3)
+    assert len(out) == 3 and all(len(texts) == 1 for texts in out)
+    assert config.to_dict() == before  # the user's config is not changed by a call's settings
+    kwargs = {"min_length": -1, "top_k": 0.0, "top_p": 1.0, "do_sample": True, "pad_token_id": tok.eos_token_id}
+    plain = BestOfNSampler(policy, tok, word_count_score, LengthSampler(4, 16), sample_size=8, n_candidates=2)
+    assert all(len(texts) == 2 for texts in plain.generate(QUERIES, **kwargs))

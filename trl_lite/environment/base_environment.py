@@ -18,6 +18,8 @@ from accelerate.utils import extract_model_from_parallel
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.utils import is_rich_available
 
+from ..trainer.generation import eval_mode
+
 
 class StringStoppingCriteria(StoppingCriteria):
     """Stops each generated row once its new text contains one of ``stop_strings``.
@@ -342,7 +344,7 @@ class TextEnvironment:
         """New tokens of each query, up to and including the one that wrote ``<call>`` or ``<submit>``.
 
         Decoder-only queries are left-padded so new tokens start at one column. Runs in eval mode
-        (the model's mode is restored after). Tokens after an end-of-sequence token are padding and
+        (every submodule's mode is restored after). Tokens after an end-of-sequence token are padding and
         are dropped.
         """
         model = extract_model_from_parallel(self.model)
@@ -350,8 +352,6 @@ class TextEnvironment:
         padding_side = self.tokenizer.padding_side
         if not self.is_encoder_decoder:
             self.tokenizer.padding_side = "left"
-        was_training = model.training
-        model.eval()
         outputs = []
         try:
             for start in range(0, len(query_tensors), batch_size):
@@ -362,7 +362,7 @@ class TextEnvironment:
                 ).to(self.current_device)
                 stopping = StringStoppingCriteria([self.call_token, self.submit_token], self.tokenizer)
                 kwargs = {**self.generation_kwargs, "stopping_criteria": StoppingCriteriaList([stopping])}
-                with torch.no_grad():
+                with eval_mode(model), torch.no_grad():
                     generations = model.generate(**padded, **kwargs)
                 # Decoder-only output = prompt columns + new tokens; encoder-decoder output = start token + new tokens.
                 first_new = 1 if self.is_encoder_decoder else padded["input_ids"].shape[1]
@@ -373,5 +373,4 @@ class TextEnvironment:
                     outputs.append(new)
         finally:
             self.tokenizer.padding_side = padding_side
-            model.train(was_training)
         return outputs

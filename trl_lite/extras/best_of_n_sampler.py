@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,6 +11,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from ..core import set_seed
 from ..models import PreTrainedModelWrapper
+from ..trainer.generation import eval_mode
 
 
 def _as_query_list(tokenized_query) -> list[torch.Tensor]:
@@ -122,20 +124,19 @@ class BestOfNSampler:
         input_ids = input_ids.repeat_interleave(self.sample_size, dim=0).to(device)
         attention_mask = attention_mask.repeat_interleave(self.sample_size, dim=0).to(device)
 
-        generation_kwargs.setdefault("pad_token_id", pad_id)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                output = self.model.generate(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    max_new_tokens=max(lengths),
-                    generation_config=self.gen_config,
-                    **generation_kwargs,
-                )
-        finally:
-            self.model.train(was_training)
+        generation_kwargs["max_new_tokens"] = max(lengths)
+        if self.gen_config is not None:
+            # transformers wants either a config or loose settings: fold the settings into a copy of the
+            # config; what is not a generation setting (a logits processor, ...) comes back from update().
+            config = copy.deepcopy(self.gen_config)
+            extra = config.update(**generation_kwargs)
+            if config.pad_token_id is None:
+                config.pad_token_id = pad_id
+            generation_kwargs = {"generation_config": config, **extra}
+        else:
+            generation_kwargs.setdefault("pad_token_id", pad_id)
+        with eval_mode(self.model), torch.no_grad():
+            output = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs)
 
         prompt_width = 0 if self.model.is_encoder_decoder else width
         result = []
