@@ -1,4 +1,5 @@
-"""The tool-use examples run end to end: the offline PPO calculator (``TextEnvironment`` + ``step`` with response masks)."""
+"""The add-on examples run end to end: the offline PPO calculator (``TextEnvironment`` + ``step`` with
+response masks) and best-of-n sampling (``BestOfNSampler``)."""
 
 import json
 import subprocess
@@ -23,3 +24,15 @@ def test_ppo_calculator_tool_runs_and_writes_its_metrics(tmp_path):
     assert summary["window"] == 1
     assert summary["first_reward"] == records[0]["env/reward_mean"] and summary["last_reward"] == records[-1]["env/reward_mean"]
     assert "mean reward: first 1 steps" in result.stdout
+
+
+def test_best_of_n_sentiment_runs_and_reports_its_means(tmp_path):
+    out = tmp_path / "means.json"
+    args = ["--sft_steps", "20", "--reward_model_steps", "20", "--num_prompts", "6", "--offline_models_dir", str(tmp_path / "models"),
+            "--output_json", str(out)]
+    result = subprocess.run([sys.executable, str(ROOT / "examples/scripts/best_of_n_sentiment.py"), *args],
+                            cwd=ROOT, env=example_env(), capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    means = json.loads(out.read_text())
+    assert set(means) == {"base model", "best of 4"}
+    assert "best of 4: mean reward" in result.stdout and "over 6 prompts" in result.stdout
