@@ -2,7 +2,8 @@
 
 `tests/distributed/reward_equivalence.py` trains on the same 8 pairs per optimizer step in both runs
 (2 processes x 2 pairs x 2 accumulated passes, or 1 x 4 x 2), with clipping and a warm-up schedule,
-and checks with torch.distributed that both processes hold the same weights. Launched with the
+and checks with torch.distributed that both processes hold the same weights; `reward_resume.py`
+kills a 2-process run after a checkpoint and checks the resumed run against a straight one. Launched with the
 helper of `tests/test_distributed.py`, in the same pytest-xdist group, so the heavy runs stay in one worker.
 """
 
@@ -54,3 +55,10 @@ def test_zero2_reward_training_matches_one_process_on_the_global_batch(tmp_path)
     batch = make_tokenizer()(["the movie was great"], return_tensors="pt")
     with torch.no_grad():
         assert pipe("the movie was great")[0]["score"] == pytest.approx(saved(**batch).logits.item(), rel=1e-6)
+
+
+def test_zero2_reward_training_resumes_exactly_with_the_metrics_of_both_processes(tmp_path):
+    base = tmp_path / "base"
+    make_reward_model(seed=6, n_embd=64, dropout=0.1).save_pretrained(base)
+    launch("deepspeed_zero2", SCRIPTS / "reward_resume.py", "--base_model", str(base), "--output_dir", str(tmp_path))
+    assert (tmp_path / "ok").exists()
