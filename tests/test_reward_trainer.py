@@ -403,6 +403,10 @@ def test_constructor_rejects_bad_arguments(tmp_path):
         RewardTrainer(torch.nn.Linear(2, 1), config(tmp_path), train_dataset=rows, tokenizer=tokenizer)
     with pytest.raises(ValueError, match="pass tokenizer="):
         RewardTrainer(make_reward_model(), config(tmp_path), train_dataset=rows)
+    no_pad = make_reward_model()
+    no_pad.config.pad_token_id = None
+    with pytest.raises(ValueError, match="model.config.pad_token_id and tokenizer.pad_token_id are both None"):
+        RewardTrainer(no_pad, config(tmp_path), train_dataset=rows, data_collator=RewardDataCollatorWithPadding(tokenizer))
     with pytest.raises(ValueError, match="train_dataset is required"):
         RewardTrainer(make_reward_model(), config(tmp_path), tokenizer=tokenizer)
     with pytest.raises(ValueError, match="peft_config.task_type must be 'SEQ_CLS'"):

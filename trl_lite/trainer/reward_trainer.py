@@ -99,8 +99,6 @@ class RewardTrainer(CheckpointMixin):
 
         core.set_seed(args.seed)
         if base.config.pad_token_id is None:
-            if pad_token_id is None and len(self.train_dataset) > 1:
-                raise ValueError("model.config.pad_token_id and tokenizer.pad_token_id are both None; set a padding token.")
             base.config.pad_token_id = pad_token_id
         if base.config.problem_type is None:
             # A reward is a real number: a transformers pipeline then returns it as is, without a sigmoid.
@@ -435,6 +433,11 @@ def _check_constructor_args(model, args, data_collator, train_dataset, tokenizer
         )
     if train_dataset is None:
         raise ValueError("train_dataset is required: preference pairs to train on.")
+    if base.config.pad_token_id is None and getattr(tokenizer, "pad_token_id", None) is None:
+        raise ValueError(
+            "model.config.pad_token_id and tokenizer.pad_token_id are both None: set a padding token "
+            "(for GPT-2-like tokenizers, tokenizer.pad_token = tokenizer.eos_token)."
+        )
     if tokenizer is not None and not isinstance(tokenizer, PreTrainedTokenizerBase):
         raise TypeError(f"tokenizer must be a transformers tokenizer or None, got {type(tokenizer).__name__}.")
     if tokenizer is None and data_collator is None:
