@@ -125,6 +125,17 @@ class PPOConfig:
             "reuse one LM-head logits buffer, kept between steps."
         },
     )
+    # Speed
+    padding_free: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Padding-free (packed) forward passes in step(): each mini-batch's rows concatenated into one "
+            "sequence with per-row position ids and attention that never crosses rows, so no padding token is "
+            "computed; same results as padded passes. None: packed where the models support it (decoder-only "
+            "transformers models whose attention mask comes from transformers.masking_utils), padded elsewhere; "
+            "True: packed, and an error at construction when a model cannot pack; False: padded."
+        },
+    )
     # Set by the trainer
     is_encoder_decoder: bool | None = field(default=None, metadata={"help": "Set by the trainer."})
     is_peft_model: bool | None = field(default=None, metadata={"help": "Set by the trainer."})
@@ -172,6 +183,8 @@ class PPOConfig:
                      "grpo_scale_rewards"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.padding_free not in (None, True, False):
+            raise TypeError(f"padding_free must be None, True or False, got {self.padding_free!r}.")
         if self.mini_batch_size > self.batch_size:
             raise ValueError(
                 f"mini_batch_size ({self.mini_batch_size}) must not exceed batch_size ({self.batch_size})."

@@ -61,7 +61,7 @@ from .generation import GenerationMixin
 from .kl_controllers import AdaptiveKLController, FixedKLController
 from .ppo_config import PPOConfig
 from .resumable_loader import ResumableLoader
-from .rollout import RolloutMixin, _to_compact
+from .rollout import RolloutMixin, _to_compact, packing_unsupported
 from .running_moments import RunningMoments
 from .step_inputs import (
     check_constructor_args,
@@ -119,6 +119,8 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
         # A plain LM gets a value-head wrapper for logits_positions and the fused LM head; its head never runs.
         model, self._policy_is_plain = wrap_plain_model(model)
         ref_model, _ = wrap_plain_model(ref_model) if ref_model is not None else (None, False)
+        # Decided before any state changes: padding_free=True with a model that cannot pack raises here.
+        self._pack = _choose_packing(config, model, ref_model)
         core.set_seed(config.seed)
         self.config = config
         if not self._uses_value_head:
@@ -697,6 +699,22 @@ _POLICY_STAT_KEYS = (
 _VALUE_STAT_KEYS = (
     "loss/value", "returns/mean", "returns/var", "val/vpred", "val/error", "val/clipfrac", "val/mean", "val/var",
 )  # fmt: skip
+
+
+def _choose_packing(config: PPOConfig, model: PreTrainedModelWrapper, ref_model: PreTrainedModelWrapper | None) -> bool:
+    """Whether ``step()`` packs mini-batches (``config.padding_free``): every model of its passes must support it.
+
+    A reference made by the trainer copies ``model``; for a PEFT model it is ``model`` itself.
+    """
+    if config.padding_free is False:
+        return False
+    for name, wrapper in (("model", model), ("ref_model", ref_model)):
+        reason = packing_unsupported(wrapper) if wrapper is not None else None
+        if reason is not None:
+            if config.padding_free:
+                raise ValueError(f"padding_free=True, but {name} cannot take packed rows: {reason}. Use padding_free=None or False.")
+            return False
+    return True
 
 
 def _signature_columns(model: PreTrainedModelWrapper) -> set[str]:

@@ -11,11 +11,14 @@ response token (N of them per mini-batch, see ``_token_slots``), and scattered b
 
 from __future__ import annotations
 
+import inspect
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from ..core import (
     full_kl_from_logits,
@@ -98,14 +101,20 @@ class RolloutMixin:
         longest = max(len(rows.responses[i]) for i in idx.tolist())
         return max(longest - 1, 1) if self.is_encoder_decoder else longest
 
-    def _minibatch_inputs(self, rows: Rows, idx: torch.Tensor) -> tuple[dict, torch.Tensor, tuple, torch.Tensor, int]:
-        """Model inputs of rows ``idx``, padded to their own longest row.
+    def _minibatch_inputs(
+        self, rows: Rows, idx: torch.Tensor, packed: bool = False
+    ) -> tuple[dict, torch.Tensor, tuple, torch.Tensor, int]:
+        """Model inputs of rows ``idx``: padded to their own longest row, or with ``packed`` (decoder-only
+        models only) concatenated into one row without padding (see :meth:`_packed_inputs`).
 
-        Returns the model kwargs, ``positions (b, L_mb)`` of the compact slots in the model's output,
-        the slots that hold a response token as a pair ``(row, k)`` of length N (see
-        :meth:`_token_slots`), their ``targets (N,)`` (the predicted token ids) and ``L_mb``. The
-        model is asked for logits at those N slots only.
+        Returns the model kwargs, ``positions (b, L_mb)`` of the compact slots along dimension 1 of
+        the model's per-token outputs (``(b, S)`` padded, ``(1, N_total)`` packed: read them with
+        :func:`at_positions`), the slots that hold a response token as a pair ``(row, k)`` of length
+        N (see :meth:`_token_slots`), their ``targets (N,)`` (the predicted token ids) and ``L_mb``.
+        The model is asked for logits at those N slots only.
         """
+        if packed:
+            return self._packed_inputs(rows, idx)
         index = idx.tolist()
         device = self.current_device
         if self.is_encoder_decoder:
@@ -154,6 +163,45 @@ class RolloutMixin:
             inputs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         return inputs, positions, slots, targets, width
 
+    def _packed_inputs(self, rows: Rows, idx: torch.Tensor) -> tuple[dict, torch.Tensor, tuple, torch.Tensor, int]:
+        """:meth:`_minibatch_inputs` of rows ``idx`` packed: ``input_ids`` and ``position_ids`` ``(1, N_total)``.
+
+        The rows' query+response sequences are concatenated with no padding; each row's position ids
+        start again at 0. With no ``attention_mask``, transformers reads the row boundaries from the
+        restarting position ids (``masking_utils.find_packed_sequence_indices``) and builds attention
+        that never crosses rows: a block-diagonal causal mask for sdpa/eager/flex, varlen kernels for
+        flash attention. So every token sees exactly what it sees in the padded layout, at the same
+        position, and no padding token is computed. Built from host-side lengths: no device sync.
+        """
+        index, device = idx.tolist(), self.current_device
+        lengths = [len(rows.sequences[i]) for i in index]
+        total = sum(lengths)
+        starts = [0]
+        for length in lengths[:-1]:
+            starts.append(starts[-1] + length)
+        lengths_t = torch.tensor(lengths, device=device)
+        starts_t = torch.tensor(starts, device=device)
+        input_ids = torch.cat([rows.sequences[i] for i in index]).unsqueeze(0)
+        row_start = torch.repeat_interleave(starts_t, lengths_t, output_size=total)
+        position_ids = (torch.arange(total, device=device) - row_start).unsqueeze(0)
+        width = self._width(rows, idx)
+        start = starts_t + rows.query_len[idx] - 1
+        # Slots past a row's response are padding of the compact layout (masked): any index in range does.
+        positions = (start.unsqueeze(1) + torch.arange(width, device=device)).clamp(max=total - 1)
+        slots = self._token_slots(rows, index, width)
+        token_positions = positions[slots]
+        targets = input_ids[0, token_positions + 1]
+        inputs = {
+            "input_ids": input_ids,
+            "position_ids": position_ids,
+            "logits_positions": (torch.zeros_like(token_positions), token_positions),
+        }
+        return inputs, positions, slots, targets, width
+
+    def _packs(self, model) -> bool:
+        """Whether the passes of ``model`` take packed rows: packing is on and ``model`` is one the trainer checked."""
+        return self._pack and any(model is known for known, _ in self._unwrapped)
+
     def _token_slots(self, rows: Rows, index: list, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The compact slots ``(row, k)`` of rows ``index`` that predict a response token, each ``(N,)``.
 
@@ -191,12 +239,12 @@ class RolloutMixin:
     def _head_rows(self, model, rows: Rows, idx: torch.Tensor, lm_head_inputs: bool = False, return_values: bool = True):
         """The LM head's logits ``(N, V)`` at the token slots of rows ``idx`` - or, with ``lm_head_inputs``,
         its inputs ``(N, H)`` - their target ids ``(N,)`` and the values ``(b, L_mb)`` (None without ``return_values``)."""
-        inputs, positions, slots, targets, width = self._minibatch_inputs(rows, idx)
+        inputs, positions, slots, targets, width = self._minibatch_inputs(rows, idx, packed=self._packs(model))
         if lm_head_inputs:
             inputs["return_lm_head_inputs"] = True
         outputs, _, values = model(**inputs, return_values=return_values)
         if values is not None:
-            values = (values[:, :-1] if self.is_encoder_decoder else values.gather(1, positions)).float()
+            values = (values[:, :-1] if self.is_encoder_decoder else at_positions(values, positions)).float()
         return outputs, targets, values, slots, width
 
     def _linear_head(self, model) -> torch.nn.Linear | None:
@@ -326,6 +374,38 @@ class RolloutMixin:
                     logits_out = torch.zeros(batch, length, logits.shape[-1], device=self.current_device)
                 logits_out[r, c] = _to_compact(logits.float(), slots, len(idx), w)[ok]
         return logprobs, logits_out, values, masks
+
+
+def at_positions(per_token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Entries of a model's per-token output ``(b, S)`` - or ``(1, N_total)`` for packed rows - at the
+    compact ``positions (b, L_mb)`` of :meth:`RolloutMixin._minibatch_inputs`: ``(b, L_mb)``.
+
+    Differentiable; a packed output's one row is shared by the b rows of ``positions``.
+    """
+    return per_token.expand(positions.shape[0], -1).gather(1, positions)
+
+
+def packing_unsupported(wrapper: PreTrainedModelWrapper) -> str | None:
+    """Why ``wrapper`` cannot take packed rows (:meth:`RolloutMixin._packed_inputs`), or None when it can.
+
+    Packing needs a decoder-only transformers model that takes ``position_ids`` and builds its
+    attention mask with ``transformers.masking_utils`` (which detects packed rows from them), under an
+    attention implementation that utility knows; prompt-learning adapters prepend tokens to each row.
+    """
+    if wrapper.is_encoder_decoder:
+        return "it is an encoder-decoder"
+    if wrapper.is_peft_model and wrapper.pretrained_model.active_peft_config.is_prompt_learning:
+        return "its prompt-learning adapter prepends virtual tokens to every row"
+    model = wrapper.transformers_model
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return f"{type(model).__name__}.forward takes no position_ids"
+    backbone = getattr(model, getattr(model, "base_model_prefix", ""), model)
+    if not hasattr(sys.modules.get(type(backbone).__module__), "create_causal_mask"):
+        return f"{type(backbone).__name__} does not build its attention mask with transformers.masking_utils"
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
+        return f"its attention implementation {implementation!r} is not one masking_utils builds packed masks for"
+    return None
 
 
 def _fitting(buffer: torch.Tensor | None, head: torch.nn.Linear) -> torch.Tensor | None:
