@@ -62,7 +62,19 @@ class GenerationMixin:
 
         Under ZeRO-3 generation is collective: every process must call ``generate`` the same number
         of times, but the processes may pass different numbers of queries and lengths.
+
+        The call's wall-clock time counts in ``time/rollout/generate`` of the next ``step()``'s statistics.
         """
+        with self.timed("rollout/generate"):
+            return self._generate(
+                query_tensor, length_sampler, batch_size, return_prompt, generate_ref_response, remove_padding,
+                **generation_kwargs,
+            )  # fmt: skip
+
+    def _generate(
+        self, query_tensor, length_sampler, batch_size, return_prompt, generate_ref_response, remove_padding,
+        **generation_kwargs,
+    ):  # fmt: skip
         if isinstance(query_tensor, (list, tuple)):
             responses = self._generate_batched(
                 self.model, query_tensor, length_sampler, batch_size, return_prompt, remove_padding, **generation_kwargs
@@ -95,16 +107,21 @@ class GenerationMixin:
         return response, ref_response
 
     def _generate_batched(self, model, queries, length_sampler, batch_size, return_prompt, remove_padding, **kwargs):
-        """Generate for a list of queries in left-padded chunks; one 1-D tensor per query."""
+        """Generate for a list of queries in left-padded chunks; one 1-D tensor per query, in the given order.
+
+        The queries are sorted by length before being cut into chunks, so a chunk holds queries of
+        similar length and little left padding is computed (at every decoding step, too: the padding
+        stays in the key/value cache). ``length_sampler`` is still drawn once per chunk.
+        """
         if self.tokenizer is None:
             raise ValueError("generate() with a list of queries needs the trainer's tokenizer (for padding); got None.")
         device = self.current_device
-        eos = self.tokenizer.eos_token_id
         pad = self._pad_id
         kwargs.setdefault("pad_token_id", pad)
-        outputs = []
         # transformers returns the k sequences of each prompt next to each other (repeat_interleave).
         per_query = int(kwargs.get("num_return_sequences") or 1)
+        outputs = [None] * (len(queries) * per_query)
+        order = sorted(range(len(queries)), key=lambda i: len(queries[i]))
         starts = range(0, len(queries), batch_size)
         with eval_mode(model), self._generation_model(model) as gen_model:
             for _ in range(self._missing_generate_calls(len(starts))):
@@ -115,28 +132,43 @@ class GenerationMixin:
             for start in starts:
                 if length_sampler is not None:
                     kwargs["max_new_tokens"] = length_sampler()
-                chunk = [q.to(device) for q in queries[start : start + batch_size]]
+                rows = order[start : start + batch_size]
+                chunk = [queries[i].to(device) for i in rows]
                 input_ids = pad_sequence(chunk, batch_first=True, padding_value=pad, padding_side="left")
-                lengths = torch.tensor([len(q) for q in chunk], device=device)
+                lengths = [len(q) for q in chunk]
                 attention_mask = (
-                    torch.arange(input_ids.shape[1], device=device) >= (input_ids.shape[1] - lengths).unsqueeze(1)
+                    torch.arange(input_ids.shape[1], device=device)
+                    >= (input_ids.shape[1] - torch.tensor(lengths, device=device)).unsqueeze(1)
                 ).long()
                 generations = gen_model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-                for index, generation in enumerate(generations):
-                    row = index // per_query
-                    if not self.is_encoder_decoder:
-                        prompt_pad = input_ids.shape[1] - int(lengths[row])
-                        generation = generation[prompt_pad:]
-                        if not return_prompt:
-                            generation = generation[int(lengths[row]) :]
-                    if remove_padding and eos is not None:
-                        eos_at = (generation == eos).nonzero()
-                        if self.is_encoder_decoder:
-                            eos_at = eos_at[eos_at > 0]
-                        if len(eos_at):
-                            generation = generation[: int(eos_at.flatten()[0]) + 1]
-                    outputs.append(generation)
+                trimmed = self._trim_generations(
+                    generations, input_ids.shape[1], [n for n in lengths for _ in range(per_query)], return_prompt,
+                    remove_padding,
+                )  # fmt: skip
+                for index, generation in enumerate(trimmed):
+                    outputs[rows[index // per_query] * per_query + index % per_query] = generation
         return outputs
+
+    def _trim_generations(self, generations, prompt_width, lengths, return_prompt, remove_padding) -> list:
+        """Rows of one chunk's ``generate`` output ``(n, S)`` without the prompt's left padding (and the
+        prompt unless ``return_prompt``), cut after the first EOS when ``remove_padding``: n 1-D views.
+
+        Where each row ends is found for the whole chunk at once: one host transfer per chunk.
+        """
+        eos = self.tokenizer.eos_token_id
+        width = generations.shape[1]
+        if self.is_encoder_decoder:
+            begins = [0] * len(lengths)  # the decoder start token is kept; EOS is searched after it
+            search_from = 1
+        else:
+            begins = [prompt_width - n if return_prompt else prompt_width for n in lengths]
+            search_from = prompt_width  # an EOS inside a prompt does not end its response
+        ends = [width] * len(lengths)
+        if remove_padding and eos is not None:
+            is_eos = generations[:, search_from:] == eos
+            first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + search_from + 1, width)
+            ends = first.tolist()
+        return [generation[begin:end] for generation, begin, end in zip(generations, begins, ends)]
 
     def _missing_generate_calls(self, calls: int) -> int:
         """How many fewer ``generate`` calls this process makes than the busiest one (0 unless ZeRO-3)."""

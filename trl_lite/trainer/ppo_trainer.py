@@ -70,6 +70,7 @@ from .step_inputs import (
     validate_step_inputs,
     wrap_plain_model,
 )
+from .timing import PhaseTimer
 
 # Statistics that are distributions (1-D arrays): concatenated over processes instead of averaged.
 _DIST_STATS = (
@@ -181,6 +182,7 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
                 self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
 
         self.current_device = self.accelerator.device
+        self._phase_timer = PhaseTimer(self.current_device)
         self.kl_ctl = (
             AdaptiveKLController(config.init_kl_coef, config.target, config.horizon)
             if config.adap_kl_ctrl
@@ -305,7 +307,18 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
             empty_device_cache()
         timing["time/ppo/total"] = time.time() - t0
         stats.update(timing)
+        stats.update(self._phase_timer.pop())
         return stats
+
+    def timed(self, phase: str):
+        """Time a phase of your loop: ``with trainer.timed("rollout/reward"): scores = reward_fn(...)``.
+
+        The seconds (summed if the phase runs several times) appear as ``time/<phase>`` in the
+        statistics of the next ``step()``, next to ``time/rollout/generate`` (every ``generate`` call
+        since the last step) and ``time/ppo/*``, so ``log_stats`` logs them too. On CUDA the device
+        is synchronised at both ends of the phase.
+        """
+        return self._phase_timer(phase)
 
     # ------------------------------------------------------------------------------------------
     # Advantages

@@ -1,0 +1,42 @@
+"""Wall-clock time of the phases of a user's PPO loop, reported in the statistics of the next ``step()``."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+
+class PhaseTimer:
+    """Seconds per named phase, summed until :meth:`pop` hands them over (as ``time/<name>``).
+
+    On CUDA the device is synchronised at both ends of a phase, so queued kernels count in the phase
+    that launched them.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self._pending: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a phase name must be a non-empty string such as 'rollout/reward', got {name!r}")
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            key = f"time/{name}"
+            self._pending[key] = self._pending.get(key, 0.0) + time.perf_counter() - start
+
+    def pop(self) -> dict[str, float]:
+        """The phases timed since the last call, and start afresh."""
+        pending, self._pending = self._pending, {}
+        return pending
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
