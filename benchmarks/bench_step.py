@@ -41,7 +41,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULT_MARKER = "BENCH_RESULT "
-METHODS = ("step", "floor")
+METHODS = ("step", "step-padded", "floor")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # Classic PPO defaults (the same values PPOConfig uses), written here so the floor needs no trl_lite.
@@ -84,7 +84,53 @@ def sweep_workloads() -> list:
     return by_batch + by_length
 
 
-WORKLOAD_GROUPS = {"w1": lambda: [W1], "w2": lambda: [W2], "sweep": sweep_workloads}
+# --- w3 and achieved FLOP/s (issue 16) ---------------------------------------------------------
+# GPT-2 small with the length spread of real RLHF responses: padding each mini-batch to its longest
+# row makes a large share of the body's work padding, which the packed step does not compute.
+W3 = Workload(
+    "w3", n_layer=12, n_embd=768, n_head=12, batch_size=16, mini_batch_size=4, ppo_epochs=2,
+    query_len=(16, 64), response_len=(16, 256),
+)  # fmt: skip
+
+
+def needed_flops(workload: Workload) -> float:
+    """Floating-point operations of the model work one PPO step on the workload's batch needs.
+
+    Per row of T = query + response tokens, R of them response tokens, a forward needs
+    24 d^2 T per layer for its matrix products (QKV 3 d^2, output projection d^2, MLP 8 d^2, 2 FLOPs
+    per multiply-add), 2 d T(T+1) per layer for causal attention (Q K^T and the weighted sum of V,
+    each over the T(T+1)/2 pairs a token may see: no padding, no other rows), 2 d V R for the LM head
+    at the R positions that predict a response token, and 2 d T for the value head. A backward costs
+    twice its forward. The step is a policy and a reference forward without grad, then
+    `ppo_epochs` x (forward + backward) of the policy. Embedding look-ups, layer norms, softmax and
+    the optimizer are left out (linear in the parameter or token count, a few percent here).
+    """
+    d, layers, vocab = workload.n_embd, workload.n_layer, workload.vocab_size
+    queries, responses, _ = make_batch(workload)
+    forward = 0.0
+    for q, r in zip(queries, responses):
+        t, n = len(q) + len(r), len(r)
+        forward += layers * (24 * d * d * t + 2 * d * t * (t + 1)) + 2 * d * vocab * n + 2 * d * t
+    return forward * (2 + 3 * workload.ppo_epochs)
+
+
+def matmul_peak_gflops(seconds: float = 2.0) -> float:
+    """This machine's fp32 matrix-product rate now (GFLOP/s): the best of repeated 1536^3 products.
+
+    The best run is the estimate: on a shared machine other work only ever slows a run down.
+    """
+    a, b = torch.randn(1536, 1536), torch.randn(1536, 1536)
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = max(best, 2 * 1536**3 / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+# --- end of w3 block ------------------------------------------------------------------------------
+
+WORKLOAD_GROUPS = {"w1": lambda: [W1], "w2": lambda: [W2], "w3": lambda: [W3], "sweep": sweep_workloads}
 
 
 def make_batch(workload: Workload) -> tuple:
@@ -362,6 +408,8 @@ def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtyp
         ppo_epochs=workload.ppo_epochs,
         learning_rate=LEARNING_RATE,
         seed=workload.seed,
+        # "step": the default (packed mini-batches for GPT-2); "step-padded": every mini-batch padded.
+        padding_free=False if method == "step-padded" else None,
     )
     trainer = PPOTrainer(config, model, ref_model, tokenizer=None)
     return trainer.step
@@ -663,22 +711,31 @@ def measure_workload(workload: Workload, methods, steps: int, warmup: int, devic
             worker.close()
     queries, responses, _ = make_batch(workload)
     tokens = sum(len(q) + len(r) for q, r in zip(queries, responses))
+    flops = needed_flops(workload)
     results = []
     for method in methods:
         median = statistics.median(times[method])
         result = {"workload": workload.name, "method": method, "times_s": times[method], "median_s": median}
         result.update(min_s=min(times[method]), tokens_per_s=tokens / median, tensor_peak_mb=tensor_peaks[method])
+        result["gflops_per_s"] = flops / min(times[method]) / 1e9
         results.append({**result, **finals[method]})
     return results
 
 
-def run_benchmark(workloads: list, methods=METHODS, steps: int = 3, warmup: int = 1, device="cpu", dtype="fp32"):
-    """Measure every workload with every method; returns the result dicts in order."""
+def run_benchmark(
+    workloads: list, methods=METHODS, steps: int = 3, warmup: int = 1, device="cpu", dtype="fp32", peak_gflops=None
+):
+    """Measure every workload with every method; returns the result dicts in order.
+
+    With ``peak_gflops`` each result also gets ``peak_fraction``: its achieved FLOP/s over that peak.
+    """
     results = []
     for workload in workloads:
         for result in measure_workload(workload, list(methods), steps, warmup, device, dtype):
+            if peak_gflops:
+                result["peak_fraction"] = result["gflops_per_s"] / peak_gflops
             print(
-                f"{workload.name:>10} {result['method']:>5}: median {result['median_s']:.4f} s "
+                f"{workload.name:>10} {result['method']:>11}: median {result['median_s']:.4f} s "
                 f"(steps {', '.join(f'{t:.3f}' for t in result['times_s'])}), peak {result['peak_mb']:.1f} MB, "
                 f"tensor peak {result['tensor_peak_mb']:.1f} MB",
                 flush=True,
@@ -692,6 +749,8 @@ TABLE_COLUMNS = (
     ("median_s", "median s", ".4f", True),
     ("min_s", "min s", ".4f", True),
     ("tokens_per_s", "tokens/s", ".0f", False),
+    ("gflops_per_s", "GFLOP/s", ".1f", False),
+    ("peak_fraction", "x peak", ".3f", False),
     ("peak_mb", "peak MB", ".1f", True),
     ("tensor_peak_mb", "tensor peak MB", ".1f", True),
 )
@@ -709,7 +768,7 @@ def format_table(results: list) -> str:
         floor = floors.get(r["workload"])
         cells = [r["workload"], r["method"]]
         for key, _, fmt, with_ratio in TABLE_COLUMNS:
-            cells.append(format(r[key], fmt))
+            cells.append(format(r[key], fmt) if key in r else "-")
             if with_ratio:
                 cells.append(f"{r[key] / floor[key]:.2f}" if floor and floor[key] else "-")
         lines.append("| " + " | ".join(cells) + " |")
@@ -779,6 +838,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--threads", type=_int_at_least(1), default=None, help="torch intra-op threads (default: torch's own)"
     )
+    parser.add_argument(
+        "--peak-gflops", type=float, default=None,
+        help="the machine's matrix-product peak for the 'x peak' column (default: measured at start on CPU)",
+    )  # fmt: skip
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "benchmarks" / "RESULTS.md")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -799,8 +862,14 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     workloads = [w for group in args.workloads for w in WORKLOAD_GROUPS[group]()]
     machine = machine_description(args.device)
+    peak = args.peak_gflops
+    if peak is None and args.device == "cpu" and args.dtype == "fp32":
+        peak = matmul_peak_gflops()
+    if peak:
+        source = "given" if args.peak_gflops else "measured at start: best 1536^3 fp32 product"
+        machine += f"; matmul peak {peak:.0f} GFLOP/s ({source})"
     print(f"machine: {machine}", flush=True)
-    results = run_benchmark(workloads, args.methods, args.steps, args.warmup, args.device, args.dtype)
+    results = run_benchmark(workloads, args.methods, args.steps, args.warmup, args.device, args.dtype, peak)
     table = format_table(results)
     print(table)
     settings = (

@@ -4,6 +4,7 @@ import importlib.util
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 BENCH_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_step.py"
@@ -87,16 +88,38 @@ def test_floor_step_does_exactly_the_ppo_passes_and_updates_the_policy():
 def test_one_step_benchmark_reports_step_and_floor(tmp_path):
     weights_mb = sum(p.numel() * 4 for p in bench.make_lm(TINY, "cpu", torch.float32).parameters()) / 2**20
     results = bench.run_benchmark([TINY], steps=1, warmup=1)
-    assert [(r["workload"], r["method"]) for r in results] == [("tiny", "step"), ("tiny", "floor")]
+    assert [(r["workload"], r["method"]) for r in results] == [("tiny", m) for m in ("step", "step-padded", "floor")]
     for r in results:
         assert math.isfinite(r["median_s"]) and r["median_s"] > 0
         assert math.isfinite(r["peak_mb"]) and math.isfinite(r["tokens_per_s"])
         # At least the gradients of every weight are alive at the peak of the first step.
         assert r["tensor_peak_mb"] >= weights_mb
     table = bench.format_table(results)
-    assert "| tiny | step |" in table and "| tiny | floor | " in table
+    assert "| tiny | step |" in table and "| tiny | step-padded |" in table and "| tiny | floor | " in table
     output = tmp_path / "RESULTS.md"
     bench.write_results(output, "cpu fp32: other", "kept")
     bench.write_results(output, "cpu fp32: tiny", table)
     text = output.read_text()
     assert "## cpu fp32: other\n\nkept" in text and "| tiny | step |" in text
+
+
+def test_needed_flops_match_torch_flop_counter_on_each_row_alone():
+    # torch's FlopCounterMode counts the matrix products of a forward + backward of each row alone
+    # (eager attention: the full T x T scores, where the needed work is the causal half).
+    from torch.utils.flop_counter import FlopCounterMode
+
+    lm = bench.make_lm(TINY, "cpu", torch.float32)
+    lm.set_attn_implementation("eager")
+    v_head = torch.nn.Linear(TINY.n_embd, 1)
+    d, layers, epochs = TINY.n_embd, TINY.n_layer, TINY.ppo_epochs
+    expected = 0.0
+    for q, r in zip(*bench.make_batch(TINY)[:2]):
+        ids, t = torch.cat((q, r)).unsqueeze(0), len(q) + len(r)
+        with FlopCounterMode(display=False) as counter:
+            hidden = lm.transformer(input_ids=ids, use_cache=False).last_hidden_state
+            logits = lm.lm_head(hidden[0, len(q) - 1 : t - 1])
+            (logits.sum() + v_head(hidden).sum()).backward()
+        forward = counter.get_total_flops() / 3  # a backward is two forwards' products
+        forward -= layers * (4 * d * t * t - 2 * d * t * (t + 1))  # full scores -> causal half
+        expected += (2 + 3 * epochs) * forward  # policy + reference rollout, epochs x (forward + backward)
+    assert bench.needed_flops(TINY) == pytest.approx(expected, rel=1e-9)
