@@ -1,0 +1,246 @@
+"""Time a user's PPO loop phase by phase: trl_lite next to the same loop on plain transformers.
+
+One iteration is what a classic TRL script does: generate responses for a batch of queries in
+chunks with a length sampler, score them with a reward function, then take a PPO step.
+
+- **trl_lite**: `trainer.generate(queries, length_sampler=..., batch_size=...)`, a reward function
+  timed with `trainer.timed("rollout/reward")`, `trainer.step(...)`.
+- **plain**: the same loop written against transformers alone: the queries in chunks of the same
+  size, each left-padded by hand and passed to `GPT2LMHeadModel.generate`, every row cut after its
+  prompt and first EOS in Python, the same reward function, and the compute floor's step
+  (`FloorPPO` of `bench_step.py`: padded mini-batches, no statistics).
+
+Both loops live in one process (same threads, same glibc settings: the floor applies the ones the
+trainer applies) and take turns iteration by iteration, the order swapped every iteration, so they
+see the same machine load. Per iteration both draw the same `max_new_tokens` per chunk (NumPy
+seeded alike before each loop's generation) and sample with the classic settings (`top_k=0`,
+`top_p=1.0`, `do_sample=True`). Phase times are wall-clock (`time.perf_counter`, CUDA synchronised).
+
+Usage:
+    python benchmarks/bench_loop.py [--workload tiny|small] [--iterations 3] [--warmup 1]
+        [--threads N] [--output benchmarks/RESULTS.md]
+"""
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_step  # noqa: E402  (the floor, the models, the results file)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PHASES = ("generate", "reward", "step", "total")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopWorkload:
+    """A loop: the model of a bench_step workload, its batch and PPO settings, a generation setting."""
+
+    name: str
+    model: bench_step.Workload
+    generation_batch_size: int = 4
+    new_tokens: tuple = (16, 33)  # LengthSampler(16, 33): 16-32 new tokens, 24 on average
+
+
+LOOPS = {
+    # The w1 model (2 x 128, GPT-2's vocabulary): quick.
+    "tiny": LoopWorkload("loop-tiny", dataclasses.replace(bench_step.W1, name="loop-tiny")),
+    # GPT-2 small with 24-token responses on average, as in the issue that asked for this benchmark.
+    "small": LoopWorkload(
+        "loop-small", dataclasses.replace(bench_step.W2, name="loop-small", batch_size=16, mini_batch_size=4)
+    ),
+}
+
+
+def reward_fn(responses: list) -> list:
+    """A cheap stand-in reward: the share of even token ids in each response."""
+    return [(r % 2 == 0).float().mean() for r in responses]
+
+
+def sample_queries(workload: bench_step.Workload, iteration: int) -> list:
+    """The iteration's queries: lengths and ids from a generator seeded by the iteration."""
+    return bench_step.make_batch(dataclasses.replace(workload, seed=1000 + iteration))[0]
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def plain_generate(lm, queries, length_sampler, chunk_size: int, pad_id: int, eos_id: int) -> list:
+    """Responses as a plain-transformers script writes it: chunks in the given order, left-padded by hand."""
+    device = next(lm.parameters()).device
+    responses = []
+    for start in range(0, len(queries), chunk_size):
+        chunk = [q.to(device) for q in queries[start : start + chunk_size]]
+        input_ids = pad_sequence(chunk, batch_first=True, padding_value=pad_id, padding_side="left")
+        attention_mask = (input_ids != pad_id).long()
+        for row, q in enumerate(chunk):  # a query may contain the pad id: mask by length
+            attention_mask[row, : input_ids.shape[1] - len(q)] = 0
+            attention_mask[row, input_ids.shape[1] - len(q) :] = 1
+        out = lm.generate(
+            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=length_sampler(),
+            do_sample=True, top_k=0, top_p=1.0, pad_token_id=pad_id,
+        )  # fmt: skip
+        for generation in out[:, input_ids.shape[1] :]:
+            eos = (generation == eos_id).nonzero()
+            responses.append(generation[: int(eos[0]) + 1] if len(eos) else generation)
+    return responses
+
+
+class TrlLoop:
+    """The loop on trl_lite, as a user writes it."""
+
+    def __init__(self, loop: LoopWorkload, device: str, dtype: torch.dtype):
+        from transformers import PreTrainedTokenizerFast
+        from tokenizers import Tokenizer, models
+
+        from trl_lite import AutoModelForCausalLMWithValueHead, LengthSampler, PPOConfig, PPOTrainer
+
+        w = loop.model
+        lm = bench_step.make_lm(w, device, dtype)
+        model = AutoModelForCausalLMWithValueHead.from_pretrained(lm).to(device=device, dtype=dtype)
+        # generate() pads with the tokenizer's ids: a word-level tokenizer whose special ids are the model's.
+        eos = w.vocab_size - 1
+        backend = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "<|endoftext|>": eos}, unk_token="<unk>"))
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+        config = PPOConfig(
+            batch_size=w.batch_size, mini_batch_size=w.mini_batch_size, ppo_epochs=w.ppo_epochs,
+            learning_rate=bench_step.LEARNING_RATE, seed=w.seed,
+        )  # fmt: skip
+        self.trainer = PPOTrainer(config, model, tokenizer=tokenizer)
+        self.sampler = LengthSampler(*loop.new_tokens)
+        self.loop, self.device = loop, device
+
+    def iteration(self, queries: list) -> dict:
+        trainer, times = self.trainer, {}
+        t0 = time.perf_counter()
+        responses = trainer.generate(
+            queries, length_sampler=self.sampler, batch_size=self.loop.generation_batch_size, return_prompt=False,
+            do_sample=True, top_k=0, top_p=1.0,
+        )  # fmt: skip
+        with trainer.timed("rollout/reward"):
+            scores = reward_fn(responses)
+        _sync(self.device)
+        t1 = time.perf_counter()
+        stats = trainer.step(queries, responses, scores)
+        _sync(self.device)
+        t2 = time.perf_counter()
+        times.update(
+            generate=stats["time/rollout/generate"], reward=stats["time/rollout/reward"], step=t2 - t1, total=t2 - t0
+        )
+        times["new_tokens"] = sum(len(r) for r in responses)
+        return times
+
+
+class PlainLoop:
+    """The same loop on transformers alone: HF generate and the floor's step."""
+
+    def __init__(self, loop: LoopWorkload, device: str, dtype: torch.dtype):
+        from trl_lite import LengthSampler  # the same sampler class, so both draw the same lengths
+
+        w = loop.model
+        self.lm = bench_step.make_lm(w, device, dtype)
+        self.floor = bench_step.FloorPPO(self.lm, w.mini_batch_size, w.ppo_epochs)
+        self.sampler = LengthSampler(*loop.new_tokens)
+        self.loop, self.device = loop, device
+        self.pad_id = self.eos_id = w.vocab_size - 1
+
+    def iteration(self, queries: list) -> dict:
+        times = {}
+        t0 = time.perf_counter()
+        self.lm.eval()
+        with torch.no_grad():
+            responses = plain_generate(
+                self.lm, queries, self.sampler, self.loop.generation_batch_size, self.pad_id, self.eos_id
+            )
+        _sync(self.device)
+        t1 = time.perf_counter()
+        scores = reward_fn(responses)
+        t2 = time.perf_counter()
+        self.lm.train()
+        self.floor.step(queries, responses, scores)
+        _sync(self.device)
+        t3 = time.perf_counter()
+        times.update(generate=t1 - t0, reward=t2 - t1, step=t3 - t2, total=t3 - t0)
+        times["new_tokens"] = sum(len(r) for r in responses)
+        return times
+
+
+def run_loops(loop: LoopWorkload, iterations: int, warmup: int, device="cpu", dtype="fp32") -> dict:
+    """Both loops, taking turns; returns per loop the list of per-iteration phase times (timed iterations)."""
+    loops = {"trl_lite": TrlLoop(loop, device, bench_step.DTYPES[dtype]), "plain": PlainLoop(loop, device, bench_step.DTYPES[dtype])}
+    times = {name: [] for name in loops}
+    for i in range(warmup + iterations):
+        queries = sample_queries(loop.model, i)
+        for name in list(loops) if i % 2 == 0 else reversed(list(loops)):
+            np.random.seed(i)  # LengthSampler draws from NumPy: the same lengths for both loops
+            torch.manual_seed(i)
+            result = loops[name].iteration(queries)
+            print(f"{loop.name} {name:>8} iteration {i}: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()), flush=True)
+            if i >= warmup:
+                times[name].append(result)
+    return times
+
+
+def format_loop_table(loop_name: str, times: dict) -> str:
+    """Median seconds per phase for each loop, and trl_lite / plain."""
+    lines = [
+        "| loop | method | " + " | ".join(f"{p} s | x plain" for p in PHASES) + " | new tokens/s (generate) |",
+        "| --- | --- | " + " | ".join("---: | ---:" for _ in PHASES) + " | ---: |",
+    ]
+    medians = {m: {p: statistics.median(t[p] for t in ts) for p in (*PHASES, "new_tokens")} for m, ts in times.items()}
+    for method, med in medians.items():
+        cells = [loop_name, method]
+        for phase in PHASES:
+            plain = medians["plain"][phase]
+            cells += [f"{med[phase]:.3f}", f"{med[phase] / plain:.2f}" if plain else "-"]
+        cells.append(f"{med['new_tokens'] / med['generate']:.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", default="tiny", choices=sorted(LOOPS))
+    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default=None, choices=sorted(bench_step.DTYPES))
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--output", type=Path, default=REPO_ROOT / "benchmarks" / "RESULTS.md")
+    args = parser.parse_args(argv)
+    if args.iterations < 1 or args.warmup < 0:
+        parser.error(f"--iterations must be >= 1 and --warmup >= 0, got {args.iterations} and {args.warmup}")
+    args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    loop = LOOPS[args.workload]
+    machine = bench_step.machine_description(args.device)
+    print(f"machine: {machine}", flush=True)
+    times = run_loops(loop, args.iterations, args.warmup, args.device, args.dtype)
+    table = format_loop_table(loop.name, times)
+    print(table)
+    w = loop.model
+    setting = (
+        f"{args.iterations} timed iterations after {args.warmup} warm-up; load average at end "
+        + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f"; {time.strftime('%Y-%m-%d')}\n\n"
+        f"- `{loop.name}`: GPT-2 {w.n_layer} x {w.n_embd}, vocabulary {w.vocab_size}, batch {w.batch_size} "
+        f"(queries {w.query_len[0]}-{w.query_len[1]} tokens), generated in chunks of {loop.generation_batch_size} "
+        f"with LengthSampler{loop.new_tokens}, mini-batch {w.mini_batch_size}, {w.ppo_epochs} PPO epochs"
+    )
+    heading = f"{args.device} {args.dtype}: loop {args.workload}" + (f", torch threads {args.threads}" if args.threads else "")
+    bench_step.write_results(args.output, heading, f"Machine: {machine}\n\n{setting}\n\n{table}")
+    print(f"written to {args.output}")
+
+
+if __name__ == "__main__":
+    main()
