@@ -687,14 +687,16 @@ def first_step_tensor_peak(workload: Workload, method: str, device: str, dtype: 
         worker.close()
 
 
-def measure_workload(workload: Workload, methods, steps: int, warmup: int, device: str, dtype: str) -> list:
+def measure_workload(
+    workload: Workload, methods, steps: int, warmup: int, device: str, dtype: str, tensor_peak: bool = True
+) -> list:
     """Time every method on `workload`, one process each, taking turns step by step.
 
     Taking turns (and swapping who goes first every round) lets every method see the same machine
     load, which matters on a shared machine. The tensor peaks come from separate processes first.
     Returns one result dict per method.
     """
-    tensor_peaks = {method: first_step_tensor_peak(workload, method, device, dtype) for method in methods}
+    tensor_peaks = {method: first_step_tensor_peak(workload, method, device, dtype) for method in methods if tensor_peak}
     workers = {method: WorkerProcess(workload, method, device, dtype) for method in methods}
     try:
         for worker in workers.values():
@@ -716,28 +718,31 @@ def measure_workload(workload: Workload, methods, steps: int, warmup: int, devic
     for method in methods:
         median = statistics.median(times[method])
         result = {"workload": workload.name, "method": method, "times_s": times[method], "median_s": median}
-        result.update(min_s=min(times[method]), tokens_per_s=tokens / median, tensor_peak_mb=tensor_peaks[method])
+        result.update(min_s=min(times[method]), tokens_per_s=tokens / median)
+        if method in tensor_peaks:
+            result["tensor_peak_mb"] = tensor_peaks[method]
         result["gflops_per_s"] = flops / min(times[method]) / 1e9
         results.append({**result, **finals[method]})
     return results
 
 
 def run_benchmark(
-    workloads: list, methods=METHODS, steps: int = 3, warmup: int = 1, device="cpu", dtype="fp32", peak_gflops=None
-):
+    workloads: list, methods=METHODS, steps: int = 3, warmup: int = 1, device="cpu", dtype="fp32", peak_gflops=None,
+    tensor_peak: bool = True,
+):  # fmt: skip
     """Measure every workload with every method; returns the result dicts in order.
 
     With ``peak_gflops`` each result also gets ``peak_fraction``: its achieved FLOP/s over that peak.
     """
     results = []
     for workload in workloads:
-        for result in measure_workload(workload, list(methods), steps, warmup, device, dtype):
+        for result in measure_workload(workload, list(methods), steps, warmup, device, dtype, tensor_peak):
             if peak_gflops:
                 result["peak_fraction"] = result["gflops_per_s"] / peak_gflops
             print(
                 f"{workload.name:>10} {result['method']:>11}: median {result['median_s']:.4f} s "
                 f"(steps {', '.join(f'{t:.3f}' for t in result['times_s'])}), peak {result['peak_mb']:.1f} MB, "
-                f"tensor peak {result['tensor_peak_mb']:.1f} MB",
+                f"tensor peak {result.get('tensor_peak_mb', float('nan')):.1f} MB",
                 flush=True,
             )
             results.append(result)
@@ -770,7 +775,7 @@ def format_table(results: list) -> str:
         for key, _, fmt, with_ratio in TABLE_COLUMNS:
             cells.append(format(r[key], fmt) if key in r else "-")
             if with_ratio:
-                cells.append(f"{r[key] / floor[key]:.2f}" if floor and floor[key] else "-")
+                cells.append(f"{r[key] / floor[key]:.2f}" if floor and floor.get(key) and key in r else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -842,6 +847,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--peak-gflops", type=float, default=None,
         help="the machine's matrix-product peak for the 'x peak' column (default: measured at start on CPU)",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-tensor-peak", action="store_true",
+        help="skip the profiled first step per method (its tensor peak): one step less per method, for slow workloads",
+    )  # fmt: skip
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "benchmarks" / "RESULTS.md")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -869,7 +878,7 @@ def main(argv=None) -> None:
         source = "given" if args.peak_gflops else "measured at start: best 1536^3 fp32 product"
         machine += f"; matmul peak {peak:.0f} GFLOP/s ({source})"
     print(f"machine: {machine}", flush=True)
-    results = run_benchmark(workloads, args.methods, args.steps, args.warmup, args.device, args.dtype, peak)
+    results = run_benchmark(workloads, args.methods, args.steps, args.warmup, args.device, args.dtype, peak, not args.no_tensor_peak)
     table = format_table(results)
     print(table)
     settings = (
