@@ -1,4 +1,4 @@
-"""Critic-free PPO (GRPO on a plain causal LM) on 2 processes under DeepSpeed ZeRO-2 (CPU, gloo).
+"""Critic-free PPO (GRPO on a plain causal LM) on 2 processes under DeepSpeed ZeRO-2, ZeRO-3 and DDP (CPU, gloo).
 
 Launches ``tests/distributed/grpo_rollout_loop.py`` and checks that the processes formed one group,
 ended with identical weights and KL coefficient, trained the policy but not the internal value head,
@@ -13,12 +13,13 @@ from transformers import AutoModelForCausalLM
 pytestmark = pytest.mark.xdist_group("distributed")
 
 
-def test_grpo_rollout_loop_under_zero2_agrees_across_ranks_and_resumes_exactly(base_model_dir, tmp_path):
-    launch("deepspeed_zero2", SCRIPTS / "grpo_rollout_loop.py", "--base_model", str(base_model_dir),
-           "--output_dir", str(tmp_path))  # fmt: skip
+@pytest.mark.parametrize("config", ["deepspeed_zero2", "deepspeed_zero3", "multi_gpu"])
+def test_grpo_rollout_loop_agrees_across_ranks_and_resumes_exactly(config, base_model_dir, tmp_path):
+    launch(config, SCRIPTS / "grpo_rollout_loop.py", "--base_model", str(base_model_dir), "--output_dir", str(tmp_path))
     report = torch.load(tmp_path / "report.pt")
 
-    assert report["world_size"] == 2 and report["model_class"] == "DeepSpeedEngine"
+    expected_wrapper = "DistributedDataParallel" if config == "multi_gpu" else "DeepSpeedEngine"
+    assert report["world_size"] == 2 and report["model_class"] == expected_wrapper
     weights = report["weights_per_rank"]
     assert (weights[0] - weights[1]).abs().max().item() == 0.0
     assert torch.equal(report["kl_coef_per_rank"][0], report["kl_coef_per_rank"][1])

@@ -4,7 +4,7 @@ and an exact resume, run by every process.
     accelerate launch --config_file accelerate_configs/<name>.yaml --num_processes 2 \\
         tests/distributed/grpo_rollout_loop.py --base_model DIR --output_dir OUT
 
-Each process draws its own queries and generates 4 responses per query with
+with the DeepSpeed ZeRO-2 or ZeRO-3 config or the DDP one (multi_gpu). Each process draws its own queries and generates 4 responses per query with
 ``generate(num_return_sequences=4)``; the groups stay in their process. After step 2 the trainer
 saves a checkpoint and takes step 3; a second trainer, built afresh in the same processes, loads
 the checkpoint and takes step 3 again. Rank 0 writes to OUT/report.pt every process's weights
@@ -41,7 +41,9 @@ def build_trainer(base_model: str) -> PPOTrainer:
         horizon=100,
         seed=0,
     )
-    return PPOTrainer(config, AutoModelForCausalLM.from_pretrained(base_model), tokenizer=make_tokenizer())
+    # The reference is loaded, not copied: under ZeRO-3 a loaded model is already partitioned.
+    policy, reference = (AutoModelForCausalLM.from_pretrained(base_model) for _ in range(2))
+    return PPOTrainer(config, policy, ref_model=reference, tokenizer=make_tokenizer())
 
 
 def score(response: torch.Tensor) -> torch.Tensor:
