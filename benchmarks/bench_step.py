@@ -501,6 +501,7 @@ def make_critic_free_step_fn(method: str, workload: CriticFreeWorkload, device: 
         advantage_estimator=workload.advantage_estimator,
         num_samples_per_query=workload.num_samples_per_query,
         seed=workload.seed,
+        padding_free=False if method == "step-padded" else None,
     )
     return PPOTrainer(config, lm, copy.deepcopy(lm), tokenizer=None).step
 
