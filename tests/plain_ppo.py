@@ -6,6 +6,10 @@ vocabulary, and every formula is written out with plain torch. It is slow on pur
 code with ``trl_lite`` beyond the value-head model it trains (its transformers model and ``v_head``
 are called directly). The critic-free estimators of section 12 train a plain transformers model
 (or a value-head model whose head is never called).
+
+It also covers PPO_SPEC sections 9-11: a separate critic (a transformers sequence-classification
+model whose score head reads every position's last hidden state), the PTX loss (a per-row
+cross-entropy loop) and the EMA of the policy (float64 accumulators over every parameter).
 """
 
 from __future__ import annotations
@@ -99,6 +103,26 @@ def forward(model, inputs: dict, values: bool = True) -> tuple[torch.Tensor, tor
     return out.logits[:, :-1].float(), model.v_head(hidden)[:, :-1].float()
 
 
+def critic_values(critic, inputs: dict) -> torch.Tensor:
+    """Values ``(b, T)`` of a sequence-classification critic: its score head at every position.
+
+    The hidden states come from the classifier's own forward (``output_hidden_states``).
+    """
+    out = critic(**inputs, output_hidden_states=True, use_cache=False)
+    return critic.score(out.hidden_states[-1]).squeeze(-1)[:, :-1].float()
+
+
+def ptx_loss_of(model, sequences: list) -> torch.Tensor:
+    """Mean next-token cross-entropy over every predicted token of ``sequences``, one row at a time."""
+    network = getattr(model, "pretrained_model", model)
+    total, count = 0.0, 0
+    for seq in sequences:
+        logits = network(input_ids=seq.unsqueeze(0), use_cache=False).logits[0, :-1].float()
+        total = total + F.cross_entropy(logits, seq[1:], reduction="sum")
+        count += len(seq) - 1
+    return total / count
+
+
 def logprobs_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``log softmax(logits)[target]``. Shapes: ``(b, T, V)``, ``(b, T)`` -> ``(b, T)``."""
     return F.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -188,16 +212,31 @@ class PlainPPO:
     before clipping at each optimizer step, ``shaped_scores`` the last step's scores after shaping
     and ``epochs_run`` the last step's number of epochs.
     Skipped mini-batches (``ratio_threshold``) are not modelled: the reference raises if one occurs.
+    With ``critic`` (a transformers sequence-classification model) the values come from it, it has
+    its own Adam and takes the value loss alone; the policy's value head is frozen. ``optimizer_cls``
+    replaces the policy's Adam (same learning rate). ``ema`` holds the policy's moving average by
+    parameter name when ``config.ema_decay`` is set.
     """
 
-    def __init__(self, model, ref_model, config, pad_id: int, padding_side: str = "right"):
-        self.model, self.ref_model, self.config = model, ref_model, config
+    def __init__(
+        self, model, ref_model, config, pad_id: int, padding_side: str = "right", critic=None, optimizer_cls=None
+    ):
+        self.model, self.ref_model, self.config, self.critic = model, ref_model, config, critic
         self.pad_id, self.padding_side = pad_id, padding_side
         self.is_encoder_decoder = getattr(model, "pretrained_model", model).config.is_encoder_decoder
         self.critic_free = config.advantage_estimator != "gae"
         self.kl_in_reward = config.kl_in_reward if config.kl_in_reward is not None else config.advantage_estimator != "grpo"
+        if critic is not None:
+            if hasattr(model, "v_head"):
+                model.v_head.requires_grad_(False)
+            self.critic_optimizer = torch.optim.Adam(
+                critic.parameters(), lr=config.critic_learning_rate or config.learning_rate
+            )
         params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.Adam(params, lr=config.learning_rate)
+        self.optimizer = (optimizer_cls or torch.optim.Adam)(params, lr=config.learning_rate)
+        self.ema = None
+        if config.ema_decay is not None:
+            self.ema = {name: p.detach().double().clone() for name, p in model.named_parameters()}
         self.kl_coef = config.init_kl_coef
         self.seen_scores = torch.zeros(0, dtype=torch.float64)
         self.backward_passes = 0
@@ -228,6 +267,8 @@ class PlainPPO:
         rows = torch.arange(len(batch.targets))
         for idx in rows.split(self.config.mini_batch_size):
             logits, values = forward(self.model, batch.rows(idx), values=not self.critic_free)
+            if self.critic is not None:
+                values = critic_values(self.critic, batch.rows(idx))
             ref_logits, _ = forward(self.ref_model, batch.rows(idx))
             parts["logprobs"].append(logprobs_of(logits, batch.targets[idx]))
             parts["ref_logprobs"].append(logprobs_of(ref_logits, batch.targets[idx]))
@@ -235,7 +276,7 @@ class PlainPPO:
             parts["full_kl"].append(kl_per_token("full", None, None, logits, ref_logits))
         return {key: torch.cat(value) for key, value in parts.items()}
 
-    def step(self, queries, responses, scores, response_masks=None, group_ids=None) -> dict:
+    def step(self, queries, responses, scores, response_masks=None, group_ids=None, ptx_inputs=None) -> dict:
         """One PPO step; returns the statistics of PPO_SPEC section 8 that the tests compare."""
         config = self.config
         scores = self.shaped_scores = self.shape_scores(scores)
@@ -279,7 +320,7 @@ class PlainPPO:
 
         # Section 6: the epochs.
         ref_for_loss = None if self.kl_in_reward else ref_logprobs
-        train = self.optimize(batch, logprobs, values, advantages, returns, ref_for_loss)
+        train = self.optimize(batch, logprobs, values, advantages, returns, ref_for_loss, ptx_inputs)
 
         kl_per_row = kl.sum(-1)
         stats = {
@@ -304,14 +345,18 @@ class PlainPPO:
             self.kl_coef *= 1 + error * config.batch_size / config.horizon
         return {key: value.detach().numpy() if value.dim() else value.item() for key, value in stats.items()}
 
-    def optimize(self, batch: PaddedBatch, old_logprobs, old_values, advantages, returns, ref_logprobs=None) -> dict:
+    def optimize(
+        self, batch: PaddedBatch, old_logprobs, old_values, advantages, returns, ref_logprobs=None, ptx_inputs=None
+    ) -> dict:
         """Section 6: ``ppo_epochs`` epochs of shuffled mini-batches; the mean of their statistics.
 
         ``old_values`` and ``returns`` are None for critic-free estimators; ``ref_logprobs`` is given
-        when the KL is in the loss (section 12).
+        when the KL is in the loss (section 12); ``ptx_inputs`` row ``i`` joins the mini-batch of row ``i``.
         """
         config = self.config
         self.model.train()
+        if self.critic is not None:
+            self.critic.train()
         collected = []
         self.epochs_run = 0
         for _ in range(config.ppo_epochs):
@@ -320,18 +365,28 @@ class PlainPPO:
             epoch_policykl = []
             for idx in order.split(config.mini_batch_size):
                 cut = [None if x is None else x[idx] for x in (old_values, returns, ref_logprobs)]
-                stats = self.train_minibatch(batch, idx, old_logprobs[idx], cut[0], advantages[idx], cut[1], cut[2])
+                ptx = [ptx_inputs[i] for i in idx.tolist()] if ptx_inputs is not None else None
+                stats = self.train_minibatch(
+                    batch, idx, old_logprobs[idx], cut[0], advantages[idx], cut[1], cut[2], ptx
+                )
                 collected.append(stats)
                 epoch_policykl.append(stats["ppo/policy/policykl"])
             if config.early_stopping and torch.stack(epoch_policykl).mean() > 1.5 * config.target_kl:
                 break
         return {key: torch.stack([s[key] for s in collected]).mean() for key in collected[0]}
 
-    def train_minibatch(self, batch: PaddedBatch, idx, old_lp, old_values, advantages, returns, ref_lp=None) -> dict:
-        """Forward with grad, the clipped losses, backward and (every ``gradient_accumulation_steps``) a step."""
+    def train_minibatch(
+        self, batch: PaddedBatch, idx, old_lp, old_values, advantages, returns, ref_lp=None, ptx=None
+    ) -> dict:
+        """Forward with grad, the clipped losses, backward and (every ``gradient_accumulation_steps``) a step.
+
+        ``ptx``: the PTX rows of this mini-batch (section 10), or None.
+        """
         config = self.config
         mask = batch.mask[idx]
         logits, vpred = forward(self.model, batch.rows(idx), values=not self.critic_free)
+        if self.critic is not None:
+            vpred = critic_values(self.critic, batch.rows(idx))
         lp = logprobs_of(logits, batch.targets[idx])
 
         ratio = torch.exp(lp - old_lp)
@@ -339,31 +394,46 @@ class PlainPPO:
         pg_clipped = -advantages * torch.clamp(ratio, 1 - config.cliprange, 1 + config.cliprange)
         pg_loss = masked_mean(torch.max(pg_unclipped, pg_clipped), mask)
 
-        loss = pg_loss
+        # ``loss`` trains the policy; a separate critic takes ``critic_loss`` alone (sections 9 and 10).
+        loss, critic_loss = pg_loss, None
         if not self.critic_free:
             v_clip = torch.clamp(vpred, old_values - config.cliprange_value, old_values + config.cliprange_value)
             vf_unclipped, vf_clipped = (vpred - returns) ** 2, (v_clip - returns) ** 2
             vf_loss = 0.5 * masked_mean(torch.max(vf_unclipped, vf_clipped), mask)
-            loss = pg_loss + config.vf_coef * vf_loss
+            if self.critic is None:
+                loss = pg_loss + config.vf_coef * vf_loss
+            else:
+                critic_loss = vf_loss
         if ref_lp is not None:
             # Section 12: k3 = exp(ref - lp) - (ref - lp) - 1 on the new log-probs.
             kl_loss = masked_mean(torch.exp(ref_lp - lp) - (ref_lp - lp) - 1, mask)
             loss = loss + self.kl_coef * kl_loss
+        if ptx is not None:
+            ptx_loss = ptx_loss_of(self.model, ptx)
+            loss = loss + config.ptx_coef * ptx_loss
+        total = loss if critic_loss is None else loss + critic_loss
         if masked_mean(ratio, mask) > config.ratio_threshold:
             raise AssertionError("PlainPPO does not model mini-batches skipped by ratio_threshold")
 
         (loss / config.gradient_accumulation_steps).backward()
+        if critic_loss is not None:
+            (critic_loss / config.gradient_accumulation_steps).backward()
         self.backward_passes += 1
         if self.backward_passes % config.gradient_accumulation_steps == 0:
-            self.clip_gradients()
+            self.clip_gradients(self.model)
             self.optimizer.step()
             self.optimizer.zero_grad()
+            if self.critic is not None:
+                self.clip_gradients(self.critic)
+                self.critic_optimizer.step()
+                self.critic_optimizer.zero_grad()
+            self.update_ema()
 
         with torch.no_grad():
             log_ratio = lp - old_lp
             stats = {
                 "ppo/loss/policy": pg_loss.detach(),
-                "ppo/loss/total": loss.detach(),
+                "ppo/loss/total": total.detach(),
                 "ppo/policy/entropy": masked_mean(entropy_of(logits), mask),
                 "ppo/policy/approxkl": 0.5 * masked_mean(log_ratio**2, mask),
                 "ppo/policy/policykl": masked_mean(-log_ratio, mask),
@@ -372,6 +442,8 @@ class PlainPPO:
             }
             if ref_lp is not None:
                 stats["ppo/policy/kl_loss"] = kl_loss.detach()
+            if ptx is not None:
+                stats["ppo/loss/ptx"] = ptx_loss.detach()
             if self.critic_free:
                 return stats
             return stats | {
@@ -385,9 +457,18 @@ class PlainPPO:
                 "ppo/val/var": masked_var(old_values, mask),
             }
 
-    def clip_gradients(self) -> None:
-        """Scale all gradients so their global L2 norm is at most ``max_grad_norm`` (when set)."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+    @torch.no_grad()
+    def update_ema(self) -> None:
+        """Section 11: ``ema = decay * ema + (1 - decay) * policy`` for every policy parameter."""
+        if self.ema is None:
+            return
+        decay = self.config.ema_decay
+        for name, p in self.model.named_parameters():
+            self.ema[name] = decay * self.ema[name] + (1 - decay) * p.double()
+
+    def clip_gradients(self, model) -> None:
+        """Scale ``model``'s gradients so their global L2 norm is at most ``max_grad_norm`` (when set)."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
         norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads)).item()
         self.grad_norms.append(norm)
         max_norm = self.config.max_grad_norm

@@ -6,7 +6,14 @@ word list, the models from transformers configs with random weights.
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, T5Config, T5ForConditionalGeneration
+from transformers import (
+    GPT2Config,
+    GPT2ForSequenceClassification,
+    GPT2LMHeadModel,
+    PreTrainedTokenizerFast,
+    T5Config,
+    T5ForConditionalGeneration,
+)
 
 WORDS = (
     "the a an this that movie film story plot actor actress scene music ending was is were are very "
@@ -47,6 +54,16 @@ def make_gpt2(seed: int = 0, n_layer: int = 2, n_embd: int = 32, dropout: float 
         pad_token_id=0,
     )
     return GPT2LMHeadModel(config)
+
+
+def make_gpt2_critic(seed: int = 0, n_layer: int = 2, n_embd: int = 32) -> GPT2ForSequenceClassification:
+    """A randomly initialised one-output GPT-2 classifier (a reward model or critic) over the tiny vocabulary."""
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=VOCAB_SIZE, n_positions=128, n_embd=n_embd, n_layer=n_layer, n_head=2, num_labels=1,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    return GPT2ForSequenceClassification(config)
 
 
 def make_t5(seed: int = 0) -> T5ForConditionalGeneration:

@@ -9,6 +9,7 @@ from .models import (
     AutoModelForCausalLMWithValueHead,
     AutoModelForSeq2SeqLMWithValueHead,
     PreTrainedModelWrapper,
+    ValueModel,
     create_reference_model,
 )
 from .trainer import (
@@ -36,6 +37,7 @@ __all__ = [
     "RunningMoments",
     "TextEnvironment",
     "TextHistory",
+    "ValueModel",
     "create_reference_model",
     "set_seed",
 ]

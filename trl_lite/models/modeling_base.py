@@ -251,7 +251,7 @@ class PreTrainedModelWrapper(nn.Module):
             model._attach_reward_adapter(reward_adapter, reward_adapter_name, hub_kwargs)
         if isinstance(source, str):
             state_dict = load_extra_modules_state_dict(source, cls.supported_modules, hub_kwargs)
-            if not state_dict:
+            if not state_dict and cls.supported_modules:
                 logger.warning(
                     "No %s weights found in %s: freshly initialised.", ", ".join(cls.supported_modules), source
                 )

@@ -7,7 +7,11 @@ import json
 import os
 import shutil
 
+from safetensors.torch import load_file, save_file
+
 _TRAINER_STATE = "trl_lite_trainer_state.json"
+# Tensors the trainer keeps outside accelerate's objects (the policy's EMA), one file per process.
+_TRAINER_TENSORS = "trl_lite_trainer_tensors_{rank}.safetensors"
 
 
 class CheckpointMixin:
@@ -16,7 +20,8 @@ class CheckpointMixin:
     Everything ``accelerator.prepare`` saw (models, optimizers, schedulers, registered objects) and
     every process's RNG states go through ``accelerator.save_state``; the trainer adds its own
     JSON-serialisable counters by defining ``_checkpoint_state() -> dict`` and
-    ``_load_checkpoint_state(state)``.
+    ``_load_checkpoint_state(state)``, and each process's own tensors by defining
+    ``_checkpoint_tensors() -> dict`` (empty when there are none) and ``_load_checkpoint_tensors(tensors)``.
     """
 
     def save_checkpoint(self, path: str) -> None:
@@ -34,6 +39,10 @@ class CheckpointMixin:
             shutil.rmtree(tmp)
         accelerator.wait_for_everyone()
         accelerator.save_state(tmp, safe_serialization=True)
+        tensors = self._checkpoint_tensors()
+        if tensors:
+            tensors = {key: value.detach().cpu().contiguous() for key, value in tensors.items()}
+            save_file(tensors, os.path.join(tmp, _TRAINER_TENSORS.format(rank=accelerator.process_index)))
         # Every process writes its own files into tmp (RNG states, DeepSpeed shards): all must be
         # done before the main process renames tmp into place.
         accelerator.wait_for_everyone()
@@ -71,3 +80,5 @@ class CheckpointMixin:
             )
         self.accelerator.load_state(path)
         self._load_checkpoint_state(state)
+        tensors_file = os.path.join(path, _TRAINER_TENSORS.format(rank=self.accelerator.process_index))
+        self._load_checkpoint_tensors(load_file(tensors_file) if os.path.exists(tensors_file) else {})

@@ -52,6 +52,10 @@ class PPOConfig:
     # Schedule
     steps: int = field(default=20000, metadata={"help": "Number of training steps (used by scripts)."})
     learning_rate: float = field(default=1.41e-5, metadata={"help": "Adam learning rate."})
+    critic_learning_rate: float | None = field(
+        default=None,
+        metadata={"help": "Adam learning rate of the separate critic (PPOTrainer's value_model); None: learning_rate."},
+    )
     # KL control
     adap_kl_ctrl: bool = field(default=True, metadata={"help": "Adaptive KL control (Ziegler et al.) or fixed."})
     init_kl_coef: float = field(default=0.2, metadata={"help": "Initial KL penalty coefficient."})
@@ -65,7 +69,21 @@ class PPOConfig:
     lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
     cliprange: float = field(default=0.2, metadata={"help": "Clip range of the policy ratio."})
     cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value prediction."})
-    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss (ignored by critic-free estimators)."})
+    vf_coef: float = field(
+        default=0.1,
+        metadata={
+            "help": "Weight of the value loss of the shared value head (a separate critic takes vf_loss alone; "
+            "ignored by critic-free estimators)."
+        },
+    )
+    ptx_coef: float = field(
+        default=0.0,
+        metadata={"help": "Weight of the language-modelling loss on step()'s ptx_inputs added to the policy's loss (PTX)."},
+    )
+    ema_decay: float | None = field(
+        default=None,
+        metadata={"help": "Keep an exponential moving average of the policy with this decay in (0, 1) (trainer.ema_model)."},
+    )
     # Critic-free advantages (PPO_SPEC section 12)
     advantage_estimator: str = field(
         default="gae",
@@ -159,15 +177,19 @@ class PPOConfig:
             _check_positive_int(name, getattr(self, name))
         for name in ("learning_rate", "target", "horizon", "target_kl", "ratio_threshold"):
             _check_positive_float(name, getattr(self, name))
-        for name in ("init_kl_coef", "cliprange", "cliprange_value", "vf_coef"):
+        for name in ("init_kl_coef", "cliprange", "cliprange_value", "vf_coef", "ptx_coef"):
             _check_float(name, getattr(self, name), minimum=0.0)
         for name in ("gamma", "lam"):
             _check_float(name, getattr(self, name), minimum=0.0, maximum=1.0)
         if self.dataset_num_proc is not None:
             _check_positive_int("dataset_num_proc", self.dataset_num_proc)
-        for name in ("max_grad_norm", "score_clip"):
+        for name in ("max_grad_norm", "score_clip", "critic_learning_rate"):
             if getattr(self, name) is not None:
                 _check_positive_float(name, getattr(self, name))
+        if self.ema_decay is not None:
+            _check_float("ema_decay", self.ema_decay)
+            if not 0.0 < self.ema_decay < 1.0:
+                raise ValueError(f"ema_decay must be None or a number in (0, 1), got {self.ema_decay}.")
         if self.kl_penalty not in KL_PENALTIES:
             raise ValueError(f"kl_penalty must be one of {KL_PENALTIES}, got {self.kl_penalty!r}.")
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:

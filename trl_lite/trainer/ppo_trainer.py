@@ -4,6 +4,7 @@
 rewards, advantages, epochs, statistics, controller update. The math lives in
 :mod:`trl_lite.core`; this module runs the epochs and talks to the other processes. What the
 trainer uses lives beside it: the rows, compact layout and forward passes in :mod:`.rollout`,
+the separate critic, PTX, EMA and save_pretrained in :mod:`.actor_critic`,
 generation in :mod:`.generation`, checkpoints in :mod:`.checkpointing`, input checks in
 :mod:`.step_inputs`, process and device set-up in :mod:`.accelerate_setup`, the dataloader's
 resumable position in :mod:`.resumable_loader`.
@@ -45,6 +46,7 @@ from ..core import (
 )
 from ..models import (
     PreTrainedModelWrapper,
+    as_value_model,
     create_reference_model,
 )
 from .accelerate_setup import (
@@ -54,9 +56,11 @@ from .accelerate_setup import (
     fill_deepspeed_config,
     prepare_deepspeed_reference,
 )
+from .actor_critic import ActorCriticMixin
 from .checkpointing import CheckpointMixin
 from .classic_helpers import ClassicHelpersMixin
 from .cpu_memory import keep_freed_cpu_memory
+from .ema import PolicyEMA
 from .generation import GenerationMixin
 from .kl_controllers import AdaptiveKLController, FixedKLController
 from .ppo_config import PPOConfig
@@ -65,6 +69,7 @@ from .rollout import RolloutMixin, _to_compact, packing_unsupported
 from .running_moments import RunningMoments
 from .step_inputs import (
     check_constructor_args,
+    check_critic_args,
     resolve_group_ids,
     scores_tensor,
     validate_step_inputs,
@@ -84,7 +89,11 @@ _DIST_STATS = (
 )
 
 
+<<<<<<< HEAD
 class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersMixin):
+=======
+class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ActorCriticMixin):
+>>>>>>> 8e49566 (Separate critic (value_model, critic_optimizer, critic_learning_rate), PTX loss (ptx_coef, step(ptx_inputs=...)) and policy EMA (ema_decay, ema_model, save_pretrained(ema=True)); critic and EMA in checkpoints; plain reference extended; tests)
     """PPO for language models with the classic API: the user generates and scores, ``step()`` trains.
 
     Args:
@@ -101,6 +110,12 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
         data_collator: collate function of the dataloader.
         num_shared_layers: layers shared between policy and the created reference.
         lr_scheduler: stepped once per ``step()``.
+        value_model: a separate critic (PPO_SPEC section 9): a decoder-only transformers
+            ``AutoModelForSequenceClassification`` with ``num_labels=1`` (e.g. a reward model), a PEFT
+            model of one, or a :class:`~trl_lite.models.ValueModel`; it then gives the values and is
+            trained by the value loss alone; the policy (which may be a plain causal LM) trains on the
+            policy loss, and a value head it has is frozen and not run.
+        critic_optimizer: the critic's optimizer; default ``Adam`` at ``config.critic_learning_rate``.
     """
 
     def __init__(
@@ -114,9 +129,15 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
         data_collator=None,
         num_shared_layers: int | None = None,
         lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        value_model=None,
+        critic_optimizer: torch.optim.Optimizer | None = None,
     ):
         config = PPOConfig() if config is None else config
-        check_constructor_args(config, model, ref_model, tokenizer, optimizer, lr_scheduler, num_shared_layers)
+        check_constructor_args(
+            config, model, ref_model, tokenizer, optimizer, lr_scheduler, num_shared_layers, value_model
+        )
+        check_critic_args(config, model, value_model, critic_optimizer)
+        self.critic = as_value_model(value_model) if value_model is not None else None
         # A plain LM gets a value-head wrapper for logits_positions and the fused LM head; its head never runs.
         model, self._policy_is_plain = wrap_plain_model(model)
         ref_model, _ = wrap_plain_model(ref_model) if ref_model is not None else (None, False)
@@ -139,6 +160,8 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
         self.tokenizer = tokenizer
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
+            if self.critic is not None:
+                self.critic.gradient_checkpointing_enable()
 
         if ref_model is not None:
             self.ref_model = ref_model
@@ -175,6 +198,7 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
         self.dataloader = ResumableLoader(prepared[2], self._data_generator) if dataloader is not None else None
         if lr_scheduler is not None:
             self.lr_scheduler = prepared[-1]
+        self._prepare_critic(critic_optimizer)
         if self.ref_model is not None:
             if self.is_deepspeed_enabled:
                 self.ref_model = prepare_deepspeed_reference(self.ref_model, self.accelerator)
@@ -204,6 +228,7 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
         self._unwrapped = [(self.model, unwrapped)]
         if self.ref_model is not None:
             self._unwrapped.append((self.ref_model, self.accelerator.unwrap_model(self.ref_model)))
+        self._ema = PolicyEMA(unwrapped, config.ema_decay) if config.ema_decay is not None else None
 
         if config.log_with is not None:
             self.accelerator.init_trackers(
@@ -214,8 +239,9 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
 
     @property
     def _uses_value_head(self) -> bool:
-        """Whether the policy's value head runs and trains: only for GAE, and never on a plain LM."""
-        return not self.config.critic_free and not self._policy_is_plain
+        """Whether the policy's value head runs and trains: only for GAE, never on a plain LM, and not
+        when a separate critic gives the values."""
+        return not self.config.critic_free and not self._policy_is_plain and self.critic is None
 
     # ------------------------------------------------------------------------------------------
     # The PPO step
@@ -227,11 +253,15 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
         scores: list[torch.FloatTensor],
         response_masks: list[torch.Tensor] | None = None,
         group_ids: list[int] | torch.Tensor | None = None,
+        ptx_inputs: list[torch.LongTensor] | None = None,
     ) -> dict:
         """Run one PPO step on ``batch_size`` (query, response, score) triplets of this process.
 
         ``group_ids`` (``'rloo'``/``'grpo'``): one id per row, rows of a group answer one query;
         default: consecutive runs of ``num_samples_per_query`` rows (PPO_SPEC section 12).
+        ``ptx_inputs`` (with ``config.ptx_coef > 0``): ``batch_size`` token sequences whose
+        language-modelling loss joins the policy's loss (PPO_SPEC section 10); row ``i`` goes into
+        the mini-batches of triplet ``i``.
         Returns the statistics of PPO_SPEC section 8 (floats and 1-D numpy arrays); critic-free
         estimators report no value statistics.
         """
@@ -240,6 +270,7 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
             batch_size=self.config.batch_size, vocab_size=self._vocab_size, is_encoder_decoder=self.is_encoder_decoder,
         )  # fmt: skip
         groups = resolve_group_ids(group_ids, queries, self.config)
+        self._check_ptx_inputs(ptx_inputs)
         config = self.config
         timing = {}
         t0 = time.time()
@@ -281,7 +312,8 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
         # 5. PPO epochs (section 6)
         t = time.time()
         kl_loss_ref = None if config.kl_in_reward_resolved else ref_logprobs
-        train_stats = self._optimize(rows, logprobs, values, advantages, returns, kl_loss_ref, kl_coef)
+        ptx = self._ptx_rows(ptx_inputs) if ptx_inputs is not None else None
+        train_stats = self._optimize(rows, logprobs, values, advantages, returns, kl_loss_ref, kl_coef, ptx)
         timing["time/ppo/optimize_step"] = time.time() - t
 
         # 6. Statistics (section 8)
@@ -366,17 +398,22 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
     # ------------------------------------------------------------------------------------------
     # Optimisation
     # ------------------------------------------------------------------------------------------
-    def _optimize(self, rows, old_logprobs, old_values, advantages, returns, ref_logprobs=None, kl_coef=0.0) -> dict:
+    def _optimize(
+        self, rows, old_logprobs, old_values, advantages, returns, ref_logprobs=None, kl_coef=0.0, ptx=None
+    ) -> dict:
         """``ppo_epochs`` epochs of shuffled mini-batches (PPO_SPEC section 6). Returns averaged statistics.
 
         ``old_values``/``returns`` are None for critic-free estimators; ``ref_logprobs`` is given
-        when the KL term is in the loss (``kl_coef * k3``, PPO_SPEC section 12).
+        when the KL term is in the loss (``kl_coef * k3``, PPO_SPEC section 12); ``ptx``: the PTX
+        rows (PPO_SPEC section 10) or None.
         """
         config = self.config
         batch = len(rows)
         minibatch_stats, ratios = [], []
         skipped_before = self.skipped_minibatches
         self.model.train()
+        if self.critic is not None:
+            self.critic.train()
         for _ in range(config.ppo_epochs):
             order = torch.randperm(batch).to(self.current_device)
             epoch_policykl = []
@@ -385,7 +422,7 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
                 old, old_v, adv, ret, ref = (
                     None if x is None else x[idx, :w] for x in (old_logprobs, old_values, advantages, returns, ref_logprobs)
                 )
-                stats, ratio = self._train_rows(rows, idx, old, old_v, adv, ret, ref, kl_coef)
+                stats, ratio = self._train_rows(rows, idx, old, old_v, adv, ret, ref, kl_coef, ptx)
                 if stats is not None:
                     minibatch_stats.append(stats)
                     ratios.append(ratio)
@@ -395,7 +432,8 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
         if minibatch_stats:
             stacked = {k: torch.stack([s[k] for s in minibatch_stats]).mean() for k in minibatch_stats[0]}
         else:
-            stacked = {k: torch.tensor(float("nan")) for k in self._train_stat_keys(ref_logprobs is not None)}
+            keys = self._train_stat_keys(ref_logprobs is not None) + (("loss/ptx",) if ptx is not None else ())
+            stacked = {k: torch.tensor(float("nan")) for k in keys}
         stats = {f"ppo/{k}": v for k, v in stacked.items()}
         stats["ppo/policy/ratio"] = torch.cat(ratios) if ratios else torch.zeros(0)
         stats["ppo/skipped_minibatches"] = torch.tensor(float(self.skipped_minibatches - skipped_before))
@@ -414,16 +452,18 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
         keys = _POLICY_STAT_KEYS + (() if self.config.critic_free else _VALUE_STAT_KEYS)
         return keys + (("policy/kl_loss",) if kl_in_loss else ())
 
-    def _train_rows(self, rows, idx, old_logprobs, old_values, advantages, returns, ref_logprobs=None, kl_coef=0.0):
-        """One mini-batch: forward with grad, losses, guarded backward and optimizer step.
+    def _train_rows(
+        self, rows, idx, old_logprobs, old_values, advantages, returns, ref_logprobs=None, kl_coef=0.0, ptx=None
+    ):
+        """One mini-batch: forward with grad, losses, guarded backward and optimizer step(s).
 
         Returns its statistics (None when skipped) and the masked per-token ratios.
         """
         mask = rows.action_mask[idx, : old_logprobs.shape[1]]
-        with self.accelerator.accumulate(self.model):
+        with self.accelerator.accumulate(*self._trained_models()):
             head = self._linear_head(self.model)
             outputs, targets, vpreds, slots, width = self._head_rows(
-                self.model, rows, idx, head is not None, return_values=self._uses_value_head
+                self.model, rows, idx, head is not None, return_values=self._uses_value_head, critic=self.critic
             )
             if head is None:
                 logprobs, entropy = logprobs_and_entropy_from_logits(outputs, targets)
@@ -437,25 +477,19 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
             pg_loss, vf_loss, stats = self.loss(
                 old_logprobs, old_values, None, vpreds, logprobs, mask, advantages, returns, entropy=entropy
             )
-            loss = pg_loss if vf_loss is None else pg_loss + self.config.vf_coef * vf_loss
             if ref_logprobs is not None:
                 kl_loss = masked_mean(k3_kl(logprobs, ref_logprobs), mask)
-                loss = loss + kl_coef * kl_loss
+                pg_loss = pg_loss + kl_coef * kl_loss
                 stats["policy/kl_loss"] = kl_loss.detach()
-                stats["loss/total"] = loss.detach()
-            reason = self._skip_reason(loss, stats["policy/ratio"], mask)
+            policy_loss, critic_loss = self._split_losses(pg_loss, vf_loss, stats, ptx, idx)
+            reason = self._skip_reason(stats["loss/total"], stats["policy/ratio"], mask)
             if reason is not None:
                 self._skip(reason)
                 if self.accelerator.sync_gradients:
-                    self.optimizer.zero_grad()
+                    self._zero_grad()
                 return None, None
-            self.accelerator.backward(loss)
-            if self.accelerator.sync_gradients and not self._gradients_finite():
-                self._skip("the gradients are not finite")
-                self.optimizer.zero_grad()
+            if not self._backward_and_step(policy_loss, critic_loss):
                 return None, None
-            self.optimizer.step()
-            self.optimizer.zero_grad()
         ratio = torch.exp(logprobs - old_logprobs).detach()[mask.bool()]
         return stats, ratio
 
@@ -482,13 +516,16 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
         self.skipped_minibatches += 1
         warnings.warn(f"Skipping a PPO mini-batch because {reason}; the weights are not updated for it.", stacklevel=3)
 
-    def _gradients_finite(self) -> bool:
-        """Clip the gradient norm (when ``max_grad_norm``) and tell whether every gradient is finite."""
+    def _gradients_finite(self, model=None, optimizer=None) -> bool:
+        """Clip the gradient norm (when ``max_grad_norm``) of ``model`` (default the policy) and tell
+        whether every gradient its ``optimizer`` holds is finite."""
+        model = self.model if model is None else model
+        optimizer = self.optimizer if optimizer is None else optimizer
         if self.is_deepspeed_enabled:
             # DeepSpeed owns the gradients: it clips and checks them inside its own step, which
-            # accelerate's backward has already run, and skips the update when they are not finite.
-            return self.model.was_step_applied()
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            # the backward has already run, and skips the update when they are not finite.
+            return model.was_step_applied()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
         if self.config.max_grad_norm is not None:
             total = self.accelerator.clip_grad_norm_(params, self.config.max_grad_norm)
         else:
@@ -612,18 +649,13 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
         """
         self.model.train()
         pg_loss, vf_loss, stats = self.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns)
-        loss = pg_loss + self.config.vf_coef * vf_loss
-        self.accelerator.backward(loss)
-        if self.accelerator.sync_gradients:
-            if self._gradients_finite():
-                self.optimizer.step()
-            else:
-                self._skip("the gradients are not finite")
-        self.optimizer.zero_grad()
+        policy_loss, critic_loss = self._split_losses(pg_loss, vf_loss, stats)
+        self._backward_and_step(policy_loss, critic_loss)
+        self._zero_grad()
         return stats
 
     # ------------------------------------------------------------------------------------------
-    # Generation, logging, saving
+    # Logging (saving is in .actor_critic, checkpoints in .checkpointing)
     # ------------------------------------------------------------------------------------------
 
 
@@ -646,21 +678,6 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
                 logs["game_log"] = wandb.Table(columns=[*columns_to_log, "reward"], rows=rows)
         self.accelerator.log(logs, step=self.current_step)
 
-    def save_pretrained(self, save_directory: str) -> None:
-        """Save the policy (full weights, also under ZeRO-3) and the tokenizer: with its value head, or as
-        the plain transformers (or PEFT) model the user passed."""
-        state_dict = self.accelerator.get_state_dict(self.model)
-        if self.accelerator.is_main_process:
-            unwrapped = self.accelerator.unwrap_model(self.model)
-            if self._policy_is_plain:
-                base_state, _ = unwrapped._checkpoint_state_dicts(state_dict)
-                unwrapped.pretrained_model.save_pretrained(save_directory, state_dict=base_state)
-            else:
-                unwrapped.save_pretrained(save_directory, state_dict=state_dict)
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(save_directory)
-        self.accelerator.wait_for_everyone()
-
     # ------------------------------------------------------------------------------------------
     # Checkpoint and resume (the mechanism is in .checkpointing)
     # ------------------------------------------------------------------------------------------
@@ -673,6 +690,13 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
             "running": self.running.state_dict(),
             "dataloader": self.dataloader.state_dict() if self.dataloader is not None else None,
         }
+
+    def _checkpoint_tensors(self) -> dict:
+        return self._ema.state_dict() if self._ema is not None else {}
+
+    def _load_checkpoint_tensors(self, tensors: dict) -> None:
+        if self._ema is not None:
+            self._ema.load_state_dict(tensors)
 
     def _load_checkpoint_state(self, state: dict) -> None:
         self.current_step = state["current_step"]

@@ -55,7 +55,7 @@ class Rows:
 class RolloutMixin:
     """The trainer's forward passes over rows: :class:`PPOTrainer` mixes it in.
 
-    Uses the trainer's ``config``, ``accelerator``, ``current_device``, ``model``, ``ref_model``,
+    Uses the trainer's ``config``, ``accelerator``, ``current_device``, ``model``, ``ref_model``, ``critic``,
     ``is_encoder_decoder`` and the tokenizer-derived ``_pad_id``/``_padding_side``/``_pass_position_ids``.
     """
 
@@ -217,16 +217,19 @@ class RolloutMixin:
         k = torch.arange(total, device=device) - (counts_t.cumsum(0) - counts_t)[row]
         return row, k
 
-    def _forward_rows(self, model, rows: Rows, idx: torch.Tensor, return_logits: bool = False, return_values: bool = True):
+    def _forward_rows(
+        self, model, rows: Rows, idx: torch.Tensor, return_logits: bool = False, return_values: bool = True, critic=None
+    ):
         """Log-probs and values at the action positions of rows ``idx``.
 
         Shapes: logprobs, values ``(b, L_mb)`` (log-probs 0 past each response; values None without
         ``return_values``, when the value head does not run); with ``return_logits`` also the logits
-        ``(N, V)`` at the token ``slots`` (else None for both).
+        ``(N, V)`` at the token ``slots`` (else None for both). The values come from ``critic`` when
+        given (see :meth:`_head_rows`).
         """
         head = None if return_logits else self._linear_head(model)
         outputs, targets, values, slots, width = self._head_rows(
-            model, rows, idx, lm_head_inputs=head is not None, return_values=return_values
+            model, rows, idx, lm_head_inputs=head is not None, return_values=return_values, critic=critic
         )
         if head is None:
             logprobs = logprobs_from_logits(outputs, targets)
@@ -236,13 +239,27 @@ class RolloutMixin:
         logprobs = _to_compact(logprobs, slots, len(idx), width)
         return logprobs, values, (outputs if return_logits else None), (slots if return_logits else None), width
 
-    def _head_rows(self, model, rows: Rows, idx: torch.Tensor, lm_head_inputs: bool = False, return_values: bool = True):
+    def _head_rows(
+        self, model, rows: Rows, idx: torch.Tensor, lm_head_inputs: bool = False, return_values: bool = True, critic=None
+    ):
         """The LM head's logits ``(N, V)`` at the token slots of rows ``idx`` - or, with ``lm_head_inputs``,
+<<<<<<< HEAD
         its inputs ``(N, H)`` - their target ids ``(N,)`` and the values ``(b, L_mb)`` (None without ``return_values``)."""
         inputs, positions, slots, targets, width = self._minibatch_inputs(rows, idx, packed=self._packs(model))
+=======
+        its inputs ``(N, H)`` - their target ids ``(N,)`` and the values ``(b, L_mb)`` (None without ``return_values``).
+
+        With a separate ``critic`` (PPO_SPEC section 9) the values are its outputs on the same
+        mini-batch inputs, read at the same positions; the policy's value head does not run.
+        """
+        inputs, positions, slots, targets, width = self._minibatch_inputs(rows, idx)
+        critic_inputs = {key: value for key, value in inputs.items() if key != "logits_positions"}
+>>>>>>> 8e49566 (Separate critic (value_model, critic_optimizer, critic_learning_rate), PTX loss (ptx_coef, step(ptx_inputs=...)) and policy EMA (ema_decay, ema_model, save_pretrained(ema=True)); critic and EMA in checkpoints; plain reference extended; tests)
         if lm_head_inputs:
             inputs["return_lm_head_inputs"] = True
-        outputs, _, values = model(**inputs, return_values=return_values)
+        outputs, _, values = model(**inputs, return_values=return_values and critic is None)
+        if critic is not None:
+            values = critic(**critic_inputs)
         if values is not None:
             values = (values[:, :-1] if self.is_encoder_decoder else at_positions(values, positions)).float()
         return outputs, targets, values, slots, width
@@ -303,9 +320,11 @@ class RolloutMixin:
         batch, width = len(rows), rows.action_mask.shape[1]
         out = torch.zeros(4 if full else 3, batch, width, device=self.current_device)
         self.model.eval()
+        if self.critic is not None:
+            self.critic.eval()
         for idx in torch.arange(batch, device=self.current_device).split(self.config.mini_batch_size):
             logprobs, values, logits, slots, w = self._forward_rows(
-                self.model, rows, idx, return_logits=full, return_values=self._uses_value_head
+                self.model, rows, idx, return_logits=full, return_values=self._uses_value_head, critic=self.critic
             )
             with self._reference() as ref:
                 ref_logprobs, _, ref_logits, _, _ = self._forward_rows(ref, rows, idx, return_logits=full, return_values=False)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..models import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead
+from ..models import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, ValueModel
 from ..models.modeling_base import is_peft_model
 from .ppo_config import PPOConfig
 
@@ -26,7 +26,9 @@ def _is_plain_model(model) -> bool:
     return isinstance(model, PreTrainedModel) or is_peft_model(model)
 
 
-def check_constructor_args(config, model, ref_model, tokenizer, optimizer, lr_scheduler, num_shared_layers):
+def check_constructor_args(
+    config, model, ref_model, tokenizer, optimizer, lr_scheduler, num_shared_layers, value_model=None
+):
     if not isinstance(config, PPOConfig):
         raise TypeError(f"config must be a PPOConfig, got {type(config).__name__}.")
     config.validate()  # fields may have been changed after the config was built
@@ -36,7 +38,7 @@ def check_constructor_args(config, model, ref_model, tokenizer, optimizer, lr_sc
             "critic-free advantage_estimator) a plain transformers causal/seq2seq LM or PeftModel, "
             f"got {type(model).__name__}."
         )
-    _check_plain_policy(config, model)
+    _check_plain_policy(config, model, value_model)
     if ref_model is not None and not isinstance(ref_model, SUPPORTED_MODELS) and not _is_plain_model(ref_model):
         raise TypeError(
             f"ref_model must be None, a value-head model or a plain transformers LM, got {type(ref_model).__name__}."
@@ -59,13 +61,13 @@ def check_constructor_args(config, model, ref_model, tokenizer, optimizer, lr_sc
         raise TypeError(f"lr_scheduler must be a torch LR scheduler or None, got {type(lr_scheduler).__name__}.")
 
 
-def _check_plain_policy(config, model) -> None:
+def _check_plain_policy(config, model, value_model=None) -> None:
     """A plain LM has no value head to train: GAE needs one (or a critic), critic-free estimators do not."""
-    if _is_plain_model(model) and not config.critic_free:
+    if _is_plain_model(model) and not config.critic_free and value_model is None:
         raise ValueError(
             f"model is a plain {type(model).__name__} (no value head) but advantage_estimator='gae' needs values: "
-            "use a critic-free advantage_estimator ('rloo', 'grpo', 'reinforce_pp') or wrap the model with "
-            "AutoModelForCausalLMWithValueHead.from_pretrained(model)."
+            "pass a separate critic (value_model=...), use a critic-free advantage_estimator ('rloo', 'grpo', "
+            "'reinforce_pp') or wrap the model with AutoModelForCausalLMWithValueHead.from_pretrained(model)."
         )
 
 
@@ -82,6 +84,41 @@ def wrap_plain_model(model):
     wrapper = AutoModelForSeq2SeqLMWithValueHead if encoder_decoder else AutoModelForCausalLMWithValueHead
     with torch.random.fork_rng(devices=[]):
         return wrapper(model), True
+
+
+def check_critic_args(config, model, value_model, critic_optimizer):
+    """Checks of the separate critic (PPO_SPEC section 9); ValueModel checks the model itself."""
+    if value_model is None:
+        if critic_optimizer is not None:
+            raise ValueError("critic_optimizer was given without value_model; pass both or neither.")
+        return
+    if not isinstance(value_model, (ValueModel, PreTrainedModel)) and not is_peft_model(value_model):
+        raise TypeError(
+            "value_model must be a transformers AutoModelForSequenceClassification (num_labels=1), a PEFT model "
+            f"of one or a trl_lite ValueModel, got {type(value_model).__name__}."
+        )
+    policy = getattr(model, "pretrained_model", model)
+    if value_model is model or value_model is policy:
+        raise ValueError("value_model is the policy itself; the critic must be a model of its own.")
+    if config.critic_free:
+        raise ValueError(
+            f"value_model was given but advantage_estimator={config.advantage_estimator!r} uses no values; "
+            "a critic needs advantage_estimator='gae'."
+        )
+    if getattr(policy.config, "is_encoder_decoder", False):
+        raise ValueError("value_model (a separate critic) needs a decoder-only policy, got an encoder-decoder.")
+    policy_vocab = policy.get_input_embeddings().num_embeddings
+    inner = value_model.pretrained_model if isinstance(value_model, ValueModel) else value_model
+    critic_vocab = inner.get_input_embeddings().num_embeddings
+    if critic_vocab < policy_vocab:
+        raise ValueError(
+            f"value_model reads the policy's token ids but its vocabulary has {critic_vocab} entries, fewer than "
+            f"the policy's {policy_vocab}; a critic must use the policy's tokenizer."
+        )
+    if critic_optimizer is not None and not isinstance(critic_optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"critic_optimizer must be a torch.optim.Optimizer or None, got {type(critic_optimizer).__name__}."
+        )
 
 
 def resolve_group_ids(group_ids, queries, config) -> torch.Tensor | None:
