@@ -111,6 +111,37 @@ def test_ppo_sentiment_loads_models_and_data_by_name(tmp_path):
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]
 
 
+def test_ppo_sentiment_trains_a_separate_critic(tmp_path):
+    """--value_model: a one-label classifier over the policy's tokenizer (here the SFT model's backbone
+    with a fresh score head, as a reward model would be) becomes a critic that the run trains and saves."""
+    from transformers import GPT2ForSequenceClassification
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import tiny_sentiment
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    models = tmp_path / "models"
+    tiny_sentiment.build_offline_models(models, sft_steps=5, reward_model_steps=5)
+    torch.manual_seed(0)
+    critic = GPT2ForSequenceClassification.from_pretrained(models / "sft_model", num_labels=1)
+    critic.config.pad_token_id = critic.config.eos_token_id
+    critic.save_pretrained(tmp_path / "critic")
+
+    out = tmp_path / "run"
+    run_script(
+        "ppo_sentiment.py", *SMALL_RUN, "--steps", "2", "--output_dir", str(out),
+        "--model_name", str(models / "sft_model"), "--reward_model", str(models / "reward_model"),
+        "--value_model", str(tmp_path / "critic"),
+    )  # fmt: skip
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(math.isfinite(r["ppo/loss/value"]) for r in records)
+    trained = GPT2ForSequenceClassification.from_pretrained(out / "model" / "value_model").state_dict()
+    initial = critic.state_dict()
+    assert any(not torch.equal(trained[k], initial[k]) for k in initial), "the critic was not trained"
+
+
 def test_custom_rollout_loop_learns_its_reward():
     result = run_script("custom_rollout_loop.py")
     rewards = [float(x) for x in re.findall(r"mean reward ([-\d.]+)", result.stdout)]

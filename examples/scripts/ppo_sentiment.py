@@ -11,6 +11,9 @@ transformers `pipeline` (the reward is the classifier's positive logit), and tra
     python examples/scripts/ppo_sentiment.py --model_name lvwerra/gpt2-imdb \
         --reward_model lvwerra/distilbert-imdb --dataset_name stanfordnlp/imdb \
         --learning_rate 1.41e-5 --batch_size 128 --mini_batch_size 128 --steps 195 --generation_batch_size 16
+    # a separate critic (DeepSpeed-Chat/OpenRLHF style), initialised from a one-label reward model
+    # that reads the policy's tokens (e.g. RewardTrainer's output); written to model/value_model
+    python examples/scripts/ppo_sentiment.py --value_model path/to/reward_model
     # several processes (only the main one prints and writes files)
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml --num_processes 2 \
         examples/scripts/ppo_sentiment.py
@@ -18,7 +21,7 @@ transformers `pipeline` (the reward is the classifier's positive logit), and tra
 Each of --model_name, --reward_model and --dataset_name that is not given comes from the offline
 default. Every PPOConfig field is a flag too (--ppo_epochs, --init_kl_coef, --target, ...). Written to
 --output_dir: metrics.jsonl (one line per step), training_curves.png (redrawn as training goes),
-model/ (the tuned policy with its value head, and the tokenizer), runs/ (with --log_with tensorboard),
+model/ (the tuned policy with its value head, and the tokenizer; the critic in model/value_model), runs/ (with --log_with tensorboard),
 checkpoint/ (with --save_every) and offline_models/ (the cached SFT and reward models).
 """
 
@@ -41,7 +44,14 @@ from tqdm.auto import tqdm  # noqa: E402
 from transformers import AutoTokenizer, HfArgumentParser, pipeline  # noqa: E402
 from transformers.utils import logging as transformers_logging  # noqa: E402
 
-from trl_lite import AutoModelForCausalLMWithValueHead, LengthSampler, PPOConfig, PPOTrainer, set_seed  # noqa: E402
+from trl_lite import (  # noqa: E402
+    AutoModelForCausalLMWithValueHead,
+    LengthSampler,
+    PPOConfig,
+    PPOTrainer,
+    ValueModel,
+    set_seed,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_sentiment import OfflineModels, build_offline_models, load_reviews  # noqa: E402
@@ -70,6 +80,13 @@ class ScriptArguments:
     plot_every: int = field(default=10, metadata={"help": "Redraw training_curves.png every this many steps."})
     save_every: int = field(default=0, metadata={"help": "Write OUTPUT_DIR/checkpoint every N steps; 0: never."})
     resume_from: str | None = field(default=None, metadata={"help": "Checkpoint directory to continue from."})
+    value_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "A one-label sequence-classification model (hub name or directory, e.g. a reward model over "
+            "the policy's tokenizer) that initialises a separate critic; default: the policy's value head."
+        },
+    )
 
     def __post_init__(self):
         for name, minimum in (("plot_every", 1), ("num_samples", 1), ("save_every", 0), ("sft_steps", 1)):
@@ -327,7 +344,10 @@ def run(args: ScriptArguments, config: PPOConfig) -> None:
     def collator(rows):
         return {key: [row[key] for row in rows] for key in rows[0]}
 
-    trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer, dataset=prompts, data_collator=collator)
+    critic = ValueModel.from_pretrained(args.value_model) if args.value_model is not None else None
+    trainer = PPOTrainer(
+        config, model, ref_model=None, tokenizer=tokenizer, dataset=prompts, data_collator=collator, value_model=critic
+    )
     if len(trainer.dataloader) == 0:
         raise ValueError(
             f"the dataset gives {len(prompts)} prompts, fewer than batch_size={config.batch_size} per process."
@@ -340,7 +360,7 @@ def run(args: ScriptArguments, config: PPOConfig) -> None:
     # Pure sampling from the policy, as in the classic demo; finished rows are filled with EOS.
     gen_kwargs = {"min_length": -1, "top_k": 0, "top_p": 1.0, "do_sample": True, "pad_token_id": tokenizer.eos_token_id}
     records = train(trainer, rewards_of, args, gen_kwargs, main)
-    trainer.save_pretrained(str(output_dir / "model"))
+    trainer.save_pretrained(str(output_dir / "model"), save_value_model=critic is not None)
     sample_kwargs = {**gen_kwargs, "max_new_tokens": args.output_max_length - 1}
     table = sample_table(trainer, tokenizer, samples, rewards_of, sample_kwargs)
     trainer.accelerator.end_training()
