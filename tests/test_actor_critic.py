@@ -20,7 +20,6 @@ from test_step_reference import (
     STATS_RTOL,
     WEIGHTS_ATOL,
     WEIGHTS_REL_L2,
-    assert_weights_close,
     make_batch,
     perturbed_copy,
     zero_key_bias_gradients,
@@ -49,10 +48,13 @@ def ptx_batch(step: int) -> list:
     return random_batch(BATCH_SIZE, seed=50 + step, query_len=(2, 9))[0]
 
 
-def make_trio(config_kwargs: dict, critic: bool = True, padding_side: str = "right", optimizer_cls=None):
+def make_trio(
+    config_kwargs: dict, critic: bool = True, padding_side: str = "right", optimizer_cls=None, plain_policy=False
+):
     """A trainer and a PlainPPO from identical policy, reference and (optional) critic; the policy's
-    optimizer is ``optimizer_cls`` on both sides when given (else the trainer's default Adam)."""
-    policy = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2())
+    optimizer is ``optimizer_cls`` on both sides when given (else the trainer's default Adam); with
+    ``plain_policy`` the policy is a transformers causal LM without a value head."""
+    policy = make_gpt2() if plain_policy else AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2())
     ref = perturbed_copy(policy, seed=1)
     value_model = make_gpt2_critic(seed=3) if critic else None
     plain_policy, plain_ref, plain_critic = (copy.deepcopy(m) for m in (policy, ref, value_model))
@@ -62,7 +64,7 @@ def make_trio(config_kwargs: dict, critic: bool = True, padding_side: str = "rig
     config = PPOConfig(**{**BASE_CONFIG, **config_kwargs})
     optimizer = None
     if optimizer_cls is not None:
-        if critic:
+        if critic and not plain_policy:
             policy.v_head.requires_grad_(False)
         optimizer = optimizer_cls([p for p in policy.parameters() if p.requires_grad], lr=config.learning_rate)
     trainer = PPOTrainer(
@@ -94,6 +96,7 @@ SGD_POLICY = dict(learning_rate=0.1, critic_learning_rate=1e-3)
 CASES = {
     "critic": dict(config=SGD_POLICY, optimizer_cls=torch.optim.SGD),
     "critic_left_padding": dict(config=SGD_POLICY, optimizer_cls=torch.optim.SGD, padding_side="left"),
+    "plain_policy_critic": dict(config=SGD_POLICY, optimizer_cls=torch.optim.SGD, plain_policy=True),
     "critic_ptx_ema": dict(config=dict(ptx_coef=0.5, ema_decay=0.9), ptx=True),
     "critic_ptx_accumulation_clipping": dict(
         config=dict(ptx_coef=2.0, gradient_accumulation_steps=2, max_grad_norm=0.05, ema_decay=0.5), ptx=True
@@ -107,7 +110,7 @@ def test_two_steps_match_the_plain_reference(case):
     spec = CASES[case]
     critic = spec.get("critic", True)
     trainer, plain = make_trio(
-        spec["config"], critic, spec.get("padding_side", "right"), optimizer_cls=spec.get("optimizer_cls")
+        spec["config"], critic, spec.get("padding_side", "right"), spec.get("optimizer_cls"), spec.get("plain_policy")
     )
     for step in range(2):
         queries, responses, scores, _ = make_batch(step)
@@ -122,17 +125,17 @@ def test_two_steps_match_the_plain_reference(case):
             assert want["ppo/loss/ptx"] > 1.0
         else:
             assert "ppo/loss/ptx" not in got
-    assert_weights_close(trainer, plain)
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    assert_close_by_name((policy.pretrained_model if spec.get("plain_policy") else policy).state_dict(), plain.model.state_dict())
     if critic:
         unwrapped = trainer.accelerator.unwrap_model(trainer.critic)
         assert_close_by_name(unwrapped.pretrained_model.state_dict(), plain.critic.state_dict())
     if trainer.config.ema_decay is not None:
-        ema = trainer.ema_model.state_dict()
+        ema = dict(trainer.ema_model.named_parameters())
         assert_close_by_name({k: ema[k] for k in plain.ema}, plain.ema)
-        # The average lags the policy: it is neither the initial nor the final weights.
-        policy = trainer.accelerator.unwrap_model(trainer.model).state_dict()
+        # The average lags the policy: it is not the final weights.
         name = "pretrained_model.transformer.h.0.mlp.c_fc.weight"
-        assert not torch.allclose(ema[name], policy[name], atol=1e-5)
+        assert not torch.allclose(ema[name], dict(policy.named_parameters())[name], atol=1e-5)
     assert want["ppo/policy/clipfrac"] > 0 and want["ppo/val/clipfrac"] > 0
     if trainer.config.max_grad_norm is not None:
         assert max(plain.grad_norms) > trainer.config.max_grad_norm
@@ -195,11 +198,12 @@ def test_save_pretrained_writes_policy_critic_and_ema(tmp_path):
     ema = AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path / "ema")).state_dict()
     live = trainer.accelerator.unwrap_model(trainer.model).state_dict()
     averaged = trainer.ema_model.state_dict()
-    name = "pretrained_model.transformer.h.1.attn.c_attn.weight"
+    name = "transformer.h.1.attn.c_attn.weight"
     assert torch.equal(policy[name], live[name])
     assert torch.equal(ema[name], averaged[name]) and not torch.equal(ema[name], live[name])
     # GPT-2 ties its LM head to the embeddings: the saved average keeps them tied.
-    assert torch.equal(ema["pretrained_model.lm_head.weight"], averaged["pretrained_model.transformer.wte.weight"])
+    assert torch.equal(ema["lm_head.weight"], averaged["transformer.wte.weight"])
+    assert not torch.equal(ema["transformer.wte.weight"], live["transformer.wte.weight"])
 
 
 def _resumable_trainer():

@@ -49,11 +49,11 @@ def test_critic_rollout_loop_ranks_agree(config, models_dir, tmp_path):
     for key, value in report["critic"].items():
         torch.testing.assert_close(saved_critic[key].double(), value, rtol=0, atol=0, msg=key)
 
-    saved_ema = AutoModelForCausalLMWithValueHead.from_pretrained(tmp_path / "ema").state_dict()
-    saved_policy = AutoModelForCausalLMWithValueHead.from_pretrained(tmp_path / "model").state_dict()
+    saved_ema = dict(AutoModelForCausalLMWithValueHead.from_pretrained(tmp_path / "ema").named_parameters())
+    saved_policy = dict(AutoModelForCausalLMWithValueHead.from_pretrained(tmp_path / "model").named_parameters())
     name = "pretrained_model.transformer.h.1.attn.c_attn.weight"
-    torch.testing.assert_close(saved_ema[name].double(), report["ema"][name], rtol=0, atol=0)
-    torch.testing.assert_close(saved_policy[name].double(), report["policy"][name], rtol=0, atol=0)
+    torch.testing.assert_close(saved_ema[name].detach().double(), report["ema"][name], rtol=0, atol=0)
+    torch.testing.assert_close(saved_policy[name].detach().double(), report["policy"][name], rtol=0, atol=0)
     assert not torch.allclose(report["ema"][name], report["policy"][name])
     # The policy's value head is frozen when a critic gives the values: the EMA does not track it.
     assert not any(k.startswith("v_head") for k in report["ema"])

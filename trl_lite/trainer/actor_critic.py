@@ -12,6 +12,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from ..core import logprobs_and_entropy_from_hidden, logprobs_and_entropy_from_logits
+from ..models.modeling_base import _WRAPPED_PREFIX as WRAPPED_PREFIX
 from .accelerate_setup import default_optimizer
 
 # Where save_pretrained(save_value_model=True) writes the critic, inside the policy's directory.
@@ -206,7 +207,10 @@ class ActorCriticMixin:
 
     def _ema_state_dict(self, state_dict: dict) -> dict:
         """The policy's full ``state_dict`` with its trainable parameters replaced by their averages
-        (in the parameters' dtypes); tied names share their parameter's average."""
+        (in the parameters' dtypes); tied names share their parameter's average.
+
+        The wrapper's ``state_dict`` keys lack the ``pretrained_model.`` of its parameter names.
+        """
         averages = self._ema.full_parameters()
         policy = self.accelerator.unwrap_model(self.model)
         out = dict(state_dict)
@@ -214,10 +218,12 @@ class ActorCriticMixin:
         for name, param in policy.named_parameters(remove_duplicate=False):
             names_of.setdefault(id(param), []).append(name)
         for name, param in policy.named_parameters():
-            if name in averages:
-                for alias in names_of[id(param)]:
-                    if alias in out:
-                        out[alias] = averages[name].to(out[alias].dtype)
+            if name not in averages:
+                continue
+            for alias in names_of[id(param)]:
+                for key in (alias, alias.removeprefix(WRAPPED_PREFIX)):
+                    if key in out:
+                        out[key] = averages[name].to(out[key].dtype)
         return out
 
     def _save_model(self, model, save_directory: str, state_dict: dict | None = None, plain: bool = False) -> None:
