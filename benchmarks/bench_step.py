@@ -344,6 +344,7 @@ class FloorPPO:
             rows = list(range(start, min(start + self.mini_batch_size, n)))
             batch = self._pack(queries, responses, rows)
             logprobs, values = response_logprobs(self.lm, batch, self.v_head, self.buffer)
+            values = self._values(batch, values)
             ref, _ = response_logprobs(self.ref, batch, buffer=self.buffer)
             k = batch["mask"].shape[1]
             for key, t in (("logprobs", logprobs), ("ref", ref), ("values", values), ("mask", batch["mask"])):
@@ -362,12 +363,20 @@ class FloorPPO:
         index = torch.tensor(rows, device=self.device)
         take = {key: t[index, : mask.shape[1]] for key, t in old.items()}
         logprobs, values = response_logprobs(self.lm, batch, self.v_head, self.buffer)
+        values = self._values(batch, values)
         ratio = torch.exp(logprobs.float() - take["logprobs"])
         adv = take["advantages"]
         pg_loss = masked_mean(torch.max(-adv * ratio, -adv * ratio.clamp(1 - CLIPRANGE, 1 + CLIPRANGE)), mask)
         v_old, ret = take["values"], take["returns"]
         v_clip = torch.clamp(values.float(), v_old - CLIPRANGE_VALUE, v_old + CLIPRANGE_VALUE)
         vf_loss = 0.5 * masked_mean(torch.max((values.float() - ret) ** 2, (v_clip - ret) ** 2), mask)
+        self._update(pg_loss, vf_loss)
+
+    def _values(self, batch: dict, values: torch.Tensor) -> torch.Tensor:
+        """The values of a pass: here the policy's value head's (a separate critic replaces this)."""
+        return values
+
+    def _update(self, pg_loss: torch.Tensor, vf_loss: torch.Tensor) -> None:
         (pg_loss + VF_COEF * vf_loss).backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -393,6 +402,8 @@ def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtyp
     """Build the models for `method` and return a function `(queries, responses, scores) -> None`."""
     if isinstance(workload, CriticFreeWorkload) and workload.advantage_estimator != "gae":
         return make_critic_free_step_fn(method, workload, device, dtype)
+    if workload.name in CRITIC_WORKLOADS:
+        return make_critic_step_fn(method, workload, device, dtype)
     lm = make_lm(workload, device, dtype)
     if method == "floor":
         return FloorPPO(lm, workload.mini_batch_size, workload.ppo_epochs).step
@@ -859,6 +870,67 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--device cuda was given but torch.cuda.is_available() is False")
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     return args
+
+
+# ----------------------------------------------------------------------------------------------
+# Separate critic (PPO_SPEC section 9): the policy without a value head, and a critic of the same
+# size - a GPT-2 backbone and a one-output score head, no LM head - with its own Adam.
+# ----------------------------------------------------------------------------------------------
+CRITIC_WORKLOADS = {"critic": dataclasses.replace(W1, name="critic")}
+WORKLOAD_GROUPS["critic"] = lambda: list(CRITIC_WORKLOADS.values())
+
+
+def make_critic(lm, device: str, dtype: torch.dtype):
+    """A `GPT2ForSequenceClassification` (num_labels=1) whose backbone starts as a copy of `lm`'s."""
+    from transformers import GPT2ForSequenceClassification
+
+    config = copy.deepcopy(lm.config)
+    config.num_labels = 1
+    torch.manual_seed(1)
+    critic = GPT2ForSequenceClassification(config)
+    critic.transformer.load_state_dict(lm.transformer.state_dict())
+    return critic.to(device=device, dtype=dtype)
+
+
+class FloorCriticPPO(FloorPPO):
+    """The floor with a separate critic: the policy's loss and the critic's value loss each backward
+    into their own model, each model stepped by its own fused Adam."""
+
+    def __init__(self, lm, critic, mini_batch_size: int, ppo_epochs: int):
+        super().__init__(lm, mini_batch_size, ppo_epochs)
+        self.v_head = None
+        self.critic = critic.train()
+        self.optimizer = torch.optim.Adam(lm.parameters(), lr=LEARNING_RATE, fused=True)
+        self.critic_optimizer = torch.optim.Adam(critic.parameters(), lr=LEARNING_RATE, fused=True)
+
+    def _values(self, batch: dict, values) -> torch.Tensor:
+        """The critic's score head on its backbone's hidden states at the response positions. (n, K)"""
+        inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        hidden = self.critic.transformer(**inputs).last_hidden_state
+        index = batch["positions"].unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+        return self.critic.score(hidden.gather(1, index)).squeeze(-1)
+
+    def _update(self, pg_loss: torch.Tensor, vf_loss: torch.Tensor) -> None:
+        pg_loss.backward()
+        vf_loss.backward()
+        for optimizer in (self.optimizer, self.critic_optimizer):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+
+def make_critic_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtype):
+    """`make_step_fn` for the critic workloads: a plain causal-LM policy and a sequence-classification critic."""
+    lm = make_lm(workload, device, dtype)
+    critic = make_critic(lm, device, dtype)
+    if method == "floor":
+        return FloorCriticPPO(lm, critic, workload.mini_batch_size, workload.ppo_epochs).step
+    from trl_lite import PPOConfig, PPOTrainer
+
+    config = PPOConfig(
+        batch_size=workload.batch_size, mini_batch_size=workload.mini_batch_size, ppo_epochs=workload.ppo_epochs,
+        learning_rate=LEARNING_RATE, seed=workload.seed,
+    )  # fmt: skip
+    return PPOTrainer(config, lm, copy.deepcopy(lm), tokenizer=None, value_model=critic).step
 
 
 def main(argv=None) -> None:

@@ -123,3 +123,25 @@ def test_needed_flops_match_torch_flop_counter_on_each_row_alone():
         forward -= layers * (4 * d * t * t - 2 * d * t * (t + 1))  # full scores -> causal half
         expected += (2 + 3 * epochs) * forward  # policy + reference rollout, epochs x (forward + backward)
     assert bench.needed_flops(TINY) == pytest.approx(expected, rel=1e-9)
+
+
+def test_critic_floor_trains_policy_and_critic_apart():
+    """The separate-critic floor: values from the critic's score head at the response positions, and
+    each model changed by its own update only."""
+    lm = bench.make_lm(TINY, "cpu", torch.float32)
+    critic = bench.make_critic(lm, "cpu", torch.float32)
+    floor = bench.FloorCriticPPO(lm, critic, TINY.mini_batch_size, TINY.ppo_epochs)
+    queries, responses, scores = bench.make_batch(TINY)
+    batch = bench.pack_rows(queries, responses, [1, 2], lm.config.pad_token_id, "cpu")
+    with torch.no_grad():
+        values = floor._values(batch, None)
+        for j, i in enumerate([1, 2]):
+            q, r = queries[i], responses[i]
+            hidden = critic.transformer(torch.cat([q, r])[None]).last_hidden_state[0]
+            want = critic.score(hidden[len(q) - 1 : len(q) + len(r) - 1]).squeeze(-1)
+            torch.testing.assert_close(values[j, : len(r)], want, rtol=1e-5, atol=1e-6)
+    policy_before, critic_before = lm.lm_head.weight.detach().clone(), critic.score.weight.detach().clone()
+    floor.step(queries, responses, scores)
+    assert not torch.equal(critic_before, critic.score.weight)
+    assert not torch.equal(policy_before, lm.lm_head.weight)
+    assert all(p.grad is None for p in [*lm.parameters(), *critic.parameters()])
