@@ -89,11 +89,7 @@ _DIST_STATS = (
 )
 
 
-<<<<<<< HEAD
-class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersMixin):
-=======
-class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ActorCriticMixin):
->>>>>>> 8e49566 (Separate critic (value_model, critic_optimizer, critic_learning_rate), PTX loss (ptx_coef, step(ptx_inputs=...)) and policy EMA (ema_decay, ema_model, save_pretrained(ema=True)); critic and EMA in checkpoints; plain reference extended; tests)
+class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersMixin, ActorCriticMixin):
     """PPO for language models with the classic API: the user generates and scores, ``step()`` trains.
 
     Args:

@@ -243,18 +243,13 @@ class RolloutMixin:
         self, model, rows: Rows, idx: torch.Tensor, lm_head_inputs: bool = False, return_values: bool = True, critic=None
     ):
         """The LM head's logits ``(N, V)`` at the token slots of rows ``idx`` - or, with ``lm_head_inputs``,
-<<<<<<< HEAD
-        its inputs ``(N, H)`` - their target ids ``(N,)`` and the values ``(b, L_mb)`` (None without ``return_values``)."""
-        inputs, positions, slots, targets, width = self._minibatch_inputs(rows, idx, packed=self._packs(model))
-=======
         its inputs ``(N, H)`` - their target ids ``(N,)`` and the values ``(b, L_mb)`` (None without ``return_values``).
 
         With a separate ``critic`` (PPO_SPEC section 9) the values are its outputs on the same
         mini-batch inputs, read at the same positions; the policy's value head does not run.
         """
-        inputs, positions, slots, targets, width = self._minibatch_inputs(rows, idx)
+        inputs, positions, slots, targets, width = self._minibatch_inputs(rows, idx, packed=self._packs(model))
         critic_inputs = {key: value for key, value in inputs.items() if key != "logits_positions"}
->>>>>>> 8e49566 (Separate critic (value_model, critic_optimizer, critic_learning_rate), PTX loss (ptx_coef, step(ptx_inputs=...)) and policy EMA (ema_decay, ema_model, save_pretrained(ema=True)); critic and EMA in checkpoints; plain reference extended; tests)
         if lm_head_inputs:
             inputs["return_lm_head_inputs"] = True
         outputs, _, values = model(**inputs, return_values=return_values and critic is None)
