@@ -1,8 +1,8 @@
-"""A separate critic with PTX and a policy EMA on 2 processes (CPU, gloo) under DeepSpeed ZeRO-2.
+"""A separate critic with PTX and a policy EMA on 2 processes (CPU, gloo) under DeepSpeed ZeRO-2/3.
 
 `tests/distributed/critic_loop.py` runs generate -> score -> step with PTX rows on each process;
 the test checks that the critic was prepared as a DeepSpeed engine of its own (partitioned under
-ZeRO-3, when run under it), that every process ends with the same policy, critic and EMA weights (gathered with
+ZeRO-3), that every process ends with the same policy, critic and EMA weights (gathered with
 `torch.distributed`), that the critic and the EMA moved, and that the saved critic and EMA load in
 a plain process with the weights the processes held.
 """
@@ -29,7 +29,7 @@ def models_dir(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("config", ["deepspeed_zero2"])
+@pytest.mark.parametrize("config", ["deepspeed_zero2", "deepspeed_zero3"])
 def test_critic_rollout_loop_ranks_agree(config, models_dir, tmp_path):
     launch(
         config, SCRIPTS / "critic_loop.py", "--base_model", str(models_dir / "policy"),

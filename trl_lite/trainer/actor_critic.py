@@ -15,6 +15,8 @@ from ..core import logprobs_and_entropy_from_hidden, logprobs_and_entropy_from_l
 from ..models.modeling_base import _WRAPPED_PREFIX as WRAPPED_PREFIX
 from .accelerate_setup import default_optimizer
 
+# _save_model's default: gather the state dict there (None is what DeepSpeed gives non-main processes).
+_GATHER = object()
 # Where save_pretrained(save_value_model=True) writes the critic, inside the policy's directory.
 VALUE_MODEL_SUBFOLDER = "value_model"
 
@@ -191,9 +193,12 @@ class ActorCriticMixin:
             raise ValueError("save_pretrained(ema=True) needs an EMA of the policy: set PPOConfig.ema_decay.")
         if save_value_model and self.critic is None:
             raise ValueError("save_pretrained(save_value_model=True) needs a separate critic: pass value_model.")
+        # Under ZeRO-3 both gathers below are collectives, and DeepSpeed returns the consolidated
+        # state dict on the main process only (None elsewhere): each runs exactly once on every process.
         state_dict = self.accelerator.get_state_dict(self.model)
         if ema:
-            state_dict = self._ema_state_dict(state_dict)
+            averages = self._ema.full_parameters()
+            state_dict = self._ema_state_dict(state_dict, averages) if state_dict is not None else None
         self._save_model(self.model, save_directory, state_dict, plain=self._policy_is_plain)
         if save_value_model:
             self._save_model(self.critic, os.path.join(save_directory, VALUE_MODEL_SUBFOLDER))
@@ -205,13 +210,13 @@ class ActorCriticMixin:
         if self._ema is not None:
             self._ema.load_state_dict(tensors)
 
-    def _ema_state_dict(self, state_dict: dict) -> dict:
+    def _ema_state_dict(self, state_dict: dict, averages: dict) -> dict:
         """The policy's full ``state_dict`` with its trainable parameters replaced by their averages
         (in the parameters' dtypes); tied names share their parameter's average.
 
-        The wrapper's ``state_dict`` keys lack the ``pretrained_model.`` of its parameter names.
+        ``averages``: :meth:`PolicyEMA.full_parameters`. The wrapper's ``state_dict`` keys lack the
+        ``pretrained_model.`` of its parameter names.
         """
-        averages = self._ema.full_parameters()
         policy = self.accelerator.unwrap_model(self.model)
         out = dict(state_dict)
         names_of = {}
@@ -226,10 +231,11 @@ class ActorCriticMixin:
                         out[key] = averages[name].to(out[key].dtype)
         return out
 
-    def _save_model(self, model, save_directory: str, state_dict: dict | None = None, plain: bool = False) -> None:
+    def _save_model(self, model, save_directory: str, state_dict=_GATHER, plain: bool = False) -> None:
         """Write a prepared model's full weights (gathered under ZeRO-3) and the tokenizer to ``save_directory``;
-        ``plain``: the wrapped transformers model alone (a policy given as a plain LM)."""
-        if state_dict is None:
+        ``state_dict``: already gathered (None on the processes where DeepSpeed keeps none), gathered here
+        when not given; ``plain``: the wrapped transformers model alone (a policy given as a plain LM)."""
+        if state_dict is _GATHER:
             state_dict = self.accelerator.get_state_dict(model)
         if self.accelerator.is_main_process:
             unwrapped = self.accelerator.unwrap_model(model)
