@@ -24,6 +24,13 @@ class CheckpointMixin:
     ``_checkpoint_tensors() -> dict`` (empty when there are none) and ``_load_checkpoint_tensors(tensors)``.
     """
 
+    def _checkpoint_tensors(self) -> dict:
+        """Per-process tensors the trainer adds to a checkpoint (none by default)."""
+        return {}
+
+    def _load_checkpoint_tensors(self, tensors: dict) -> None:
+        """Restore what :meth:`_checkpoint_tensors` saved (nothing by default)."""
+
     def save_checkpoint(self, path: str) -> None:
         """Save everything a run needs to continue exactly: what accelerate holds (weights, optimizer,
         scheduler, registered objects, every process's RNG) and the trainer's own counters (for
