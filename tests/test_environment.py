@@ -7,7 +7,7 @@ on known transcripts.
 
 import pytest
 import torch
-from tiny_models import WORDS, make_gpt2, make_tokenizer
+from tiny_models import make_gpt2, make_tokenizer
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from trl_lite import AutoModelForCausalLMWithValueHead, TextEnvironment, TextHistory

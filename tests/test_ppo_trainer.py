@@ -365,7 +365,7 @@ def test_lm_head_and_softmax_see_only_the_response_token_slots(monkeypatch, enco
     # (one fewer per row for encoder-decoders, whose first decoder token is the start token).
     # Decoder-only models go through the fused head (core._lm_head_logits), T5 through its own head.
     import trl_lite.core.logprobs as core_module
-    import trl_lite.trainer.ppo_trainer as ppo_trainer_module
+    import trl_lite.trainer.optimization as optimization_module
     import trl_lite.trainer.rollout as rollout_module
 
     if encoder_decoder:
@@ -377,7 +377,7 @@ def test_lm_head_and_softmax_see_only_the_response_token_slots(monkeypatch, enco
     lengths = [len(r) - encoder_decoder for r in responses]
     assert len(set(lengths)) > 1  # the mini-batches do have padding to leave out
     softmax_rows, buffers = [], []
-    for module, name in ((rollout_module, "logprobs_from_logits"), (ppo_trainer_module, "logprobs_and_entropy_from_logits")):
+    for module, name in ((rollout_module, "logprobs_from_logits"), (optimization_module, "logprobs_and_entropy_from_logits")):
         real = getattr(module, name)
 
         def recording(logits, labels, real=real):

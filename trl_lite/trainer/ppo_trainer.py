@@ -4,7 +4,8 @@
 rewards, advantages, epochs, statistics, controller update. The math lives in
 :mod:`trl_lite.core`; this module runs the epochs and talks to the other processes. What the
 trainer uses lives beside it: the rows, compact layout and forward passes in :mod:`.rollout`,
-the separate critic, PTX, EMA and save_pretrained in :mod:`.actor_critic`,
+the PPO epochs and losses in :mod:`.optimization`, the statistics and their logging in
+:mod:`.statistics`, the separate critic, PTX, EMA and save_pretrained in :mod:`.actor_critic`,
 generation in :mod:`.generation`, checkpoints in :mod:`.checkpointing`, input checks in
 :mod:`.step_inputs`, process and device set-up in :mod:`.accelerate_setup`, the dataloader's
 resumable position in :mod:`.resumable_loader`.
@@ -18,7 +19,6 @@ import time
 import warnings
 from dataclasses import asdict
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
@@ -28,21 +28,12 @@ from ..core import (
     compute_gae,
     compute_kl_rewards,
     discounted_returns,
-    entropy_from_logits,
     flatten_dict,
     grpo_advantages,
-    k3_kl,
     kl_estimate,
-    logprobs_and_entropy_from_hidden,
-    logprobs_and_entropy_from_logits,
-    masked_mean,
-    masked_var,
     masked_whiten,
-    ppo_policy_loss,
-    ppo_value_loss,
     rloo_advantages,
     sequence_to_tokens,
-    stats_to_np,
 )
 from ..models import (
     PreTrainedModelWrapper,
@@ -63,10 +54,12 @@ from .cpu_memory import keep_freed_cpu_memory
 from .ema import PolicyEMA
 from .generation import GenerationMixin
 from .kl_controllers import AdaptiveKLController, FixedKLController
+from .optimization import OptimizationMixin
 from .ppo_config import PPOConfig
 from .resumable_loader import ResumableLoader
-from .rollout import RolloutMixin, _to_compact, packing_unsupported
+from .rollout import RolloutMixin, packing_unsupported
 from .running_moments import RunningMoments
+from .statistics import StatisticsMixin
 from .step_inputs import (
     check_constructor_args,
     check_critic_args,
@@ -77,19 +70,10 @@ from .step_inputs import (
 )
 from .timing import PhaseTimer
 
-# Statistics that are distributions (1-D arrays): concatenated over processes instead of averaged.
-_DIST_STATS = (
-    "objective/kl_dist",
-    "objective/logprobs",
-    "objective/ref_logprobs",
-    "tokens/queries_dist",
-    "tokens/responses_dist",
-    "ppo/policy/advantages",
-    "ppo/policy/ratio",
-)
-
-
-class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersMixin, ActorCriticMixin):
+class PPOTrainer(
+    RolloutMixin, OptimizationMixin, StatisticsMixin, GenerationMixin, CheckpointMixin, ClassicHelpersMixin,
+    ActorCriticMixin,
+):
     """PPO for language models with the classic API: the user generates and scores, ``step()`` trains.
 
     Args:
@@ -138,7 +122,7 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
         model, self._policy_is_plain = wrap_plain_model(model)
         ref_model, _ = wrap_plain_model(ref_model) if ref_model is not None else (None, False)
         # Decided before any state changes: padding_free=True with a model that cannot pack raises here.
-        self._pack = _choose_packing(config, model, ref_model)
+        self._pack = _choose_packing(config, model, ref_model, self.critic)
         core.set_seed(config.seed)
         self.config = config
         if not self._uses_value_head:
@@ -224,6 +208,7 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
         self._unwrapped = [(self.model, unwrapped)]
         if self.ref_model is not None:
             self._unwrapped.append((self.ref_model, self.accelerator.unwrap_model(self.ref_model)))
+        self._find_row_attention_models([self.model, self.ref_model, self.critic])
         self._ema = PolicyEMA(unwrapped, config.ema_decay) if config.ema_decay is not None else None
 
         if config.log_with is not None:
@@ -309,7 +294,8 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
         t = time.time()
         kl_loss_ref = None if config.kl_in_reward_resolved else ref_logprobs
         ptx = self._ptx_rows(ptx_inputs) if ptx_inputs is not None else None
-        train_stats = self._optimize(rows, logprobs, values, advantages, returns, kl_loss_ref, kl_coef, ptx)
+        with self._per_row_attention():  # over the backward passes too: gradient checkpointing recomputes
+            train_stats = self._optimize(rows, logprobs, values, advantages, returns, kl_loss_ref, kl_coef, ptx)
         timing["time/ppo/optimize_step"] = time.time() - t
 
         # 6. Statistics (section 8)
@@ -392,235 +378,8 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
         return whitened if shift_mean else whitened + mean
 
     # ------------------------------------------------------------------------------------------
-    # Optimisation
-    # ------------------------------------------------------------------------------------------
-    def _optimize(
-        self, rows, old_logprobs, old_values, advantages, returns, ref_logprobs=None, kl_coef=0.0, ptx=None
-    ) -> dict:
-        """``ppo_epochs`` epochs of shuffled mini-batches (PPO_SPEC section 6). Returns averaged statistics.
-
-        ``old_values``/``returns`` are None for critic-free estimators; ``ref_logprobs`` is given
-        when the KL term is in the loss (``kl_coef * k3``, PPO_SPEC section 12); ``ptx``: the PTX
-        rows (PPO_SPEC section 10) or None.
-        """
-        config = self.config
-        batch = len(rows)
-        minibatch_stats, ratios = [], []
-        skipped_before = self.skipped_minibatches
-        self.model.train()
-        if self.critic is not None:
-            self.critic.train()
-        for _ in range(config.ppo_epochs):
-            order = torch.randperm(batch).to(self.current_device)
-            epoch_policykl = []
-            for idx in order.split(config.mini_batch_size):
-                w = self._width(rows, idx)
-                old, old_v, adv, ret, ref = (
-                    None if x is None else x[idx, :w] for x in (old_logprobs, old_values, advantages, returns, ref_logprobs)
-                )
-                stats, ratio = self._train_rows(rows, idx, old, old_v, adv, ret, ref, kl_coef, ptx)
-                if stats is not None:
-                    minibatch_stats.append(stats)
-                    ratios.append(ratio)
-                    epoch_policykl.append(stats["policy/policykl"])
-            if config.early_stopping and self._should_stop(epoch_policykl):
-                break
-        if minibatch_stats:
-            stacked = {k: torch.stack([s[k] for s in minibatch_stats]).mean() for k in minibatch_stats[0]}
-        else:
-            keys = self._train_stat_keys(ref_logprobs is not None) + (("loss/ptx",) if ptx is not None else ())
-            stacked = {k: torch.tensor(float("nan")) for k in keys}
-        stats = {f"ppo/{k}": v for k, v in stacked.items()}
-        stats["ppo/policy/ratio"] = torch.cat(ratios) if ratios else torch.zeros(0)
-        stats["ppo/skipped_minibatches"] = torch.tensor(float(self.skipped_minibatches - skipped_before))
-        return stats
-
-    def _should_stop(self, epoch_policykl: list) -> bool:
-        """Early stopping: the epoch's mean policykl over all processes above 1.5 * target_kl."""
-        if not epoch_policykl:
-            return False
-        policykl = torch.stack(epoch_policykl).mean().reshape(1)
-        policykl = self.accelerator.reduce(policykl, reduction="mean")
-        return bool(policykl.item() > 1.5 * self.config.target_kl)
-
-    def _train_stat_keys(self, kl_in_loss: bool) -> tuple:
-        """Names (without ``ppo/``) of the mini-batch statistics of this run."""
-        keys = _POLICY_STAT_KEYS + (() if self.config.critic_free else _VALUE_STAT_KEYS)
-        return keys + (("policy/kl_loss",) if kl_in_loss else ())
-
-    def _train_rows(
-        self, rows, idx, old_logprobs, old_values, advantages, returns, ref_logprobs=None, kl_coef=0.0, ptx=None
-    ):
-        """One mini-batch: forward with grad, losses, guarded backward and optimizer step(s).
-
-        Returns its statistics (None when skipped) and the masked per-token ratios.
-        """
-        mask = rows.action_mask[idx, : old_logprobs.shape[1]]
-        with self.accelerator.accumulate(*self._trained_models()):
-            head = self._linear_head(self.model)
-            outputs, targets, vpreds, slots, width = self._head_rows(
-                self.model, rows, idx, head is not None, return_values=self._uses_value_head, critic=self.critic
-            )
-            if head is None:
-                logprobs, entropy = logprobs_and_entropy_from_logits(outputs, targets)
-            else:
-                logprobs, entropy = logprobs_and_entropy_from_hidden(
-                    outputs, head.weight, head.bias, targets, rows.buffer_rows, self._logits_out(rows, head)
-                )
-            del outputs  # the logits, when the head ran in the model: the saved softmax replaces them
-            logprobs = _to_compact(logprobs, slots, len(idx), width)
-            entropy = _to_compact(entropy, slots, len(idx), width)
-            pg_loss, vf_loss, stats = self.loss(
-                old_logprobs, old_values, None, vpreds, logprobs, mask, advantages, returns, entropy=entropy
-            )
-            if ref_logprobs is not None:
-                kl_loss = masked_mean(k3_kl(logprobs, ref_logprobs), mask)
-                pg_loss = pg_loss + kl_coef * kl_loss
-                stats["policy/kl_loss"] = kl_loss.detach()
-            policy_loss, critic_loss = self._split_losses(pg_loss, vf_loss, stats, ptx, idx)
-            reason = self._skip_reason(stats["loss/total"], stats["policy/ratio"], mask)
-            if reason is not None:
-                self._skip(reason)
-                if self.accelerator.sync_gradients:
-                    self._zero_grad()
-                return None, None
-            if not self._backward_and_step(policy_loss, critic_loss):
-                return None, None
-        ratio = torch.exp(logprobs - old_logprobs).detach()[mask.bool()]
-        return stats, ratio
-
-    def _skip_reason(self, loss: torch.Tensor, mean_ratio: torch.Tensor, mask: torch.Tensor) -> str | None:
-        """Why this mini-batch must be skipped on every process, or None. One host sync."""
-        flags = torch.stack([
-            (mask.sum() == 0).float(),
-            (~torch.isfinite(loss)).float(),
-            (mean_ratio > self.config.ratio_threshold).float(),
-        ])  # fmt: skip
-        if self.accelerator.num_processes > 1:
-            flags = self.accelerator.reduce(flags, reduction="sum")
-        no_actions, not_finite, ratio_high = flags.tolist()
-        if no_actions:
-            # Its masked means are 0 / 0: there is nothing to learn from, and no finite loss.
-            return "it has no action tokens (every response in it is masked out or too short)"
-        if not_finite:
-            return "the loss is not finite"
-        if ratio_high:
-            return f"the mean ratio {mean_ratio.item():.2f} exceeds ratio_threshold={self.config.ratio_threshold}"
-        return None
-
-    def _skip(self, reason: str) -> None:
-        self.skipped_minibatches += 1
-        warnings.warn(f"Skipping a PPO mini-batch because {reason}; the weights are not updated for it.", stacklevel=3)
-
-    def _gradients_finite(self, model=None, optimizer=None) -> bool:
-        """Clip the gradient norm (when ``max_grad_norm``) of ``model`` (default the policy) and tell
-        whether every gradient its ``optimizer`` holds is finite."""
-        model = self.model if model is None else model
-        optimizer = self.optimizer if optimizer is None else optimizer
-        if self.is_deepspeed_enabled:
-            # DeepSpeed owns the gradients: it clips and checks them inside its own step, which
-            # the backward has already run, and skips the update when they are not finite.
-            return model.was_step_applied()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if self.config.max_grad_norm is not None:
-            total = self.accelerator.clip_grad_norm_(params, self.config.max_grad_norm)
-        else:
-            # Only finiteness is wanted: a sum is inf or NaN when any term is (it would overflow only
-            # past 3e38), and it reads each gradient once, without the squares of a norm.
-            sums = [p.grad.sum(dtype=torch.float32) for p in params if p.grad is not None]
-            total = torch.stack(sums).sum() if sums else torch.zeros(())
-        return bool(torch.isfinite(torch.as_tensor(total)).item())
-
-    def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns, entropy=None):
-        """PPO losses of one mini-batch (PPO_SPEC section 6), with their statistics.
-
-        Shapes: every per-token argument ``(b, L)``, logits ``(b, L, V)``. The entropy statistic
-        comes from ``entropy`` ``(b, L)`` when given (logits may then be None), else from the logits.
-        Returns the policy loss, the value loss and a dict of detached 0-d statistics. Critic-free
-        (``values``, ``vpreds``, ``returns`` None): the value loss is None and no value statistic is made.
-        """
-        if entropy is None:
-            entropy = entropy_from_logits(logits.detach())
-        pg_loss, pg_stats = ppo_policy_loss(logprobs, old_logprobs, advantages, mask, self.config.cliprange)
-        with torch.no_grad():
-            stats = {
-                "loss/policy": pg_loss.detach(),
-                "loss/total": pg_loss.detach(),
-                "policy/entropy": masked_mean(entropy, mask),
-                "policy/approxkl": pg_stats["approxkl"],
-                "policy/policykl": pg_stats["policykl"],
-                "policy/clipfrac": pg_stats["clipfrac"],
-                "policy/advantages_mean": masked_mean(advantages, mask),
-                "policy/ratio": pg_stats["ratio"],
-            }
-        if vpreds is None:
-            return pg_loss, None, stats
-        vf_loss, vf_stats = ppo_value_loss(vpreds, values, returns, mask, self.config.cliprange_value)
-        with torch.no_grad():
-            stats.update({
-                "loss/value": vf_loss.detach(),
-                "loss/total": (pg_loss + self.config.vf_coef * vf_loss).detach(),
-                "returns/mean": masked_mean(returns, mask),
-                "returns/var": masked_var(returns, mask),
-                "val/vpred": masked_mean(vpreds.detach(), mask),
-                "val/error": masked_mean((vpreds.detach() - returns) ** 2, mask),
-                "val/clipfrac": vf_stats["clipfrac"],
-                "val/mean": masked_mean(values, mask),
-                "val/var": masked_var(values, mask),
-            })  # fmt: skip
-        return pg_loss, vf_loss, stats
-
-    # ------------------------------------------------------------------------------------------
-    # Statistics
-    # ------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _step_stats(self, rows, scores, kls, logprobs, ref_logprobs, non_score_reward, advantages, kl_coef) -> dict:
-        """The batch statistics of PPO_SPEC section 8 (this process), as tensors."""
-        mask = rows.action_mask
-        kl_per_row = (kls * mask).sum(-1)
-        is_action = mask.bool()
-        query_len, response_len = rows.query_len.float(), rows.response_len.float()
-        return {
-            "objective/kl": kl_per_row.mean(),
-            "objective/kl_dist": kl_per_row,
-            "objective/logprobs": logprobs[is_action],
-            "objective/ref_logprobs": ref_logprobs[is_action],
-            "objective/kl_coef": torch.tensor(kl_coef),
-            "objective/entropy": (-logprobs * mask).sum(-1).mean(),
-            "ppo/mean_non_score_reward": masked_mean(non_score_reward, mask),
-            "ppo/mean_scores": scores.mean(),
-            "ppo/std_scores": scores.std() if len(scores) > 1 else torch.tensor(0.0),
-            "ppo/policy/advantages": advantages[is_action],
-            "tokens/queries_len_mean": query_len.mean(),
-            "tokens/queries_len_std": query_len.std() if len(rows) > 1 else torch.tensor(0.0),
-            "tokens/queries_dist": query_len,
-            "tokens/responses_len_mean": response_len.mean(),
-            "tokens/responses_len_std": response_len.std() if len(rows) > 1 else torch.tensor(0.0),
-            "tokens/responses_dist": response_len,
-        }
-
-    def _reduce_stats(self, stats: dict) -> dict:
-        """Average scalar statistics over processes and concatenate the distributions; to numpy."""
-        accelerator = self.accelerator
-        device = self.current_device
-        scalar_keys = [k for k in stats if k not in _DIST_STATS]
-        scalars = torch.stack([torch.as_tensor(stats[k], dtype=torch.float32, device=device) for k in scalar_keys])
-        dists = {k: stats[k].float().flatten().to(device) for k in _DIST_STATS if k in stats}
-        if accelerator.num_processes > 1:
-            scalars = accelerator.reduce(scalars, reduction="mean")
-            for key, value in dists.items():
-                padded = accelerator.pad_across_processes(value, dim=0, pad_index=float("nan"))
-                gathered = accelerator.gather(padded)
-                dists[key] = gathered[~torch.isnan(gathered)]
-        out = dict(zip(scalar_keys, scalars.cpu().tolist()))
-        out.update(stats_to_np(dists))
-        return out
-
-    # ------------------------------------------------------------------------------------------
     # The classic public-ish helpers
     # ------------------------------------------------------------------------------------------
-
-
     def compute_rewards(self, scores, logprobs, ref_logprobs, masks, full_kl=None):
         """KL-shaped rewards (PPO_SPEC section 4) for any per-token layout.
 
@@ -649,30 +408,6 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
         self._backward_and_step(policy_loss, critic_loss)
         self._zero_grad()
         return stats
-
-    # ------------------------------------------------------------------------------------------
-    # Logging (saving is in .actor_critic, checkpoints in .checkpointing)
-    # ------------------------------------------------------------------------------------------
-
-
-    def log_stats(self, stats: dict, batch: dict, rewards, columns_to_log=("query", "response")) -> None:
-        """Send ``stats`` and reward statistics of this step to the accelerate trackers (main process)."""
-        if self.config.log_with is None:
-            return
-        rewards = torch.stack([torch.as_tensor(r, dtype=torch.float32) for r in rewards]).to(self.current_device)
-        rewards = self.accelerator.gather(rewards.reshape(-1))
-        logs = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
-        logs["env/reward_mean"] = rewards.mean().item()
-        logs["env/reward_std"] = rewards.std().item() if rewards.numel() > 1 else 0.0
-        if self.config.log_with != "tensorboard":
-            logs.update({k: v for k, v in stats.items() if isinstance(v, np.ndarray)})
-            logs["env/reward_dist"] = rewards.cpu().numpy()
-            if self.config.log_with == "wandb" and all(c in batch for c in columns_to_log):
-                import wandb
-
-                rows = [[*(batch[c][i] for c in columns_to_log), rewards[i].item()] for i in range(len(batch[columns_to_log[0]]))]
-                logs["game_log"] = wandb.Table(columns=[*columns_to_log, "reward"], rows=rows)
-        self.accelerator.log(logs, step=self.current_step)
 
     # ------------------------------------------------------------------------------------------
     # Checkpoint and resume (the mechanism is in .checkpointing)
@@ -725,23 +460,15 @@ class PPOTrainer(RolloutMixin, GenerationMixin, CheckpointMixin, ClassicHelpersM
         return self.accelerator.prepare(self._build_dataloader(dataset, data_collator))
 
 
-_POLICY_STAT_KEYS = (
-    "loss/policy", "loss/total", "policy/entropy", "policy/approxkl", "policy/policykl",
-    "policy/clipfrac", "policy/advantages_mean", "policy/ratio",
-)  # fmt: skip
-_VALUE_STAT_KEYS = (
-    "loss/value", "returns/mean", "returns/var", "val/vpred", "val/error", "val/clipfrac", "val/mean", "val/var",
-)  # fmt: skip
-
-
-def _choose_packing(config: PPOConfig, model: PreTrainedModelWrapper, ref_model: PreTrainedModelWrapper | None) -> bool:
+def _choose_packing(config: PPOConfig, model, ref_model, critic) -> bool:
     """Whether ``step()`` packs mini-batches (``config.padding_free``): every model of its passes must support it.
 
-    A reference made by the trainer copies ``model``; for a PEFT model it is ``model`` itself.
+    A reference made by the trainer copies ``model``; for a PEFT model it is ``model`` itself. The
+    separate critic takes the policy's inputs, so it must pack too.
     """
     if config.padding_free is False:
         return False
-    for name, wrapper in (("model", model), ("ref_model", ref_model)):
+    for name, wrapper in (("model", model), ("ref_model", ref_model), ("value_model", critic)):
         reason = packing_unsupported(wrapper) if wrapper is not None else None
         if reason is not None:
             if config.padding_free:

@@ -26,6 +26,7 @@ from ..core import (
     logprobs_from_logits,
 )
 from ..models import PreTrainedModelWrapper
+from ..models.packed_attention import ROW_LENGTHS, attend_per_row, takes_row_lengths
 
 
 @dataclass
@@ -202,6 +203,23 @@ class RolloutMixin:
         """Whether the passes of ``model`` take packed rows: packing is on and ``model`` is one the trainer checked."""
         return self._pack and any(model is known for known, _ in self._unwrapped)
 
+    def _find_row_attention_models(self, modules) -> None:
+        """Note which of ``modules`` (prepared policy, reference, critic) get per-row attention in packed passes.
+
+        Those :func:`~trl_lite.models.packed_attention.takes_row_lengths` accepts (sdpa models);
+        the others attend through transformers' block-diagonal mask, to the same result.
+        """
+        self._row_attention_models = {}
+        for module in (m for m in modules if m is not None and self._pack):
+            inner = next((inner for known, inner in self._unwrapped if module is known), None)
+            inner = self.accelerator.unwrap_model(module) if inner is None else inner
+            if takes_row_lengths(inner.transformers_model):
+                self._row_attention_models[id(module)] = inner.transformers_model
+
+    def _per_row_attention(self):
+        """The block in which packed passes attend within each row (forward and backward passes)."""
+        return attend_per_row(self._row_attention_models.values())
+
     def _token_slots(self, rows: Rows, index: list, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The compact slots ``(row, k)`` of rows ``index`` that predict a response token, each ``(N,)``.
 
@@ -248,10 +266,16 @@ class RolloutMixin:
         With a separate ``critic`` (PPO_SPEC section 9) the values are its outputs on the same
         mini-batch inputs, read at the same positions; the policy's value head does not run.
         """
-        inputs, positions, slots, targets, width = self._minibatch_inputs(rows, idx, packed=self._packs(model))
+        packed = self._packs(model)
+        inputs, positions, slots, targets, width = self._minibatch_inputs(rows, idx, packed=packed)
         critic_inputs = {key: value for key, value in inputs.items() if key != "logits_positions"}
         if lm_head_inputs:
             inputs["return_lm_head_inputs"] = True
+        if packed:
+            lengths = tuple(len(rows.sequences[i]) for i in idx.tolist())
+            for module, module_inputs in ((model, inputs), (critic, critic_inputs)):
+                if id(module) in self._row_attention_models:
+                    module_inputs[ROW_LENGTHS] = lengths
         outputs, _, values = model(**inputs, return_values=return_values and critic is None)
         if critic is not None:
             values = critic(**critic_inputs)
@@ -318,11 +342,12 @@ class RolloutMixin:
         if self.critic is not None:
             self.critic.eval()
         for idx in torch.arange(batch, device=self.current_device).split(self.config.mini_batch_size):
-            logprobs, values, logits, slots, w = self._forward_rows(
-                self.model, rows, idx, return_logits=full, return_values=self._uses_value_head, critic=self.critic
-            )
-            with self._reference() as ref:
-                ref_logprobs, _, ref_logits, _, _ = self._forward_rows(ref, rows, idx, return_logits=full, return_values=False)
+            with self._per_row_attention():
+                logprobs, values, logits, slots, w = self._forward_rows(
+                    self.model, rows, idx, return_logits=full, return_values=self._uses_value_head, critic=self.critic
+                )
+                with self._reference() as ref:
+                    ref_logprobs, _, ref_logits, _, _ = self._forward_rows(ref, rows, idx, return_logits=full, return_values=False)
             out[0, idx, :w], out[1, idx, :w] = logprobs, ref_logprobs
             if values is not None:
                 out[2, idx, :w] = values
@@ -377,7 +402,8 @@ class RolloutMixin:
         logits_out = None
         model.eval()
         for idx in torch.arange(batch, device=self.current_device).split(self.config.mini_batch_size):
-            lp, val, logits, slots, w = self._forward_rows(model, rows, idx, return_logits=return_logits)
+            with self._per_row_attention():
+                lp, val, logits, slots, w = self._forward_rows(model, rows, idx, return_logits=return_logits)
             ok = valid[idx, :w] & rows.action_mask[idx, :w].bool()
             # Only the action entries are written: the clamped compact padding repeats column T - 1,
             # and a scatter with repeated indices may keep the padding's zero over a real action.
