@@ -18,7 +18,10 @@ seeded alike before each loop's generation) and sample with the classic settings
 
 Usage:
     python benchmarks/bench_loop.py [--workload tiny|small] [--iterations 3] [--warmup 1]
-        [--threads N] [--output benchmarks/RESULTS.md]
+        [--threads N] [--greedy] [--output benchmarks/RESULTS.md]
+
+With `--greedy` both loops decode greedily to a fixed length (the sampler's mean): they then
+generate the same tokens and step on the same batch, so the ratios show overhead alone.
 """
 
 import argparse
@@ -75,7 +78,22 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def plain_generate(lm, queries, length_sampler, chunk_size: int, pad_id: int, eos_id: int) -> list:
+# Generation settings: classic TRL's pure sampling, or (--greedy) greedy decoding, deterministic.
+SAMPLING = dict(do_sample=True, top_k=0, top_p=1.0)
+GREEDY = dict(do_sample=False)
+
+
+class FixedLength:
+    """A length sampler that always draws ``n`` (--greedy: every chunk generates the same number of tokens)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __call__(self) -> int:
+        return self.n
+
+
+def plain_generate(lm, queries, length_sampler, chunk_size: int, pad_id: int, eos_id: int, settings=SAMPLING) -> list:
     """Responses as a plain-transformers script writes it: chunks in the given order, left-padded by hand."""
     device = next(lm.parameters()).device
     responses = []
@@ -87,8 +105,8 @@ def plain_generate(lm, queries, length_sampler, chunk_size: int, pad_id: int, eo
             attention_mask[row, : input_ids.shape[1] - len(q)] = 0
             attention_mask[row, input_ids.shape[1] - len(q) :] = 1
         out = lm.generate(
-            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=length_sampler(),
-            do_sample=True, top_k=0, top_p=1.0, pad_token_id=pad_id,
+            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=length_sampler(), pad_token_id=pad_id,
+            **settings,
         )  # fmt: skip
         for generation in out[:, input_ids.shape[1] :]:
             eos = (generation == eos_id).nonzero()
@@ -96,14 +114,21 @@ def plain_generate(lm, queries, length_sampler, chunk_size: int, pad_id: int, eo
     return responses
 
 
+def length_sampler(loop: LoopWorkload, greedy: bool):
+    """The loop's ``LengthSampler`` - or, with ``greedy``, a fixed length: the sampler's mean."""
+    from trl_lite import LengthSampler  # the same sampler class in both loops, so both draw the same lengths
+
+    return FixedLength(sum(loop.new_tokens) // 2) if greedy else LengthSampler(*loop.new_tokens)
+
+
 class TrlLoop:
     """The loop on trl_lite, as a user writes it."""
 
-    def __init__(self, loop: LoopWorkload, device: str, dtype: torch.dtype):
+    def __init__(self, loop: LoopWorkload, device: str, dtype: torch.dtype, greedy: bool = False):
         from transformers import PreTrainedTokenizerFast
         from tokenizers import Tokenizer, models
 
-        from trl_lite import AutoModelForCausalLMWithValueHead, LengthSampler, PPOConfig, PPOTrainer
+        from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 
         w = loop.model
         lm = bench_step.make_lm(w, device, dtype)
@@ -117,7 +142,8 @@ class TrlLoop:
             learning_rate=bench_step.LEARNING_RATE, seed=w.seed,
         )  # fmt: skip
         self.trainer = PPOTrainer(config, model, tokenizer=tokenizer)
-        self.sampler = LengthSampler(*loop.new_tokens)
+        self.sampler = length_sampler(loop, greedy)
+        self.settings = GREEDY if greedy else SAMPLING
         self.loop, self.device = loop, device
 
     def iteration(self, queries: list) -> dict:
@@ -125,7 +151,7 @@ class TrlLoop:
         t0 = time.perf_counter()
         responses = trainer.generate(
             queries, length_sampler=self.sampler, batch_size=self.loop.generation_batch_size, return_prompt=False,
-            do_sample=True, top_k=0, top_p=1.0,
+            **self.settings,
         )  # fmt: skip
         with trainer.timed("rollout/reward"):
             scores = reward_fn(responses)
@@ -144,13 +170,12 @@ class TrlLoop:
 class PlainLoop:
     """The same loop on transformers alone: HF generate and the floor's step."""
 
-    def __init__(self, loop: LoopWorkload, device: str, dtype: torch.dtype):
-        from trl_lite import LengthSampler  # the same sampler class, so both draw the same lengths
-
+    def __init__(self, loop: LoopWorkload, device: str, dtype: torch.dtype, greedy: bool = False):
         w = loop.model
         self.lm = bench_step.make_lm(w, device, dtype)
         self.floor = bench_step.FloorPPO(self.lm, w.mini_batch_size, w.ppo_epochs)
-        self.sampler = LengthSampler(*loop.new_tokens)
+        self.sampler = length_sampler(loop, greedy)
+        self.settings = GREEDY if greedy else SAMPLING
         self.loop, self.device = loop, device
         self.pad_id = self.eos_id = w.vocab_size - 1
 
@@ -160,7 +185,7 @@ class PlainLoop:
         self.lm.eval()
         with torch.no_grad():
             responses = plain_generate(
-                self.lm, queries, self.sampler, self.loop.generation_batch_size, self.pad_id, self.eos_id
+                self.lm, queries, self.sampler, self.loop.generation_batch_size, self.pad_id, self.eos_id, self.settings
             )
         _sync(self.device)
         t1 = time.perf_counter()
@@ -175,9 +200,10 @@ class PlainLoop:
         return times
 
 
-def run_loops(loop: LoopWorkload, iterations: int, warmup: int, device="cpu", dtype="fp32") -> dict:
+def run_loops(loop: LoopWorkload, iterations: int, warmup: int, device="cpu", dtype="fp32", greedy=False) -> dict:
     """Both loops, taking turns; returns per loop the list of per-iteration phase times (timed iterations)."""
-    loops = {"trl_lite": TrlLoop(loop, device, bench_step.DTYPES[dtype]), "plain": PlainLoop(loop, device, bench_step.DTYPES[dtype])}
+    dtype = bench_step.DTYPES[dtype]
+    loops = {"trl_lite": TrlLoop(loop, device, dtype, greedy), "plain": PlainLoop(loop, device, dtype, greedy)}
     times = {name: [] for name in loops}
     for i in range(warmup + iterations):
         queries = sample_queries(loop.model, i)
@@ -216,6 +242,10 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default=None, choices=sorted(bench_step.DTYPES))
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--greedy", action="store_true",
+        help="greedy decoding of a fixed length (the sampler's mean): both loops do exactly the same work",
+    )  # fmt: skip
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "benchmarks" / "RESULTS.md")
     args = parser.parse_args(argv)
     if args.iterations < 1 or args.warmup < 0:
@@ -226,7 +256,7 @@ def main(argv=None) -> None:
     loop = LOOPS[args.workload]
     machine = bench_step.machine_description(args.device)
     print(f"machine: {machine}", flush=True)
-    times = run_loops(loop, args.iterations, args.warmup, args.device, args.dtype)
+    times = run_loops(loop, args.iterations, args.warmup, args.device, args.dtype, args.greedy)
     table = format_loop_table(loop.name, times)
     print(table)
     w = loop.model
@@ -235,9 +265,11 @@ def main(argv=None) -> None:
         + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f"; {time.strftime('%Y-%m-%d')}\n\n"
         f"- `{loop.name}`: GPT-2 {w.n_layer} x {w.n_embd}, vocabulary {w.vocab_size}, batch {w.batch_size} "
         f"(queries {w.query_len[0]}-{w.query_len[1]} tokens), generated in chunks of {loop.generation_batch_size} "
-        f"with LengthSampler{loop.new_tokens}, mini-batch {w.mini_batch_size}, {w.ppo_epochs} PPO epochs"
+        + (f"greedily, {sum(loop.new_tokens) // 2} new tokens each" if args.greedy else f"with LengthSampler{loop.new_tokens}")
+        + f", mini-batch {w.mini_batch_size}, {w.ppo_epochs} PPO epochs"
     )
-    heading = f"{args.device} {args.dtype}: loop {args.workload}" + (f", torch threads {args.threads}" if args.threads else "")
+    heading = f"{args.device} {args.dtype}: loop {args.workload}" + (", greedy" if args.greedy else "")
+    heading += f", torch threads {args.threads}" if args.threads else ""
     bench_step.write_results(args.output, heading, f"Machine: {machine}\n\n{setting}\n\n{table}")
     print(f"written to {args.output}")
 

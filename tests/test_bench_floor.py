@@ -145,3 +145,29 @@ def test_critic_floor_trains_policy_and_critic_apart():
     assert not torch.equal(critic_before, critic.score.weight)
     assert not torch.equal(policy_before, lm.lm_head.weight)
     assert all(p.grad is None for p in [*lm.parameters(), *critic.parameters()])
+
+
+def test_greedy_loop_benchmark_gives_both_loops_the_same_work(monkeypatch):
+    # bench_loop imports bench_step by name from benchmarks/.
+    monkeypatch.syspath_prepend(str(BENCH_PATH.parent))
+    spec = importlib.util.spec_from_file_location("bench_loop", BENCH_PATH.parent / "bench_loop.py")
+    bench_loop = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_loop)
+    loop = bench_loop.LoopWorkload("loop-test", TINY, generation_batch_size=3, new_tokens=(4, 9))
+    generated = {}
+    for cls in (bench_loop.TrlLoop, bench_loop.PlainLoop):
+        original = cls.iteration
+
+        def recording(self, queries, original=original, name=cls.__name__):
+            times = original(self, queries)
+            generated.setdefault(name, []).append(times["new_tokens"])
+            return times
+
+        monkeypatch.setattr(cls, "iteration", recording)
+    times = bench_loop.run_loops(loop, iterations=2, warmup=0, greedy=True)
+    # Greedy decoding to a fixed length: the same number of new tokens per iteration in both loops
+    # (EOS may end rows early, at the same place in both).
+    assert generated["TrlLoop"] == generated["PlainLoop"] and len(generated["TrlLoop"]) == 2
+    assert all(len(times[name]) == 2 for name in ("trl_lite", "plain"))
+    table = bench_loop.format_loop_table("loop-test", times)
+    assert table.count("\n") == 3 and "| loop-test | plain |" in table

@@ -30,23 +30,20 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from datasets import disable_progress_bars  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser  # noqa: E402
-from transformers.utils import logging as transformers_logging  # noqa: E402
 
-from trl_lite import LengthSampler, PPOConfig, PPOTrainer, set_seed  # noqa: E402
+from trl_lite import LengthSampler, PPOConfig, PPOTrainer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ppo_sentiment import (  # noqa: E402
-    build_prompt_dataset,
     decode_pairs,
+    first_and_last_rewards,
     is_main_process,
-    load_review_texts,
     load_reward_pipeline,
-    offline_stages,
     reward_fn,
+    start_run,
     step_record,
 )
 
@@ -151,18 +148,11 @@ def train(trainer: PPOTrainer, loader, rewards_of, args: ScriptArguments, gen_kw
 def run(args: ScriptArguments, config: PPOConfig) -> None:
     start_time = time.perf_counter()
     main = is_main_process()
-    disable_progress_bars()
-    transformers_logging.disable_progress_bar()
     output_dir = Path(args.output_dir)
     if main:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "metrics.jsonl").write_text("")
-    set_seed(config.seed)
-    offline = offline_stages(args, config, main)
-    model, tokenizer = load_policy(config, offline)
-    prompts = build_prompt_dataset(
-        load_review_texts(args.dataset_name), tokenizer, args.input_min_text_length, args.input_max_text_length
-    )
+    offline, model, tokenizer, prompts = start_run(args, config, main)
     trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
     # A step holds batch_size rows: batch_size / k prompts, each continued k times.
     loader = DataLoader(
@@ -179,9 +169,7 @@ def run(args: ScriptArguments, config: PPOConfig) -> None:
     trainer.accelerator.end_training()
     if not main:
         return
-    n = min(10, max(len(records) // 2, 1))
-    first = np.mean([r["env/reward_mean"] for r in records[:n]])
-    last = np.mean([r["env/reward_mean"] for r in records[-n:]])
+    n, first, last = first_and_last_rewards(records)
     step_seconds = np.median([r["time/ppo/total"] for r in records])
     print(f"mean reward: first {n} steps {first:+.3f}, last {n} steps {last:+.3f}; median step() {step_seconds:.3f} s")
     if args.compare_with is not None:

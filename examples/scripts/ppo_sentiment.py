@@ -323,22 +323,36 @@ def train(trainer: PPOTrainer, rewards_of, args: ScriptArguments, gen_kwargs: di
     return records
 
 
-def run(args: ScriptArguments, config: PPOConfig) -> None:
-    """The three stages, `config.steps` PPO steps, the saved model and the before/after table."""
-    start_time = time.perf_counter()
-    main = is_main_process()
-    # One progress bar, the PPO one: none for dataset maps or weight files.
+def start_run(args, config: PPOConfig, main: bool):
+    """What every demo run does first: quiet progress bars, the seed, the offline stages (when
+    asked for), the policy with its tokenizer and the prompt dataset. Returns ``(offline, model,
+    tokenizer, prompts)``."""
+    # One progress bar, the training one: none for dataset maps or weight files.
     disable_progress_bars()
     transformers_logging.disable_progress_bar()
-    output_dir = Path(args.output_dir)
-    config.project_kwargs.setdefault("logging_dir", str(output_dir / "runs"))
-    config.query_dataset = args.dataset_name
     set_seed(config.seed)
-
     offline = offline_stages(args, config, main)
     model, tokenizer = load_policy(config, offline)
     reviews = load_review_texts(args.dataset_name)
     prompts = build_prompt_dataset(reviews, tokenizer, args.input_min_text_length, args.input_max_text_length)
+    return offline, model, tokenizer, prompts
+
+
+def first_and_last_rewards(records: list[dict]) -> tuple[int, float, float]:
+    """``(n, mean reward of the first n steps, of the last n)``, n = up to 10 and at most half the run."""
+    n = min(10, max(len(records) // 2, 1))
+    first = np.mean([r["env/reward_mean"] for r in records[:n]])
+    return n, first, np.mean([r["env/reward_mean"] for r in records[-n:]])
+
+
+def run(args: ScriptArguments, config: PPOConfig) -> None:
+    """The three stages, `config.steps` PPO steps, the saved model and the before/after table."""
+    start_time = time.perf_counter()
+    main = is_main_process()
+    output_dir = Path(args.output_dir)
+    config.project_kwargs.setdefault("logging_dir", str(output_dir / "runs"))
+    config.query_dataset = args.dataset_name
+    offline, model, tokenizer, prompts = start_run(args, config, main)
     samples = [prompts[i]["input_ids"] for i in range(min(args.num_samples, len(prompts)))]
 
     def collator(rows):
@@ -367,9 +381,7 @@ def run(args: ScriptArguments, config: PPOConfig) -> None:
     if main:
         print(table)
         if len(records) >= 2:
-            n = min(10, len(records) // 2)
-            first = np.mean([r["env/reward_mean"] for r in records[:n]])
-            last = np.mean([r["env/reward_mean"] for r in records[-n:]])
+            n, first, last = first_and_last_rewards(records)
             print(f"mean reward: first {n} steps {first:+.3f}, last {n} steps {last:+.3f}")
         seconds = time.perf_counter() - start_time
         print(f"wrote metrics.jsonl, training_curves.png and model/ to {output_dir} in {seconds:.0f} s")

@@ -22,12 +22,13 @@ def is_zero3(trainer) -> bool:
     return plugin is not None and plugin.zero_stage == 3
 
 
-def full_named_parameters(trainer) -> dict:
-    """Every parameter of the unwrapped policy (value head included) as a float64 CPU copy, by name.
+def full_named_parameters(trainer, model=None) -> dict:
+    """Every parameter of ``model`` (default: the unwrapped policy, value head included) as a float64
+    CPU copy, by name.
 
     Under ZeRO-3 the shards are gathered for the copy; every process must call this together.
     """
-    model = trainer.accelerator.unwrap_model(trainer.model)
+    model = trainer.accelerator.unwrap_model(trainer.model) if model is None else model
     params = list(model.parameters())
     if is_zero3(trainer):
         import deepspeed

@@ -12,11 +12,10 @@ the EMA to OUT/ema with `PPOTrainer.save_pretrained`.
 
 import argparse
 import os
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from common import finish, flat, full_named_parameters, gather_across_processes, is_zero3
+from common import finish, flat, full_named_parameters, gather_across_processes
 from transformers import GPT2ForSequenceClassification
 
 from tiny_models import VOCAB_SIZE, make_tokenizer
@@ -42,21 +41,6 @@ def build_trainer(args) -> PPOTrainer:
     return PPOTrainer(config, model, tokenizer=make_tokenizer(), value_model=critic)
 
 
-def critic_named_parameters(trainer) -> dict:
-    """Every parameter of the critic's transformers model as a float64 CPU copy (ZeRO-3 shards gathered;
-    every process calls this)."""
-    critic = trainer.accelerator.unwrap_model(trainer.critic).pretrained_model
-    params = list(critic.parameters())
-    if is_zero3(trainer):
-        import deepspeed
-
-        gathered = deepspeed.zero.GatheredParameters(params)
-    else:
-        gathered = nullcontext()
-    with gathered:
-        return {name: p.detach().to("cpu", torch.float64).clone() for name, p in critic.named_parameters()}
-
-
 def main() -> None:
     args = parse_args()
     trainer = build_trainer(args)
@@ -77,7 +61,7 @@ def main() -> None:
 
     device = trainer.accelerator.device
     policy = full_named_parameters(trainer)
-    critic = critic_named_parameters(trainer)
+    critic = full_named_parameters(trainer, trainer.accelerator.unwrap_model(trainer.critic).pretrained_model)
     ema = {name: t.to("cpu", torch.float64) for name, t in trainer._ema.full_parameters().items()}
     per_rank = {key: gather_across_processes(flat(named), device) for key, named in
                 (("policy", policy), ("critic", critic), ("ema", ema))}  # fmt: skip
