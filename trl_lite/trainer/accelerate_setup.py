@@ -76,12 +76,29 @@ def fill_deepspeed_batch_config(
     ds_config["train_batch_size"] = micro_batch_size * gradient_accumulation_steps * accelerator.num_processes
 
 
-def save_full_model(accelerator: Accelerator, model, tokenizer, save_directory: str) -> None:
-    """``save_pretrained`` of the unwrapped model with its full weights (gathered under ZeRO-3) and of
-    the tokenizer (if any), from the main process; every process must call it."""
-    state_dict = accelerator.get_state_dict(model)
+# save_full_model's default: gather the state dict there (None is what DeepSpeed gives the
+# processes that keep no consolidated copy).
+GATHER = object()
+
+
+def save_full_model(
+    accelerator: Accelerator, model, tokenizer, save_directory: str, state_dict=GATHER, plain: bool = False
+) -> None:
+    """``save_pretrained`` of a prepared model with its full weights (gathered under ZeRO-3) and of the
+    tokenizer (if any), from the main process; every process must call it.
+
+    ``state_dict``: already gathered (None on the processes where DeepSpeed keeps none), gathered
+    here when not given; ``plain``: the wrapped transformers model alone (a policy given as a plain LM).
+    """
+    if state_dict is GATHER:
+        state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(save_directory, state_dict=state_dict)
+        unwrapped = accelerator.unwrap_model(model)
+        if plain:
+            base_state, _ = unwrapped._checkpoint_state_dicts(state_dict)
+            unwrapped.pretrained_model.save_pretrained(save_directory, state_dict=base_state)
+        else:
+            unwrapped.save_pretrained(save_directory, state_dict=state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(save_directory)
     accelerator.wait_for_everyone()

@@ -13,10 +13,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..core import logprobs_and_entropy_from_hidden, logprobs_and_entropy_from_logits
 from ..models.modeling_base import _WRAPPED_PREFIX as WRAPPED_PREFIX
-from .accelerate_setup import default_optimizer
-
-# _save_model's default: gather the state dict there (None is what DeepSpeed gives non-main processes).
-_GATHER = object()
+from .accelerate_setup import default_optimizer, save_full_model
 # Where save_pretrained(save_value_model=True) writes the critic, inside the policy's directory.
 VALUE_MODEL_SUBFOLDER = "value_model"
 
@@ -199,9 +196,10 @@ class ActorCriticMixin:
         if ema:
             averages = self._ema.full_parameters()
             state_dict = self._ema_state_dict(state_dict, averages) if state_dict is not None else None
-        self._save_model(self.model, save_directory, state_dict, plain=self._policy_is_plain)
+        accelerator, tokenizer = self.accelerator, self.tokenizer
+        save_full_model(accelerator, self.model, tokenizer, save_directory, state_dict, plain=self._policy_is_plain)
         if save_value_model:
-            self._save_model(self.critic, os.path.join(save_directory, VALUE_MODEL_SUBFOLDER))
+            save_full_model(accelerator, self.critic, tokenizer, os.path.join(save_directory, VALUE_MODEL_SUBFOLDER))
 
     def _checkpoint_tensors(self) -> dict:
         return self._ema.state_dict() if self._ema is not None else {}
@@ -230,20 +228,3 @@ class ActorCriticMixin:
                     if key in out:
                         out[key] = averages[name].to(out[key].dtype)
         return out
-
-    def _save_model(self, model, save_directory: str, state_dict=_GATHER, plain: bool = False) -> None:
-        """Write a prepared model's full weights (gathered under ZeRO-3) and the tokenizer to ``save_directory``;
-        ``state_dict``: already gathered (None on the processes where DeepSpeed keeps none), gathered here
-        when not given; ``plain``: the wrapped transformers model alone (a policy given as a plain LM)."""
-        if state_dict is _GATHER:
-            state_dict = self.accelerator.get_state_dict(model)
-        if self.accelerator.is_main_process:
-            unwrapped = self.accelerator.unwrap_model(model)
-            if plain:
-                base_state, _ = unwrapped._checkpoint_state_dicts(state_dict)
-                unwrapped.pretrained_model.save_pretrained(save_directory, state_dict=base_state)
-            else:
-                unwrapped.save_pretrained(save_directory, state_dict=state_dict)
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(save_directory)
-        self.accelerator.wait_for_everyone()
