@@ -76,12 +76,14 @@ class ActorCriticMixin:
         """Backward of each model's own loss; at an accumulation boundary, clip, check and step both
         optimizers and update the EMA. False when the step was skipped for non-finite gradients."""
         accelerator = self.accelerator
+        # The policy's backward first: it holds the vocabulary-sized gradient of the LM head, and
+        # the critic's gradients would otherwise be alive under it (a higher peak).
+        accelerator.backward(policy_loss)
         if critic_loss is not None:
             if self._critic_engine is not None:
                 self._critic_engine.backward(critic_loss, sync_gradients=accelerator.sync_gradients)
             else:
                 accelerator.backward(critic_loss)
-        accelerator.backward(policy_loss)
         if not accelerator.sync_gradients:
             return True
         finite = self._gradients_finite()
