@@ -341,18 +341,18 @@ class RolloutMixin:
         self.model.eval()
         if self.critic is not None:
             self.critic.eval()
-        for idx in torch.arange(batch, device=self.current_device).split(self.config.mini_batch_size):
-            with self._per_row_attention():
+        with self._per_row_attention():
+            for idx in torch.arange(batch, device=self.current_device).split(self.config.mini_batch_size):
                 logprobs, values, logits, slots, w = self._forward_rows(
                     self.model, rows, idx, return_logits=full, return_values=self._uses_value_head, critic=self.critic
                 )
                 with self._reference() as ref:
                     ref_logprobs, _, ref_logits, _, _ = self._forward_rows(ref, rows, idx, return_logits=full, return_values=False)
-            out[0, idx, :w], out[1, idx, :w] = logprobs, ref_logprobs
-            if values is not None:
-                out[2, idx, :w] = values
-            if full:
-                out[3, idx, :w] = _to_compact(full_kl_from_logits(logits, ref_logits), slots, len(idx), w)
+                out[0, idx, :w], out[1, idx, :w] = logprobs, ref_logprobs
+                if values is not None:
+                    out[2, idx, :w] = values
+                if full:
+                    out[3, idx, :w] = _to_compact(full_kl_from_logits(logits, ref_logits), slots, len(idx), w)
         mask = rows.action_mask
         return out[0] * mask, out[1] * mask, out[2] * mask, (out[3] * mask if full else None)
 
