@@ -46,7 +46,10 @@ from .logprobs import (
 )
 from .masked import clip_by_value, masked_mean, masked_var, masked_whiten
 from .ppo import (
+    IMPORTANCE_SAMPLING_LEVELS,
     KL_PENALTIES,
+    LOSS_TYPE_ALIASES,
+    LOSS_TYPES,
     compute_gae,
     compute_kl_rewards,
     kl_estimate,
@@ -59,7 +62,10 @@ from .utils import WANDB_PADDING, LengthSampler, flatten_dict, set_seed, stack_d
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "IMPORTANCE_SAMPLING_LEVELS",
     "KL_PENALTIES",
+    "LOSS_TYPES",
+    "LOSS_TYPE_ALIASES",
     "LengthSampler",
     "PPODecorators",
     "WANDB_PADDING",

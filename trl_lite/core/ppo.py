@@ -7,6 +7,10 @@ import torch
 from .masked import clip_by_value, masked_mean
 
 KL_PENALTIES = ("kl", "abs", "mse", "full")
+# PPO_SPEC section 13: how per-token losses of a mini-batch become one number, and TRL's names for them.
+LOSS_TYPES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "global_token_mean")
+LOSS_TYPE_ALIASES = {"bnpo": "token_mean", "grpo": "seq_mean_token_mean", "dr_grpo": "seq_mean_token_sum_norm", "dapo": "global_token_mean"}
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
 def kl_estimate(

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core import ADVANTAGE_ESTIMATORS, KL_PENALTIES
+from ..core import ADVANTAGE_ESTIMATORS, IMPORTANCE_SAMPLING_LEVELS, KL_PENALTIES, LOSS_TYPE_ALIASES, LOSS_TYPES
 
 
 def _default_exp_name() -> str:
@@ -109,6 +109,100 @@ class PPOConfig:
     )
     grpo_scale_rewards: bool = field(
         default=True, metadata={"help": "'grpo': divide by the group's score std (False: only subtract the mean)."}
+    )
+    # Policy-loss variants (PPO_SPEC section 13); every default reproduces section 6
+    cliprange_high: float | None = field(
+        default=None,
+        metadata={"help": "Upper clip range of the ratio, clamp(r, 1 - cliprange, 1 + cliprange_high) (DAPO's "
+                  "clip-higher). None: cliprange."},
+    )
+    dual_clip: float | None = field(
+        default=None,
+        metadata={"help": "Dual-clip constant c > 1: where A < 0 the per-token loss is at most -c * A. None: off."},
+    )
+    importance_sampling_level: str = field(
+        default="token",
+        metadata={"help": "'token' (PPO) or 'sequence' (GSPO: one ratio per row, exp of the masked mean log-ratio)."},
+    )
+    loss_type: str = field(
+        default="token_mean",
+        metadata={"help": "Aggregation of per-token losses: 'token_mean' (section 6), 'seq_mean_token_mean' (GRPO), "
+                  "'seq_mean_token_sum_norm' (Dr. GRPO, needs max_response_length) or 'global_token_mean' (DAPO: "
+                  "every action token of the backward batch on all processes weighs the same). TRL's names "
+                  "'bnpo', 'grpo', 'dr_grpo', 'dapo' are accepted and stored as these."},
+    )
+    max_response_length: int | None = field(
+        default=None,
+        metadata={"help": "Longest response of the run, in tokens: the constant of 'seq_mean_token_sum_norm' and "
+                  "L_max of the overlong penalty."},
+    )
+    entropy_coef: float = field(
+        default=0.0, metadata={"help": "Entropy bonus: loss -= entropy_coef * agg(entropy of the action tokens)."}
+    )
+    # Rollout score shaping (PPO_SPEC section 14), before section 2
+    missing_eos_penalty: float | None = field(
+        default=None,
+        metadata={"help": "Subtract this from the score of a row whose response does not end with the EOS token."},
+    )
+    stop_token_id: int | None = field(
+        default=None, metadata={"help": "The EOS token of missing_eos_penalty and env/eos_fraction; None: the tokenizer's."}
+    )
+    overlong_buffer_len: int | None = field(
+        default=None,
+        metadata={"help": "DAPO's soft overlong penalty: responses longer than max_response_length - this many "
+                  "tokens lose up to overlong_penalty_factor, linearly. None: off."},
+    )
+    overlong_penalty_factor: float = field(
+        default=1.0, metadata={"help": "The largest overlong penalty (reached at max_response_length)."}
+    )
+    # Rollouts from another engine (PPO_SPEC section 15)
+    importance_sampling_correction: str | None = field(
+        default=None,
+        metadata={"help": "'tis': multiply each token's policy loss by min(exp(lp_old - lp_gen), "
+                  "importance_sampling_cap) when step() gets generation_logprobs. None: off."},
+    )
+    importance_sampling_cap: float = field(default=2.0, metadata={"help": "Cap of the TIS weight."})
+    # Generation engine
+    use_vllm: bool = field(
+        default=False,
+        metadata={"help": "Generate with vLLM (trainer.generate), pushing the policy's weights into the engine "
+                  "before the first generate after each step() that changed them."},
+    )
+    vllm_mode: str = field(
+        default="colocate",
+        metadata={"help": "'colocate': an engine inside every training process, on its own queries; 'server': "
+                  "one engine in its own process (python -m trl_lite.vllm_server), reached at vllm_server_url."},
+    )
+    vllm_server_url: str = field(
+        default="http://127.0.0.1:8000", metadata={"help": "Base URL of the vLLM server (vllm_mode='server')."}
+    )
+    vllm_server_timeout: float = field(
+        default=240.0,
+        metadata={"help": "Seconds to wait for the server to answer before raising an error naming the URL."},
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3, metadata={"help": "Fraction of the GPU's memory the colocated engine may take (weights + KV cache)."}
+    )
+    vllm_kv_cache_gb: float | None = field(
+        default=None,
+        metadata={"help": "KV-cache size in GiB of a colocated engine on the CPU (vLLM's VLLM_CPU_KVCACHE_SPACE). "
+                  "None: 2 GiB."},
+    )
+    vllm_dtype: str = field(
+        default="auto", metadata={"help": "Engine dtype: 'auto' (the policy's), 'float32', 'bfloat16' or 'float16'."}
+    )
+    vllm_max_model_len: int | None = field(
+        default=None, metadata={"help": "Longest prompt + response the engine accepts. None: the model's."}
+    )
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "Tensor-parallel size of a colocated engine."})
+    vllm_enforce_eager: bool = field(
+        default=True, metadata={"help": "Run the engine without CUDA graphs / compilation (faster start)."}
+    )
+    # Logging
+    log_completions_every: int | None = field(
+        default=None,
+        metadata={"help": "Every this many steps, log_stats writes a table of queries, responses and rewards to "
+                  "the trackers (TensorBoard as text, W&B as a table). None: never."},
     )
     # Batching
     batch_size: int = field(default=128, metadata={"help": "Triplets per step() call, per process."})
@@ -233,9 +327,79 @@ class PPOConfig:
         for name in ("tracker_kwargs", "accelerator_kwargs", "project_kwargs", "push_to_hub_if_best_kwargs"):
             if not isinstance(getattr(self, name), dict):
                 raise TypeError(f"{name} must be a dict, got {type(getattr(self, name)).__name__}.")
+        self._validate_objective()
+        self._validate_engine()
         self.backward_batch_size = backward_batch_size
         # Not a field (as in classic TRL): the step() calls of a script's run, which classic scripts read.
         self.total_ppo_epochs = math.ceil(self.steps / self.batch_size)
+
+    def _validate_objective(self) -> None:
+        """The fields of PPO_SPEC sections 13-15; stores ``loss_type`` under its canonical name."""
+        if self.loss_type in LOSS_TYPE_ALIASES:
+            self.loss_type = LOSS_TYPE_ALIASES[self.loss_type]
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(
+                f"loss_type must be one of {LOSS_TYPES} or TRL's {tuple(LOSS_TYPE_ALIASES)}, got {self.loss_type!r}."
+            )
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+                f"got {self.importance_sampling_level!r}."
+            )
+        if self.cliprange_high is not None:
+            _check_float("cliprange_high", self.cliprange_high, minimum=0.0)
+        if self.dual_clip is not None:
+            _check_float("dual_clip", self.dual_clip)
+            if not self.dual_clip > 1.0:
+                raise ValueError(f"dual_clip must be None or a number > 1, got {self.dual_clip}.")
+        _check_float("entropy_coef", self.entropy_coef, minimum=0.0)
+        for name in ("max_response_length", "overlong_buffer_len", "log_completions_every"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        token = self.stop_token_id
+        if token is not None and (isinstance(token, bool) or not isinstance(token, int) or token < 0):
+            raise TypeError(f"stop_token_id must be None or a token id (int >= 0), got {token!r}.")
+        if self.missing_eos_penalty is not None:
+            _check_float("missing_eos_penalty", self.missing_eos_penalty)
+        _check_float("overlong_penalty_factor", self.overlong_penalty_factor, minimum=0.0)
+        if self.loss_type == "seq_mean_token_sum_norm" and self.max_response_length is None:
+            raise ValueError("loss_type='seq_mean_token_sum_norm' (Dr. GRPO) needs max_response_length, got None.")
+        if self.overlong_buffer_len is not None:
+            if self.max_response_length is None:
+                raise ValueError("overlong_buffer_len needs max_response_length (L_max of the penalty), got None.")
+            if self.overlong_buffer_len > self.max_response_length:
+                raise ValueError(
+                    f"overlong_buffer_len ({self.overlong_buffer_len}) must not exceed max_response_length "
+                    f"({self.max_response_length})."
+                )
+        if self.importance_sampling_correction not in (None, "tis"):
+            raise ValueError(
+                f"importance_sampling_correction must be None or 'tis', got {self.importance_sampling_correction!r}."
+            )
+        _check_positive_float("importance_sampling_cap", self.importance_sampling_cap)
+
+    def _validate_engine(self) -> None:
+        """The generation-engine fields (``use_vllm`` and ``vllm_*``)."""
+        for name in ("use_vllm", "vllm_enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.vllm_mode not in ("colocate", "server"):
+            raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {self.vllm_mode!r}.")
+        if not isinstance(self.vllm_server_url, str) or not self.vllm_server_url.startswith(("http://", "https://")):
+            raise ValueError(f"vllm_server_url must be an http(s) URL, got {self.vllm_server_url!r}.")
+        _check_positive_float("vllm_server_timeout", self.vllm_server_timeout)
+        _check_float("vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, minimum=0.0, maximum=1.0)
+        if self.vllm_gpu_memory_utilization == 0.0:
+            raise ValueError("vllm_gpu_memory_utilization must be in (0, 1], got 0.0.")
+        if self.vllm_kv_cache_gb is not None:
+            _check_positive_float("vllm_kv_cache_gb", self.vllm_kv_cache_gb)
+        if self.vllm_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"vllm_dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.vllm_dtype!r}."
+            )
+        if self.vllm_max_model_len is not None:
+            _check_positive_int("vllm_max_model_len", self.vllm_max_model_len)
+        _check_positive_int("vllm_tensor_parallel_size", self.vllm_tensor_parallel_size)
 
     @property
     def critic_free(self) -> bool:
