@@ -142,8 +142,9 @@ def test_ppo_sentiment_trains_a_separate_critic(tmp_path):
     assert any(not torch.equal(trained[k], initial[k]) for k in initial), "the critic was not trained"
 
 
-def test_custom_rollout_loop_learns_its_reward():
-    result = run_script("custom_rollout_loop.py")
+@pytest.mark.parametrize("flags", [[], ["--use_vllm"]], ids=["transformers", "vllm"])
+def test_custom_rollout_loop_learns_its_reward(flags):
+    result = run_script("custom_rollout_loop.py", *flags)
     rewards = [float(x) for x in re.findall(r"mean reward ([-\d.]+)", result.stdout)]
     assert len(rewards) == 30
     # The share of "yes" starts near chance (1/16 of the vocabulary) and must clearly grow.

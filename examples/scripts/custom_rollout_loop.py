@@ -3,9 +3,11 @@
 A randomly initialised tiny GPT-2 learns to answer every prompt with the word "yes": the reward,
 written by hand below, is the share of "yes" among the words it generates.
     python examples/scripts/custom_rollout_loop.py
+    python examples/scripts/custom_rollout_loop.py --use_vllm   # generation on a colocated vLLM engine
 """
 
 import random
+import sys
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -23,16 +25,25 @@ def reward(text: str) -> float:
     return words.count("yes") / len(words) if words else 0.0
 
 
-def main(steps: int = 30, batch_size: int = 16) -> None:
-    """Train for `steps` PPO steps of `batch_size` prompts, printing the mean reward of each."""
+def main(steps: int = 30, batch_size: int = 16, use_vllm: bool = False) -> None:
+    """Train for `steps` PPO steps of `batch_size` prompts, printing the mean reward of each.
+
+    With `use_vllm` the rollouts come from a vLLM engine in this process, which gets the new weights
+    before each generation; the model then has one attention head (vLLM's CPU attention needs a head
+    size of at least 32; the parameters have the same shapes).
+    """
     set_seed(0)
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
     special_ids = {"bos_token_id": 1, "eos_token_id": 1, "pad_token_id": 0}
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(WORDS), n_embd=32, n_layer=2, n_head=2, **special_ids))
+    n_head = 1 if use_vllm else 2
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(WORDS), n_embd=32, n_layer=2, n_head=n_head, **special_ids))
     model = AutoModelForCausalLMWithValueHead.from_pretrained(gpt2)
-    config = PPOConfig(batch_size=batch_size, mini_batch_size=8, learning_rate=1e-3, init_kl_coef=0.05, steps=steps)
+    config = PPOConfig(
+        batch_size=batch_size, mini_batch_size=8, learning_rate=1e-3, init_kl_coef=0.05, steps=steps, use_vllm=use_vllm,
+        vllm_kv_cache_gb=1, vllm_max_model_len=64,
+    )  # fmt: skip
     trainer = PPOTrainer(config, model, tokenizer=tokenizer)  # the reference model is a frozen copy
     lengths = LengthSampler(3, 7)  # new tokens per generation: 3 to 6
 
@@ -50,4 +61,4 @@ def main(steps: int = 30, batch_size: int = 16) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(use_vllm="--use_vllm" in sys.argv[1:])

@@ -1,178 +1,172 @@
-"""Generation for the rollout: one query or a batch of them, from the policy or the reference,
-with full weights gathered once per call under ZeRO-3."""
+"""``PPOTrainer.generate``: the classic entry point, on the generation engine the config picks.
+
+:func:`build_generation` is the one place that reads ``use_vllm``/``vllm_mode``: the policy's
+responses come from a :class:`~.engines.TransformersEngine` (transformers ``generate`` on the trained
+model) or a :class:`~.engines.VLLMEngine` (colocated or server), and reference responses always
+from a transformers engine on the reference. An engine with its own copy of the weights is pushed
+the policy's weights lazily: before the first ``generate`` after the policy changed, once.
+"""
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
+
+from .engines import (
+    GenerationEngine,
+    TransformersEngine,
+    VLLMEngine,
+    WeightVersion,
+    build_vllm_backend,
+    check_vllm_can_load,
+    named_policy_weights,
+    require_vllm,
+)
+from .engines.transformers_engine import eval_mode
+
+__all__ = ["RolloutGeneration", "build_generation", "eval_mode"]
 
 
-@contextmanager
-def eval_mode(model: torch.nn.Module):
-    """Eval mode (no dropout) inside the block; afterwards every submodule gets back its own mode.
+class RolloutGeneration:
+    """The trainer's generation part: the policy's engine, the reference's, and the weight pushes.
 
-    Generation must not depend on the mode ``step()`` leaves the model in: with dropout on, greedy
-    decoding of a query alone and of the same query in a batch would differ.
+    Args:
+        engine: generates the policy's responses.
+        reference_engine: generates the reference's responses (``generate_ref_response=True``).
+        timer: the trainer's :class:`~.timing.PhaseTimer` (``rollout/generate``, ``rollout/weight_sync``).
+        policy_weights: called for each push; yields the policy's ``(name, tensor)`` pairs.
+        version: counts policy updates; None for an engine that needs no pushes.
+        push: takes ``policy_weights()`` to the engine; default ``engine.load_weights`` (see
+            :func:`build_generation` for a server shared by several processes).
     """
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        yield model
-    finally:
-        for module, training in modes:
-            module.training = training
 
+    def __init__(self, engine: GenerationEngine, reference_engine: GenerationEngine, timer,
+                 policy_weights: Callable | None = None, version: WeightVersion | None = None,
+                 push: Callable | None = None):  # fmt: skip
+        self.engine = engine
+        self.reference_engine = reference_engine
+        self.timer = timer
+        self.policy_weights = policy_weights
+        self.push = engine.load_weights if push is None else push
+        self.version = version
+        self._held_version = None
+        if engine.needs_weight_sync:
+            # The engine starts without the policy's weights; this first push is not a rollout phase.
+            self._push()
 
-class GenerationMixin:
-    """``PPOTrainer.generate`` and its batching: :class:`PPOTrainer` mixes it in."""
+    def sync_weights(self) -> None:
+        """Push the policy's weights to the engine if it holds older ones (a collective under ZeRO-3)."""
+        if not self.engine.needs_weight_sync or self._held_version == self.version.version:
+            return
+        with self.timer("rollout/weight_sync"):
+            self._push()
 
-    @contextmanager
-    def _generation_model(self, model):
-        """The unwrapped model with full weights: under ZeRO-3 gathered once for the whole call."""
-        unwrapped = self.accelerator.unwrap_model(model)
-        if self._is_zero3:
-            import deepspeed
+    @torch.no_grad()  # merged LoRA weights are computed for the push, not for a backward pass
+    def _push(self) -> None:
+        self.push(self.policy_weights())
+        self._held_version = self.version.version
 
-            with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
-                yield unwrapped
-        else:
-            yield unwrapped
+    def weights_changed(self) -> None:
+        """Mark the policy's weights changed outside an optimizer step (a loaded checkpoint)."""
+        if self.version is not None:
+            self.version.bump()
 
     @torch.no_grad()
-    def generate(
-        self,
-        query_tensor,
-        length_sampler=None,
-        batch_size: int = 4,
-        return_prompt: bool = True,
-        generate_ref_response: bool = False,
-        remove_padding: bool = True,
-        **generation_kwargs,
-    ):
-        """Generate responses for one query (1-D tensor) or a list of them.
-
-        A list is generated in chunks of ``batch_size`` queries with left padding and returned as a
-        list of 1-D tensors with padding (and anything after the first EOS) removed. With
-        ``num_return_sequences=k`` (a generation kwarg; sampling or beams) each query gets k responses,
-        next to each other: entries ``i*k .. i*k+k-1`` answer query ``i``, the layout ``step()``
-        expects for ``num_samples_per_query=k``. ``length_sampler`` draws ``max_new_tokens`` per call
-        (per chunk for a list). With ``generate_ref_response`` the reference model's responses are returned too.
-
-        Under ZeRO-3 generation is collective: every process must call ``generate`` the same number
-        of times, but the processes may pass different numbers of queries and lengths.
-
-        The call's wall-clock time counts in ``time/rollout/generate`` of the next ``step()``'s statistics.
-        """
-        with self.timed("rollout/generate"):
-            return self._generate(
-                query_tensor, length_sampler, batch_size, return_prompt, generate_ref_response, remove_padding,
-                **generation_kwargs,
-            )  # fmt: skip
-
-    def _generate(
-        self, query_tensor, length_sampler, batch_size, return_prompt, generate_ref_response, remove_padding,
-        **generation_kwargs,
-    ):  # fmt: skip
+    def generate(self, query_tensor, length_sampler=None, batch_size: int = 4, return_prompt: bool = True,
+                 generate_ref_response: bool = False, remove_padding: bool = True, return_logprobs: bool = False,
+                 **generation_kwargs):  # fmt: skip
+        """See :meth:`PPOTrainer.generate`."""
+        if not isinstance(return_logprobs, bool):
+            raise TypeError(f"return_logprobs must be a bool, got {return_logprobs!r}.")
         if isinstance(query_tensor, (list, tuple)):
-            responses = self._generate_batched(
-                self.model, query_tensor, length_sampler, batch_size, return_prompt, remove_padding, **generation_kwargs
-            )
-            if not generate_ref_response:
-                return responses
-            with self._reference() as ref:
-                ref_responses = self._generate_batched(
-                    ref, query_tensor, length_sampler, batch_size, return_prompt, remove_padding, **generation_kwargs
-                )
-            return responses, ref_responses
-        if not isinstance(query_tensor, torch.Tensor) or query_tensor.dim() != 1:
+            _check_queries(query_tensor)
+        elif not isinstance(query_tensor, torch.Tensor) or query_tensor.dim() != 1:
             raise ValueError(
                 "query_tensor must be a 1-D tensor of token ids or a list of them, got "
                 f"{type(query_tensor).__name__}{tuple(query_tensor.shape) if isinstance(query_tensor, torch.Tensor) else ''}."
             )
-        if length_sampler is not None:
-            generation_kwargs["max_new_tokens"] = length_sampler()
-        query = query_tensor.unsqueeze(0).to(self.current_device)
-        with eval_mode(self.model), self._generation_model(self.model) as model:
-            response = model.generate(input_ids=query, **generation_kwargs)
-        if not return_prompt and not self.is_encoder_decoder:
-            response = response[:, query.shape[1] :]
-        if not generate_ref_response:
-            return response
-        with self._reference() as ref, eval_mode(ref), self._generation_model(ref) as ref_model:
-            ref_response = ref_model.generate(input_ids=query, **generation_kwargs)
-        if not return_prompt and not self.is_encoder_decoder:
-            ref_response = ref_response[:, query.shape[1] :]
-        return response, ref_response
-
-    def _generate_batched(self, model, queries, length_sampler, batch_size, return_prompt, remove_padding, **kwargs):
-        """Generate for a list of queries in left-padded chunks; one 1-D tensor per query, in the given order.
-
-        The queries are sorted by length before being cut into chunks, so a chunk holds queries of
-        similar length and little left padding is computed (at every decoding step, too: the padding
-        stays in the key/value cache). ``length_sampler`` is still drawn once per chunk.
-        """
-        if self.tokenizer is None:
-            raise ValueError("generate() with a list of queries needs the trainer's tokenizer (for padding); got None.")
-        device = self.current_device
-        pad = self._pad_id
-        kwargs.setdefault("pad_token_id", pad)
-        # transformers returns the k sequences of each prompt next to each other (repeat_interleave).
-        per_query = int(kwargs.get("num_return_sequences") or 1)
-        outputs = [None] * (len(queries) * per_query)
-        order = sorted(range(len(queries)), key=lambda i: len(queries[i]))
-        starts = range(0, len(queries), batch_size)
-        with eval_mode(model), self._generation_model(model) as gen_model:
-            for _ in range(self._missing_generate_calls(len(starts))):
-                # Under ZeRO-3 every forward pass is a collective, so a process with fewer chunks
-                # than another joins the extra calls with a one-row stand-in whose output is dropped.
-                stand_in = (queries[0][:1] if len(queries) else torch.tensor([pad])).to(device).unsqueeze(0)
-                gen_model.generate(input_ids=stand_in, attention_mask=torch.ones_like(stand_in), **kwargs)
-            for start in starts:
+        elif return_logprobs:
+            raise ValueError("return_logprobs=True needs a list of queries; pass [query_tensor].")
+        self.sync_weights()
+        with self.timer("rollout/generate"):
+            if not isinstance(query_tensor, (list, tuple)):
                 if length_sampler is not None:
-                    kwargs["max_new_tokens"] = length_sampler()
-                rows = order[start : start + batch_size]
-                chunk = [queries[i].to(device) for i in rows]
-                input_ids = pad_sequence(chunk, batch_first=True, padding_value=pad, padding_side="left")
-                lengths = [len(q) for q in chunk]
-                attention_mask = (
-                    torch.arange(input_ids.shape[1], device=device)
-                    >= (input_ids.shape[1] - torch.tensor(lengths, device=device)).unsqueeze(1)
-                ).long()
-                generations = gen_model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-                trimmed = self._trim_generations(
-                    generations, input_ids.shape[1], [n for n in lengths for _ in range(per_query)], return_prompt,
-                    remove_padding,
-                )  # fmt: skip
-                for index, generation in enumerate(trimmed):
-                    outputs[rows[index // per_query] * per_query + index % per_query] = generation
-        return outputs
+                    generation_kwargs["max_new_tokens"] = length_sampler()
+                response = self.engine.generate_one(query_tensor, generation_kwargs, return_prompt)
+                if not generate_ref_response:
+                    return response
+                return response, self.reference_engine.generate_one(query_tensor, generation_kwargs, return_prompt)
+            args = (length_sampler, batch_size, return_prompt, remove_padding)
+            responses, logprobs = self.engine.generate(list(query_tensor), generation_kwargs, *args, return_logprobs)
+            out = [responses]
+            if generate_ref_response:
+                out.append(self.reference_engine.generate(list(query_tensor), generation_kwargs, *args, False)[0])
+            if return_logprobs:
+                out.append(logprobs)
+            return out[0] if len(out) == 1 else tuple(out)
 
-    def _trim_generations(self, generations, prompt_width, lengths, return_prompt, remove_padding) -> list:
-        """Rows of one chunk's ``generate`` output ``(n, S)`` without the prompt's left padding (and the
-        prompt unless ``return_prompt``), cut after the first EOS when ``remove_padding``: n 1-D views.
+    def close(self) -> None:
+        self.engine.close()
 
-        Where each row ends is found for the whole chunk at once: one host transfer per chunk.
-        """
-        eos = self.tokenizer.eos_token_id
-        width = generations.shape[1]
-        if self.is_encoder_decoder:
-            begins = [0] * len(lengths)  # the decoder start token is kept; EOS is searched after it
-            search_from = 1
-        else:
-            begins = [prompt_width - n if return_prompt else prompt_width for n in lengths]
-            search_from = prompt_width  # an EOS inside a prompt does not end its response
-        ends = [width] * len(lengths)
-        if remove_padding and eos is not None:
-            is_eos = generations[:, search_from:] == eos
-            first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + search_from + 1, width)
-            ends = first.tolist()
-        return [generation[begin:end] for generation, begin, end in zip(generations, begins, ends)]
 
-    def _missing_generate_calls(self, calls: int) -> int:
-        """How many fewer ``generate`` calls this process makes than the busiest one (0 unless ZeRO-3)."""
-        if not self._is_zero3 or self.accelerator.num_processes == 1:
-            return 0
-        counts = self.accelerator.gather(torch.tensor([calls], device=self.current_device))
-        return int(counts.max()) - calls
+def _check_queries(queries) -> None:
+    for i, query in enumerate(queries):
+        if not isinstance(query, torch.Tensor) or query.dim() != 1 or query.dtype.is_floating_point:
+            raise ValueError(
+                f"query_tensor[{i}] must be a 1-D tensor of token ids, got {type(query).__name__}"
+                f"{tuple(query.shape) if isinstance(query, torch.Tensor) else ''}."
+            )
+
+
+def build_generation(config, *, model, unwrapped, accelerator, tokenizer, pad_token_id: int, is_encoder_decoder: bool,
+                     is_zero3: bool, reference_context, optimizer, timer) -> RolloutGeneration:  # fmt: skip
+    """The generation part ``config`` asks for (``use_vllm``, ``vllm_mode``); refuses what the engine cannot run.
+
+    ``model``: the prepared policy; ``unwrapped``: its value-head wrapper; ``reference_context``: a
+    context manager factory yielding the reference module.
+    """
+
+    @contextmanager
+    def policy_context():
+        yield model
+
+    def transformers_engine(context):
+        return TransformersEngine(context, accelerator, tokenizer, pad_token_id, is_encoder_decoder, is_zero3)
+
+    reference = transformers_engine(reference_context)
+    if not config.use_vllm:
+        return RolloutGeneration(transformers_engine(policy_context), reference, timer)
+    require_vllm()
+    lm = unwrapped.pretrained_model
+    transformers_model = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    model_config = copy.deepcopy(transformers_model.config)
+    if not model_config.architectures:
+        model_config.architectures = [type(transformers_model).__name__]
+    check_vllm_can_load(model_config, is_encoder_decoder)
+    if config.vllm_mode == "colocate":
+        # Every process runs its own engine on its own queries: different seeds, or ranks would sample alike.
+        config = copy.copy(config)
+        config.seed = config.seed + accelerator.process_index
+    backend = build_vllm_backend(config, model_config, getattr(transformers_model, "generation_config", None))
+    eos = tokenizer.eos_token_id if tokenizer is not None else getattr(model_config, "eos_token_id", None)
+    engine = VLLMEngine(backend, eos, pad_token_id, getattr(transformers_model, "generation_config", None))
+    push = None
+    if config.vllm_mode == "server" and accelerator.num_processes > 1:
+
+        def push(weights):
+            """One server for all processes: the main process sends, the others only join the ZeRO-3
+            gathers; nobody generates before the new weights are in."""
+            if accelerator.is_main_process:
+                engine.load_weights(weights)
+            else:
+                for _ in weights:
+                    pass
+            accelerator.wait_for_everyone()
+
+    return RolloutGeneration(
+        engine, reference, timer, lambda: named_policy_weights(lm, is_zero3), WeightVersion(optimizer),
+        push=push,
+    )  # fmt: skip

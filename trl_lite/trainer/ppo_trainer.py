@@ -52,7 +52,7 @@ from .checkpointing import CheckpointMixin
 from .classic_helpers import ClassicHelpersMixin
 from .cpu_memory import keep_freed_cpu_memory
 from .ema import PolicyEMA
-from .generation import GenerationMixin
+from .generation import build_generation
 from .kl_controllers import AdaptiveKLController, FixedKLController
 from .optimization import OptimizationMixin
 from .ppo_config import PPOConfig
@@ -71,7 +71,7 @@ from .step_inputs import (
 from .timing import PhaseTimer
 
 class PPOTrainer(
-    RolloutMixin, OptimizationMixin, StatisticsMixin, GenerationMixin, CheckpointMixin, ClassicHelpersMixin,
+    RolloutMixin, OptimizationMixin, StatisticsMixin, CheckpointMixin, ClassicHelpersMixin,
     ActorCriticMixin,
 ):
     """PPO for language models with the classic API: the user generates and scores, ``step()`` trains.
@@ -210,6 +210,11 @@ class PPOTrainer(
             self._unwrapped.append((self.ref_model, self.accelerator.unwrap_model(self.ref_model)))
         self._find_row_attention_models([self.model, self.ref_model, self.critic])
         self._ema = PolicyEMA(unwrapped, config.ema_decay) if config.ema_decay is not None else None
+        self.generation = build_generation(
+            config, model=self.model, unwrapped=unwrapped, accelerator=self.accelerator, tokenizer=tokenizer,
+            pad_token_id=self._pad_id, is_encoder_decoder=self.is_encoder_decoder, is_zero3=self._is_zero3,
+            reference_context=self._reference, optimizer=self.optimizer, timer=self._phase_timer,
+        )  # fmt: skip
 
         if config.log_with is not None:
             self.accelerator.init_trackers(
@@ -324,6 +329,47 @@ class PPOTrainer(
         stats.update(self._phase_timer.pop())
         return stats
 
+    def generate(
+        self,
+        query_tensor,
+        length_sampler=None,
+        batch_size: int = 4,
+        return_prompt: bool = True,
+        generate_ref_response: bool = False,
+        remove_padding: bool = True,
+        return_logprobs: bool = False,
+        **generation_kwargs,
+    ):
+        """Generate responses for one query (1-D tensor) or a list of them, on the configured engine.
+
+        A list gives a list of 1-D tensors with padding (and anything after the first EOS) removed.
+        With ``num_return_sequences=k`` (a generation kwarg) each query gets k responses, next to each
+        other: entries ``i*k .. i*k+k-1`` answer query ``i``, the layout ``step()`` expects for
+        ``num_samples_per_query=k``. One query gives the ``(k, S)`` output of ``generate``.
+        With ``generate_ref_response`` the reference model's responses are returned too (always by
+        transformers). With ``return_logprobs=True`` (a list only) the last returned element is one
+        1-D float tensor per row: the log-probability of each generated token (prompt excluded) under
+        the generating model's raw logits (temperature 1), ready for ``step(..., generation_logprobs=...)``.
+
+        The transformers engine (default) generates in chunks of ``batch_size`` queries and draws
+        ``length_sampler`` once per chunk; under ZeRO-3 generation is collective (every process calls
+        ``generate`` equally often; query counts and lengths may differ). The vLLM engine
+        (``use_vllm=True``) sends all queries at once, draws ``length_sampler`` once per query, maps the
+        generation kwargs to vLLM's sampling parameters and refuses any it cannot map (see
+        :func:`~trl_lite.trainer.engines.sampling_params`); after the policy changed, it first receives
+        the new weights (``time/rollout/weight_sync``; a collective under ZeRO-3).
+
+        The call's wall-clock time counts in ``time/rollout/generate`` of the next ``step()``'s statistics.
+        """
+        return self.generation.generate(
+            query_tensor, length_sampler, batch_size, return_prompt, generate_ref_response, remove_padding,
+            return_logprobs, **generation_kwargs,
+        )  # fmt: skip
+
+    def _trim_generations(self, generations, prompt_width, lengths, return_prompt, remove_padding) -> list:
+        """The transformers engine's trimming of a left-padded ``generate`` output (see :func:`.engines.trim_rows`)."""
+        return self.generation.reference_engine.trim(generations, prompt_width, lengths, return_prompt, remove_padding)
+
     def timed(self, phase: str):
         """Time a phase of your loop: ``with trainer.timed("rollout/reward"): scores = reward_fn(...)``.
 
@@ -434,6 +480,7 @@ class PPOTrainer(
         self.skipped_minibatches = state["skipped_minibatches"]
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.running.load_state_dict(state["running"])
+        self.generation.weights_changed()
         if self.dataloader is not None and state["dataloader"] is not None:
             self.dataloader.load_state_dict(state["dataloader"])
 

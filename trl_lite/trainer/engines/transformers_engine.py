@@ -1,0 +1,151 @@
+"""Generation with transformers' ``generate`` on the trained model itself (the default engine)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from .base import GenerationEngine, trim_rows
+
+
+@contextmanager
+def eval_mode(model: torch.nn.Module):
+    """Eval mode (no dropout) inside the block; afterwards every submodule gets back its own mode.
+
+    Generation must not depend on the mode ``step()`` leaves the model in: with dropout on, greedy
+    decoding of a query alone and of the same query in a batch would differ.
+    """
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+class TransformersEngine(GenerationEngine):
+    """transformers ``generate`` on a (prepared) model, in left-padded chunks of queries.
+
+    Args:
+        model_context: called once per ``generate``; a context manager yielding the prepared model to
+            generate with (the policy, or the reference: for a PEFT policy, the policy with its adapter disabled).
+        accelerator: the trainer's accelerator (unwrapping, and under ZeRO-3 the call count of every process).
+        tokenizer: gives the EOS id that ends a response; a list of queries needs it (for padding).
+        pad_token_id: the left padding of a chunk.
+        is_encoder_decoder: responses then start with the decoder start token, and no prompt is cut off.
+        is_zero3: weights are gathered once per call, and every process makes the same number of
+            ``generate`` calls (a process with fewer chunks joins the others' with a one-row stand-in).
+    """
+
+    def __init__(self, model_context: Callable[[], AbstractContextManager], accelerator, tokenizer, pad_token_id: int,
+                 is_encoder_decoder: bool, is_zero3: bool):  # fmt: skip
+        self.model_context = model_context
+        self.accelerator = accelerator
+        self.tokenizer = tokenizer
+        self.pad_token_id = pad_token_id
+        self.is_encoder_decoder = is_encoder_decoder
+        self.is_zero3 = is_zero3
+
+    @contextmanager
+    def _generation_model(self):
+        """The unwrapped model in eval mode with full weights: under ZeRO-3 gathered once for the whole call."""
+        with self.model_context() as model, eval_mode(model):
+            unwrapped = self.accelerator.unwrap_model(model)
+            if self.is_zero3:
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
+                    yield unwrapped
+            else:
+                yield unwrapped
+
+    def generate_one(self, query, generation_kwargs, return_prompt):
+        query = query.unsqueeze(0).to(self.accelerator.device)
+        with self._generation_model() as model:
+            response = model.generate(input_ids=query, **generation_kwargs)
+        if not return_prompt and not self.is_encoder_decoder:
+            response = response[:, query.shape[1] :]
+        return response
+
+    def generate(self, queries, generation_kwargs, length_sampler, batch_size, return_prompt, remove_padding,
+                 return_logprobs):  # fmt: skip
+        """Chunks of ``batch_size`` queries; ``length_sampler`` draws ``max_new_tokens`` once per chunk.
+
+        The queries are sorted by length before being cut into chunks, so a chunk holds queries of
+        similar length and little left padding is computed (at every decoding step, too: the padding
+        stays in the key/value cache). Log-probs come from the raw logits ``generate`` returns
+        (``output_logits``), before any temperature or top-k/top-p processing.
+        """
+        if self.tokenizer is None:
+            raise ValueError("generate() with a list of queries needs the trainer's tokenizer (for padding); got None.")
+        device = self.accelerator.device
+        pad = self.pad_token_id
+        kwargs = dict(generation_kwargs)
+        kwargs.setdefault("pad_token_id", pad)
+        if return_logprobs:
+            if int(kwargs.get("num_beams") or 1) != 1:
+                # generate's per-step logits follow the beams, not the sequences it returns.
+                raise ValueError(f"return_logprobs=True needs num_beams=1, got num_beams={kwargs['num_beams']!r}.")
+            kwargs.update(output_logits=True, return_dict_in_generate=True)
+        # transformers returns the k sequences of each prompt next to each other (repeat_interleave).
+        per_query = int(kwargs.get("num_return_sequences") or 1)
+        outputs = [None] * (len(queries) * per_query)
+        logprobs = [None] * len(outputs) if return_logprobs else None
+        order = sorted(range(len(queries)), key=lambda i: len(queries[i]))
+        starts = range(0, len(queries), batch_size)
+        with self._generation_model() as gen_model:
+            for _ in range(self._missing_generate_calls(len(starts))):
+                # Under ZeRO-3 every forward pass is a collective, so a process with fewer chunks
+                # than another joins the extra calls with a one-row stand-in whose output is dropped.
+                stand_in = (queries[0][:1] if len(queries) else torch.tensor([pad])).to(device).unsqueeze(0)
+                gen_model.generate(input_ids=stand_in, attention_mask=torch.ones_like(stand_in), **kwargs)
+            for start in starts:
+                if length_sampler is not None:
+                    kwargs["max_new_tokens"] = length_sampler()
+                rows = order[start : start + batch_size]
+                chunk = [queries[i].to(device) for i in rows]
+                input_ids = pad_sequence(chunk, batch_first=True, padding_value=pad, padding_side="left")
+                lengths = [len(q) for q in chunk]
+                attention_mask = (
+                    torch.arange(input_ids.shape[1], device=device)
+                    >= (input_ids.shape[1] - torch.tensor(lengths, device=device)).unsqueeze(1)
+                ).long()
+                generated = gen_model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+                sequences = generated.sequences if return_logprobs else generated
+                row_lengths = [n for n in lengths for _ in range(per_query)]
+                trimmed = self.trim(sequences, input_ids.shape[1], row_lengths, return_prompt, remove_padding)
+                chunk_logprobs = _sampled_logprobs(sequences, generated.logits) if return_logprobs else None
+                for index, generation in enumerate(trimmed):
+                    slot = rows[index // per_query] * per_query + index % per_query
+                    outputs[slot] = generation
+                    if return_logprobs:
+                        prompt = (1 if self.is_encoder_decoder else row_lengths[index]) if (
+                            return_prompt or self.is_encoder_decoder
+                        ) else 0  # fmt: skip
+                        logprobs[slot] = chunk_logprobs[index, : len(generation) - prompt]
+        return outputs, logprobs
+
+    def trim(self, generations, prompt_width, lengths, return_prompt, remove_padding) -> list[torch.Tensor]:
+        """:func:`trim_rows` with this engine's EOS (the tokenizer's) and model kind."""
+        eos = self.tokenizer.eos_token_id
+        return trim_rows(generations, prompt_width, lengths, return_prompt, remove_padding, eos, self.is_encoder_decoder)
+
+    def _missing_generate_calls(self, calls: int) -> int:
+        """How many fewer ``generate`` calls this process makes than the busiest one (0 unless ZeRO-3)."""
+        if not self.is_zero3 or self.accelerator.num_processes == 1:
+            return 0
+        counts = self.accelerator.gather(torch.tensor([calls], device=self.accelerator.device))
+        return int(counts.max()) - calls
+
+
+def _sampled_logprobs(sequences: torch.Tensor, logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Log-probabilities ``(n, T)`` of the T generated tokens (the last T columns of ``sequences (n, S)``)
+    under the raw per-step ``logits`` (T tensors ``(n, V)``), computed in float32 or wider."""
+    steps = torch.stack(logits, dim=1)
+    steps = steps.to(torch.promote_types(steps.dtype, torch.float32))
+    tokens = sequences[:, sequences.shape[1] - len(logits) :]
+    return torch.log_softmax(steps, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

