@@ -252,8 +252,9 @@ def offline_stages(args: ScriptArguments, config: PPOConfig, main: bool) -> Offl
         torch.set_num_threads(1)
     # Every process trains the same models from the same seed; only the main one writes the cache.
     offline = build_offline_models(
-        Path(args.output_dir) / "offline_models", args.sft_steps, args.reward_model_steps, config.seed, write_cache=main
-    )
+        Path(args.output_dir) / "offline_models", args.sft_steps, args.reward_model_steps, config.seed, write_cache=main,
+        n_head=2 if config.use_vllm else 4,  # vLLM's CPU attention needs heads of 32 or more
+    )  # fmt: skip
     if main:
         report = offline.report
         origin = "loaded from the cache" if report["cached"] else "trained"

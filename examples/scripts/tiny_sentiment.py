@@ -106,11 +106,17 @@ def _batches(n_rows: int, batch_size: int, steps: int, seed: int):
 
 
 def train_sft_model(
-    texts: list[str], tokenizer: PreTrainedTokenizerFast, steps: int = 300, batch_size: int = 32, seed: int = 0
+    texts: list[str],
+    tokenizer: PreTrainedTokenizerFast,
+    steps: int = 300,
+    batch_size: int = 32,
+    seed: int = 0,
+    n_head: int = 4,
 ) -> GPT2LMHeadModel:
     """The SFT stage: a 2-layer GPT-2 trained to predict the reviews word by word, each ending in `<eos>`.
 
-    Dropout is off so that the PPO ratio starts at exactly 1 in the first epoch.
+    Dropout is off so that the PPO ratio starts at exactly 1 in the first epoch. ``n_head=2`` gives
+    heads of size 32, the smallest vLLM's CPU attention runs (the runs with ``--use_vllm``).
     """
     torch.manual_seed(seed)
     config = GPT2Config(
@@ -118,7 +124,7 @@ def train_sft_model(
         n_positions=MAX_LENGTH,
         n_embd=64,
         n_layer=2,
-        n_head=4,
+        n_head=n_head,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
@@ -205,6 +211,7 @@ def build_offline_models(
     reward_model_steps: int = 200,
     seed: int = 0,
     write_cache: bool = True,
+    n_head: int = 4,
 ) -> OfflineModels:
     """Train the tokenizer, SFT policy and reward classifier, or load them from `cache_dir`.
 
@@ -217,6 +224,7 @@ def build_offline_models(
         "sft_steps": sft_steps,
         "reward_model_steps": reward_model_steps,
         "seed": seed,
+        "n_head": n_head,
     }
     cache = Path(cache_dir) if cache_dir is not None else None
     # stages.json is written last, so a cache without it (an interrupted write) is never read.
@@ -236,7 +244,7 @@ def build_offline_models(
     tokenizer = train_tokenizer([r["text"] for r in reviews])
     reward_tokenizer = classifier_tokenizer(tokenizer)
     start = time.perf_counter()
-    policy = train_sft_model([r["text"] for r in train], tokenizer, steps=sft_steps, seed=seed)
+    policy = train_sft_model([r["text"] for r in train], tokenizer, steps=sft_steps, seed=seed, n_head=n_head)
     sft_seconds = time.perf_counter() - start
     start = time.perf_counter()
     reward_model = train_reward_model(train, reward_tokenizer, steps=reward_model_steps, seed=seed)

@@ -150,7 +150,8 @@ def build_generation(config, *, model, unwrapped, accelerator, tokenizer, pad_to
         # Every process runs its own engine on its own queries: different seeds, or ranks would sample alike.
         config = copy.copy(config)
         config.seed = config.seed + accelerator.process_index
-    backend = build_vllm_backend(config, model_config, getattr(transformers_model, "generation_config", None))
+    policy_dtype = next(transformers_model.parameters()).dtype
+    backend = build_vllm_backend(config, model_config, getattr(transformers_model, "generation_config", None), policy_dtype)
     eos = tokenizer.eos_token_id if tokenizer is not None else getattr(model_config, "eos_token_id", None)
     engine = VLLMEngine(backend, eos, pad_token_id, getattr(transformers_model, "generation_config", None))
     push = None

@@ -13,6 +13,7 @@ here, or the server client of :mod:`.vllm_client`):
 
 from __future__ import annotations
 
+import atexit
 import gc
 import math
 import os
@@ -212,14 +213,18 @@ def check_vllm_can_load(model_config, is_encoder_decoder: bool) -> None:
         )
 
 
+_DEFAULT_CPU_KV_CACHE_GB = 2
+
+
 class ColocatedVLLM:
     """A ``vllm.LLM`` in this process, on this process's device, started without the policy's weights.
 
     The engine is built from ``model_config`` alone (``load_format='dummy'``) and gets its weights from
     :meth:`load_weights`, so starting it writes no weight file and holds no second copy on the
     trainer's side. On CPU its key/value cache is ``kv_cache_gb`` GiB rounded up to a whole number
-    (``VLLM_CPU_KVCACHE_SPACE``);
-    on GPU it takes ``gpu_memory_utilization`` of the memory.
+    (``VLLM_CPU_KVCACHE_SPACE``; 2 GiB when None); on GPU it takes ``gpu_memory_utilization`` of the memory.
+    ``dtype``: a torch dtype name; vLLM's own ``'auto'`` would run a float32 model in bfloat16 on CPU,
+    so :func:`build_vllm_backend` resolves ``'auto'`` to the policy's dtype.
 
     Args:
         model_config: the policy's transformers config (``architectures`` must name a vLLM model).
@@ -234,8 +239,10 @@ class ColocatedVLLM:
         vllm = require_vllm()
         # The trainer reaches the model runner to push weights: the engine core must live in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if kv_cache_gb is not None:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(math.ceil(kv_cache_gb))  # vLLM reads whole GiB
+        if not torch.cuda.is_available():
+            # Unset, vLLM's CPU backend takes most of the machine's free memory for its cache.
+            gib = _DEFAULT_CPU_KV_CACHE_GB if kv_cache_gb is None else kv_cache_gb
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(math.ceil(gib))  # vLLM reads whole GiB
         self._dir = tempfile.mkdtemp(prefix="trl_lite_vllm_")
         model_config.save_pretrained(self._dir)
         if generation_config is not None:
@@ -264,6 +271,9 @@ class ColocatedVLLM:
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
         self._sampling_params = vllm.SamplingParams
+        # Shut down before the interpreter's own clean-up, which may already have torn down what
+        # vLLM's finalizer expects (it then fails with "Invalid process group specified").
+        atexit.register(self.close)
         # One token first: a model the backend cannot run fails here, at construction.
         failure = None
         try:
@@ -305,7 +315,13 @@ class ColocatedVLLM:
         if getattr(self, "llm", None) is not None and not self._shares_process_group:
             # Shut down now (idempotent: it detaches the engine's finalizer), not whenever the garbage
             # collector gets to it - maybe under an engine started after this one.
-            self.llm.llm_engine.engine_core.shutdown()
+            try:
+                self.llm.llm_engine.engine_core.shutdown()
+            except ValueError:
+                # accelerate's end_training() destroys the default process group, vLLM's own when the
+                # trainer runs alone; vLLM's clean-up of its groups then finds them gone.
+                if torch.distributed.is_initialized():
+                    raise
             del self.llm
             gc.collect()
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -317,15 +333,18 @@ def _sampled_logprobs(token_ids, logprobs) -> list[float] | None:
     return [step[token].logprob for token, step in zip(token_ids, logprobs)]
 
 
-def build_vllm_backend(config, model_config, generation_config):
-    """The backend ``config.vllm_mode`` names: a colocated engine, or the client of a running server."""
+def build_vllm_backend(config, model_config, generation_config, policy_dtype: torch.dtype = torch.float32):
+    """The backend ``config.vllm_mode`` names: a colocated engine, or the client of a running server.
+
+    ``vllm_dtype='auto'`` means ``policy_dtype``: the engine samples from the model being trained.
+    """
     if config.vllm_mode == "server":
         from .vllm_client import VLLMServerClient
 
         return VLLMServerClient(config.vllm_server_url, config.vllm_server_timeout)
     return ColocatedVLLM(
-        model_config, generation_config, dtype=config.vllm_dtype, max_model_len=config.vllm_max_model_len,
+        model_config, generation_config, max_model_len=config.vllm_max_model_len,
         tensor_parallel_size=config.vllm_tensor_parallel_size, enforce_eager=config.vllm_enforce_eager,
         gpu_memory_utilization=config.vllm_gpu_memory_utilization, kv_cache_gb=config.vllm_kv_cache_gb,
-        seed=config.seed,
+        seed=config.seed, dtype=str(policy_dtype).removeprefix("torch.") if config.vllm_dtype == "auto" else config.vllm_dtype,
     )  # fmt: skip
