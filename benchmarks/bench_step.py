@@ -69,9 +69,24 @@ class Workload:
     response_len: tuple = (16, 32)
     vocab_size: int = 50257
     seed: int = 0
+    # PPOConfig fields of the trainer's runs, as JSON (the objective workloads: PPO_SPEC sections 13-15);
+    # "generation_logprobs": true passes step() engine log-probs (the policy's own, shifted by 0.05).
+    options: str = "{}"
 
 
 W1 = Workload("w1", n_layer=2, n_embd=128, n_head=2, batch_size=16, mini_batch_size=4, ppo_epochs=4)
+# w1 with each option of PPO_SPEC sections 13-15: what the option costs per step.
+OBJECTIVE_OPTIONS = {
+    "clip-higher": {"cliprange_high": 0.28},
+    "dual-clip": {"dual_clip": 3.0},
+    "gspo": {"importance_sampling_level": "sequence"},
+    "seq-mean-token-mean": {"loss_type": "seq_mean_token_mean"},
+    "dr-grpo": {"loss_type": "seq_mean_token_sum_norm", "max_response_length": 32},
+    "global-token-mean": {"loss_type": "global_token_mean"},
+    "entropy-bonus": {"entropy_coef": 0.01},
+    "shaping": {"missing_eos_penalty": 1.0, "max_response_length": 32, "overlong_buffer_len": 8},
+    "tis": {"importance_sampling_correction": "tis", "generation_logprobs": True},
+}
 W2 = Workload("w2", n_layer=12, n_embd=768, n_head=12, batch_size=8, mini_batch_size=4, ppo_epochs=2)
 
 
@@ -131,6 +146,9 @@ def matmul_peak_gflops(seconds: float = 2.0) -> float:
 # --- end of w3 block ------------------------------------------------------------------------------
 
 WORKLOAD_GROUPS = {"w1": lambda: [W1], "w2": lambda: [W2], "w3": lambda: [W3], "sweep": sweep_workloads}
+WORKLOAD_GROUPS["objectives"] = lambda: [W1] + [
+    dataclasses.replace(W1, name=f"w1-{name}", options=json.dumps(options)) for name, options in OBJECTIVE_OPTIONS.items()
+]
 
 
 def make_batch(workload: Workload) -> tuple:
@@ -413,6 +431,8 @@ def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtyp
     ref_lm = copy.deepcopy(lm)
     model = AutoModelForCausalLMWithValueHead.from_pretrained(lm).to(device=device, dtype=dtype)
     ref_model = AutoModelForCausalLMWithValueHead.from_pretrained(ref_lm).to(device=device, dtype=dtype)
+    options = json.loads(workload.options)
+    with_generation_logprobs = options.pop("generation_logprobs", False)
     config = PPOConfig(
         batch_size=workload.batch_size,
         mini_batch_size=workload.mini_batch_size,
@@ -421,9 +441,21 @@ def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtyp
         seed=workload.seed,
         # "step": the default (packed mini-batches for GPT-2); "step-padded": every mini-batch padded.
         padding_free=False if method == "step-padded" else None,
+        **options,
     )
     trainer = PPOTrainer(config, model, ref_model, tokenizer=None)
-    return trainer.step
+    if not with_generation_logprobs:
+        return trainer.step
+
+    def step_with_engine_logprobs(queries, responses, scores):
+        # Stand-in engine log-probs: what the rollout pass computes, shifted, so that TIS weights vary.
+        rows = trainer._make_rows(queries, responses, None)
+        with torch.no_grad():
+            logprobs = trainer._rollout_forward(rows)[0]
+        generation = [logprobs[i, : len(r)].cpu() - 0.05 for i, r in enumerate(responses)]
+        return trainer.step(queries, responses, scores, generation_logprobs=generation)
+
+    return step_with_engine_logprobs
 
 
 # ---------------------------------------------------------------------------------------------

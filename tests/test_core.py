@@ -550,10 +550,14 @@ def test_ppo_policy_loss_and_stats(cliprange):
     assert 0.0 < ref["clipfrac"] < 1.0, "the inputs must clip some elements and not others"
     assert loss.shape == ()
     assert abs(float(loss) - ref["loss"]) < F64_TOL
-    assert set(stats) == {"clipfrac", "approxkl", "policykl", "ratio"}
+    assert set(stats) == {"clipfrac", "clipfrac_low", "clipfrac_high", "dual_clipfrac", "approxkl", "policykl", "ratio"}
     for key in stats:
         assert not stats[key].requires_grad
+    for key in ("clipfrac", "approxkl", "policykl", "ratio"):
         assert abs(float(stats[key]) - ref[key]) < F64_TOL, key
+    # The two sides of the clip (tests/test_objectives.py checks each against its definition).
+    assert abs(float(stats["clipfrac_low"] + stats["clipfrac_high"]) - ref["clipfrac"]) < F64_TOL
+    assert float(stats["dual_clipfrac"]) == 0.0
 
 
 def test_ppo_policy_loss_float32():
@@ -561,7 +565,7 @@ def test_ppo_policy_loss_float32():
     loss, stats = core.ppo_policy_loss(lp, old_lp, adv, mask, 0.2)
     ref = ref_policy_terms(lp, old_lp, adv, mask, 0.2)
     assert abs(float(loss) - ref["loss"]) < F32_TOL
-    for key in stats:
+    for key in ("clipfrac", "approxkl", "policykl", "ratio"):
         assert abs(float(stats[key]) - ref[key]) < F32_TOL, key
 
 
@@ -757,17 +761,18 @@ def test_logprobs_and_entropy_from_logits_values_and_gradient(dtype, rows, small
     logits = (3 * torch.randn(3, rows, 11, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_(True)
     labels = torch.randint(0, 11, (3, rows), generator=gen)
     weights = torch.randn(3, rows, generator=gen, dtype=torch.float64)
+    entropy_weights = torch.randn(3, rows, generator=gen, dtype=torch.float64)
     logprobs, entropy = logprobs_and_entropy_from_logits(logits, labels)
-    (logprobs.double() * weights).sum().backward()
+    # The entropy is differentiable (the entropy bonus): its backward runs over the same chunks.
+    (logprobs.double() * weights + entropy.double() * entropy_weights).sum().backward()
 
     ref_logits = logits.detach().double().requires_grad_(True)
     ref_lp, ref_ent = _reference_logprobs_entropy(ref_logits, labels)
-    (ref_lp * weights).sum().backward()
+    (ref_lp * weights + ref_ent * entropy_weights).sum().backward()
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     assert torch.allclose(logprobs.double(), ref_lp.detach(), atol=tol)
     assert torch.allclose(entropy.double(), ref_ent.detach(), atol=tol)
     assert torch.allclose(logits.grad.double(), ref_logits.grad, atol=tol)
-    assert not entropy.requires_grad
     assert logits.grad.dtype == dtype
 
 
@@ -802,15 +807,17 @@ def _linear_head_inputs(dtype, rows, vocab, bias, seed):
     return hidden, weight, b, labels, weights
 
 
-def _linear_head_reference(hidden, weight, bias, labels, weights):
-    """float64 leaves, the textbook logits h W^T + b, log-probs and entropy, and their gradients."""
+def _linear_head_reference(hidden, weight, bias, labels, weights, entropy_weights=None):
+    """float64 leaves, the textbook logits h W^T + b, log-probs and entropy, and the gradients of
+    ``sum(weights * logprobs + entropy_weights * entropy)``."""
     leaves = [t.detach().double().requires_grad_(True) if t is not None else None for t in (hidden, weight, bias)]
     h, w, b = leaves
     logits = torch.stack([torch.stack([torch.dot(h[n], w[v]) for v in range(len(w))]) for n in range(len(h))])
     if b is not None:
         logits = logits + b
     logprobs, entropy = _reference_logprobs_entropy(logits, labels)
-    (logprobs * weights).sum().backward()
+    objective = logprobs * weights + (entropy * entropy_weights if entropy_weights is not None else 0.0)
+    objective.sum().backward()
     return logprobs.detach(), entropy.detach(), [t.grad if t is not None else None for t in leaves]
 
 
@@ -820,13 +827,14 @@ def _linear_head_reference(hidden, weight, bias, labels, weights):
 def test_logprobs_and_entropy_from_hidden_values_and_gradients(dtype, bias, buffer_rows, small_chunks):
     # 40 rows of V = 11: chunks of 22 and 18 rows; the buffer is allocated for 40 or 64 rows.
     hidden, weight, b, labels, weights = _linear_head_inputs(dtype, 40, 11, bias, seed=9)
+    entropy_weights = torch.randn(40, generator=torch.Generator().manual_seed(19), dtype=torch.float64)
     logprobs, entropy = core.logprobs_and_entropy_from_hidden(hidden, weight, b, labels, buffer_rows)
-    (logprobs.double() * weights).sum().backward()
-    ref_lp, ref_ent, ref_grads = _linear_head_reference(hidden, weight, b, labels, weights)
+    # The entropy is differentiable (the entropy bonus): its backward runs over the same chunks.
+    (logprobs.double() * weights + entropy.double() * entropy_weights).sum().backward()
+    ref_lp, ref_ent, ref_grads = _linear_head_reference(hidden, weight, b, labels, weights, entropy_weights)
     tol = 1e-12 if dtype == torch.float64 else F32_TOL
     torch.testing.assert_close(logprobs.double(), ref_lp, rtol=0, atol=tol)
     torch.testing.assert_close(entropy.double(), ref_ent, rtol=0, atol=tol)
-    assert not entropy.requires_grad
     for leaf, ref_grad in zip((hidden, weight, b), ref_grads):
         if leaf is not None:
             assert leaf.grad.dtype == dtype

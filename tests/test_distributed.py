@@ -171,6 +171,33 @@ def test_two_processes_take_the_step_of_one_process_on_the_global_batch(tmp_path
         assert a["stats"][key] == pytest.approx(b["stats"][key], rel=1e-4, abs=1e-6), key
 
 
+def test_global_token_mean_takes_the_same_step_on_two_processes_as_on_one(tmp_path):
+    """loss_type='global_token_mean' (and the entropy bonus) with unequal token counts per process: DDP and
+    ZeRO-3 (2 x mini-batch 2 x accumulation 2) and ZeRO-2 (2 x mini-batch 4) take the step of 1 process
+    on all 8 rows (SGD)."""
+    runs = {
+        "one": ("single_gpu", 1, ("--mini_batch_size", "8")),
+        "ddp": ("multi_gpu", 2, ("--mini_batch_size", "2", "--gradient_accumulation_steps", "2")),
+        "zero2": ("deepspeed_zero2", 2, ("--mini_batch_size", "4")),
+        "zero3": ("deepspeed_zero3", 2, ("--mini_batch_size", "2", "--gradient_accumulation_steps", "2")),
+    }
+    results = {}
+    for name, (config, processes, args) in runs.items():
+        out = tmp_path / name
+        out.mkdir()
+        launch(config, SCRIPTS / "global_token_mean_step.py", "--output_dir", str(out), *args, num_processes=processes)
+        results[name] = torch.load(out / "result.pt")
+    start = {k: p.detach().to(torch.float64) for k, p in make_gpt2(seed=0).named_parameters()}
+    want = results["one"]["named_parameters"]
+    assert max((want[k] - start[k]).abs().max().item() for k in want) > 1e-3  # the step moved the weights
+    for name in ("ddp", "zero2", "zero3"):
+        got = results[name]["named_parameters"]
+        assert sorted(got) == sorted(want)
+        max_diff = max((got[k] - want[k]).abs().max().item() for k in want)
+        assert max_diff <= 1e-5, f"{name}: max abs weight difference {max_diff:.3g}"
+        assert results[name]["loss"] == pytest.approx(results["one"]["loss"], rel=1e-4, abs=1e-6), name
+
+
 def test_sentiment_example_trains_and_saves_under_zero3(tmp_path):
     """The demo, shortened, under ZeRO-3 on 2 processes: it trains, logs every step and saves a loadable policy."""
     launch(

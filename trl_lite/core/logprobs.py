@@ -44,13 +44,14 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, gather: boo
 
 
 class _LogProbsAndEntropy(torch.autograd.Function):
-    """Log-probs of chosen tokens with grad, and the entropy (no grad), from one softmax.
+    """Log-probs of chosen tokens and the entropy, both differentiable, from one softmax.
 
     Per chunk of rows: one fused log-softmax written straight into the saved buffer, the chosen
     log-probs gathered from it, then exponentiated in place. That softmax is what the backward
-    needs (``d lp / d z = onehot - softmax``) and gives the entropy
+    needs (``d lp / d z = onehot - p``, ``d H / d z = -p (log p + H)``) and gives the entropy
     (``H = logsumexp(z) - sum_v p_v z_v``) for free, so the vocabulary is exponentiated once per
-    training forward instead of three times (log-sum-exp, its backward, entropy).
+    training forward instead of three times (log-sum-exp, its backward, entropy). The entropy's
+    gradient costs one more pass over the softmax, and only when a loss uses the entropy.
     """
 
     @staticmethod
@@ -72,25 +73,49 @@ class _LogProbsAndEntropy(torch.autograd.Function):
             # sum_v p_v z_v through one reused buffer: no chunk-sized temporary per chunk.
             p_times_z = torch.mul(p.exp_(), z, out=product[: len(p)])
             entropy[rows] = log_sum_exp - p_times_z.sum(-1)
-        ctx.save_for_backward(probs, flat_labels)
+        ctx.save_for_backward(probs, flat_labels, entropy)
         ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
-        entropy = entropy.reshape(labels.shape)
-        ctx.mark_non_differentiable(entropy)
-        return logprobs.reshape(labels.shape), entropy
+        ctx.set_materialize_grads(False)
+        return logprobs.reshape(labels.shape), entropy.reshape(labels.shape)
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        probs, labels = ctx.saved_tensors
-        grad = grad_logprobs.reshape(-1, 1).to(probs.dtype)
+        probs, labels, entropy = ctx.saved_tensors
         # The saved softmax is not needed again: its memory becomes the gradient.
-        grad_logits = probs.mul_(-grad).scatter_add_(-1, labels, grad)
+        grad_logits = _softmax_to_grad(probs, labels, entropy, grad_logprobs, grad_entropy)
         return grad_logits.to(ctx.logits_dtype).reshape(ctx.logits_shape), None
 
 
-def logprobs_and_entropy_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability of ``labels`` (differentiable) and entropy in nats (detached), from one softmax.
+def _softmax_to_grad(probs, labels, entropy, grad_logprobs, grad_entropy) -> torch.Tensor:
+    """The logits' gradient, written over the softmax ``probs`` ``(N, V)`` in place.
 
-    Use it where the entropy statistic is wanted next to log-probs that need grad.
+    ``grad_z = (onehot - p) g_lp - p (log p + H) g_H``, i.e. ``-p (g_lp + H g_H) - xlogy(p, p) g_H
+    + onehot g_lp``; either incoming gradient may be None (its output was not used by the loss).
+    """
+    n = probs.shape[0]
+    if grad_logprobs is None:
+        grad_logprobs = torch.zeros(n, dtype=probs.dtype, device=probs.device)
+    grad = grad_logprobs.reshape(-1, 1).to(probs.dtype)
+    if grad_entropy is None:
+        return probs.mul_(-grad).scatter_add_(-1, labels, grad)
+    grad_h = grad_entropy.reshape(-1, 1).to(probs.dtype)
+    scale = -(grad + entropy.reshape(-1, 1) * grad_h)
+    step = _chunk_rows(probs)
+    p_log_p = torch.empty((min(step, n), probs.shape[1]), dtype=probs.dtype, device=probs.device)
+    for start in range(0, n, step):
+        rows = slice(start, start + step)
+        p = probs[rows]
+        # p log p is 0 where p underflowed to 0, which xlogy gives and p * log(p) would not.
+        chunk = torch.xlogy(p, p, out=p_log_p[: len(p)])
+        p.mul_(scale[rows]).addcmul_(chunk, grad_h[rows], value=-1.0)
+    return probs.scatter_add_(-1, labels, grad)
+
+
+def logprobs_and_entropy_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of ``labels`` and entropy in nats, both differentiable, from one softmax.
+
+    Use it where the entropy (a statistic, or the bonus of ``entropy_coef``) is wanted next to
+    log-probs that need grad; the entropy's backward runs only when a loss uses it.
     Shape: logits ``(..., V)``, labels ``(...)`` -> two ``(...)`` tensors.
     """
     return _LogProbsAndEntropy.apply(logits, labels)
@@ -123,12 +148,12 @@ def _lm_head_logits(hidden, weight, bias, buffer_rows: int | None, out: torch.Te
 
 
 class _LinearLogProbsAndEntropy(torch.autograd.Function):
-    """The LM head, log-probs of chosen tokens (with grad) and entropy (no grad) in one buffer.
+    """The LM head, log-probs of chosen tokens and entropy (both differentiable) in one buffer.
 
     Forward: the logits go into one ``(N, V)`` buffer, which becomes the softmax chunk by chunk
     (a cache-sized log-softmax, the chosen log-probs and entropy taken from it, then its
     exponential written back). That buffer is all the backward keeps besides the head's inputs:
-    ``grad_z = (onehot - softmax) * grad`` is formed in place, then
+    ``grad_z = (onehot - p) g_lp - p (log p + H) g_H`` is formed in place, then
     ``grad_hidden = grad_z W``, ``grad_W = grad_z^T hidden`` and ``grad_b = sum_n grad_z``.
     Composing the LM head with :class:`_LogProbsAndEntropy` instead keeps the logits and the
     softmax, two ``(N, V)`` tensors.
@@ -150,20 +175,19 @@ class _LinearLogProbsAndEntropy(torch.autograd.Function):
             logprobs[rows] = chunk_log_p.gather(-1, flat_labels[rows]).squeeze(-1)
             p = torch.exp(chunk_log_p, out=z)  # the logits of this chunk are not needed again
             entropy[rows] = -chunk_log_p.mul_(p).sum(-1)  # the log-probs are not needed again either
-        ctx.save_for_backward(hidden, weight, bias, probs, flat_labels)
+        ctx.save_for_backward(hidden, weight, bias, probs, flat_labels, entropy)
         # The head's backward products run under the forward's autocast state, as they would in the model.
         device_type = hidden.device.type
         ctx.autocast = (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type))
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, bias, probs, labels = ctx.saved_tensors
-        grad = grad_logprobs.reshape(-1, 1).to(probs.dtype)
+        hidden, weight, bias, probs, labels, entropy = ctx.saved_tensors
         # The saved softmax is not needed again: its memory becomes the logits' gradient, which
         # goes back through the upcast (to the model's dtype) and the linear map.
-        grad_logits = probs.mul_(-grad).scatter_add_(-1, labels, grad).to(weight.dtype)
+        grad_logits = _softmax_to_grad(probs, labels, entropy, grad_logprobs, grad_entropy).to(weight.dtype)
         device_type, autocast_dtype, autocast_enabled = ctx.autocast
         with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_enabled):
             grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
@@ -180,7 +204,7 @@ def logprobs_and_entropy_from_hidden(
     buffer_rows: int | None = None,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability of ``labels`` (differentiable) and entropy (detached) under a linear LM head.
+    """Log-probability of ``labels`` and entropy (both differentiable) under a linear LM head.
 
     The same values as :func:`logprobs_and_entropy_from_logits` on ``hidden @ weight.T + bias``
     (upcast to float32), with one vocabulary-sized buffer instead of two; gradients reach

@@ -91,28 +91,133 @@ def compute_gae(
     return advantages, advantages + values
 
 
+def importance_ratio(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    level: str = "token",
+) -> torch.Tensor:
+    """The importance ratio of every action token (PPO_SPEC sections 6 and 13).
+
+    ``"token"``: ``exp(lp - lp_old)``. ``"sequence"`` (GSPO): row ``i`` uses
+    ``s_i = exp(masked_mean_t(lp - lp_old))`` at every position, the gradient flowing through the
+    mean (a row without action tokens gets ``s_i = 1``). Shape: ``(B, L)`` three times -> ``(B, L)``.
+    """
+    log_ratio = logprobs - old_logprobs
+    if level == "token":
+        return torch.exp(log_ratio)
+    if level == "sequence":
+        row_mean = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        return torch.exp(row_mean).unsqueeze(-1).expand_as(log_ratio)
+    raise ValueError(f"level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {level!r}.")
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    cliprange: float,
+    cliprange_high: float | None = None,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token clipped surrogate loss (PPO_SPEC sections 6 and 13), before aggregation.
+
+    ``l = max(-A r, -A clamp(r, 1 - cliprange, 1 + cliprange_high))`` (``cliprange_high`` None:
+    ``cliprange``); with ``dual_clip = c > 1``, where ``A < 0``: ``l = min(l, -c A)``.
+    Returns ``l`` and boolean masks of where each clip binds: ``clipped`` (the clamp raised the loss,
+    the classic clipfrac), ``clipped_low`` / ``clipped_high`` (its two sides) and ``dual_clipped``.
+    Shape: ``(B, L)`` twice -> ``(B, L)``.
+    """
+    high = cliprange if cliprange_high is None else cliprange_high
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
+    loss = torch.max(unclipped, clipped)
+    with torch.no_grad():
+        is_clipped = clipped > unclipped
+        regions = {
+            "clipped": is_clipped,
+            "clipped_low": is_clipped & (ratio < 1.0 - cliprange),
+            "clipped_high": is_clipped & (ratio > 1.0 + high),
+        }
+    if dual_clip is None:
+        regions["dual_clipped"] = torch.zeros_like(is_clipped)
+        return loss, regions
+    bound = -dual_clip * advantages
+    dual_clipped = (advantages < 0) & (loss > bound)
+    regions["dual_clipped"] = dual_clipped.detach()
+    # The bound holds no parameter: where it binds the token gives no gradient, as min() would.
+    return torch.where(dual_clipped, bound, loss), regions
+
+
+def aggregate_loss(
+    losses: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: str = "token_mean",
+    max_response_length: int | None = None,
+    tokens_per_minibatch: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One number from the per-token losses of a mini-batch (PPO_SPEC section 13, ``loss_type``).
+
+    - ``"token_mean"``: ``sum M l / sum M``;
+    - ``"seq_mean_token_mean"``: mean over the rows of ``sum_t M l / sum_t M`` (a row without action
+      tokens counts as 0);
+    - ``"seq_mean_token_sum_norm"``: ``sum M l / (B * max_response_length)``;
+    - ``"global_token_mean"``: ``sum M l / tokens_per_minibatch``, where the caller gives the action
+      tokens of the whole backward batch on all processes divided by the number of mini-batches that
+      are averaged into one update (gradient accumulation steps times processes), so that the update
+      is ``sum M l / N`` over all of them.
+    Shape: ``(B, L)`` twice -> ``()``.
+    """
+    if loss_type == "token_mean":
+        return masked_mean(losses, mask)
+    if loss_type == "seq_mean_token_mean":
+        return ((losses * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    if loss_type == "seq_mean_token_sum_norm":
+        if max_response_length is None:
+            raise ValueError("loss_type='seq_mean_token_sum_norm' needs max_response_length, got None.")
+        return (losses * mask).sum() / (losses.shape[0] * max_response_length)
+    if loss_type == "global_token_mean":
+        if tokens_per_minibatch is None:
+            raise ValueError("loss_type='global_token_mean' needs tokens_per_minibatch, got None.")
+        return (losses * mask).sum() / tokens_per_minibatch
+    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}.")
+
+
 def ppo_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     cliprange: float,
+    cliprange_high: float | None = None,
+    dual_clip: float | None = None,
+    importance_sampling_level: str = "token",
+    loss_type: str = "token_mean",
+    max_response_length: int | None = None,
+    tokens_per_minibatch: float | torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate policy loss (PPO_SPEC section 6).
+    """Clipped surrogate policy loss (PPO_SPEC sections 6 and 13), aggregated by ``loss_type``.
 
-    ``ratio = exp(lp - lp_old)``; loss ``= masked_mean(max(-A ratio, -A clamp(ratio, 1 +- eps)))``.
-    Shape: ``(B, L)`` four times -> loss ``()`` and detached statistics ``()``: clipfrac,
-    approxkl (``0.5 masked_mean((lp - lp_old)^2)``), policykl (``masked_mean(lp_old - lp)``),
-    ratio (masked mean).
+    Defaults give section 6: ``masked_mean(max(-A ratio, -A clamp(ratio, 1 +- eps)))``.
+    ``token_weights`` (detached, e.g. the TIS weights of section 15) multiply each token's loss
+    before aggregation. Shape: ``(B, L)`` four times (and ``token_weights``) -> loss ``()`` and
+    detached statistics ``()``: clipfrac, clipfrac_low, clipfrac_high, dual_clipfrac, approxkl
+    (``0.5 masked_mean((lp - lp_old)^2)``), policykl (``masked_mean(lp_old - lp)``), ratio (masked
+    mean of the ratio the loss used).
     """
-    log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.max(unclipped, clipped), mask)
+    ratio = importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level)
+    losses, regions = clipped_surrogate(ratio, advantages, cliprange, cliprange_high, dual_clip)
+    if token_weights is not None:
+        losses = losses * token_weights
+    loss = aggregate_loss(losses, mask, loss_type, max_response_length, tokens_per_minibatch)
     with torch.no_grad():
+        log_ratio = logprobs - old_logprobs
+        fraction = {k: masked_mean(v.to(logprobs.dtype), mask) for k, v in regions.items()}
         stats = {
-            "clipfrac": masked_mean((clipped > unclipped).to(logprobs.dtype), mask),
+            "clipfrac": fraction["clipped"],
+            "clipfrac_low": fraction["clipped_low"],
+            "clipfrac_high": fraction["clipped_high"],
+            "dual_clipfrac": fraction["dual_clipped"],
             "approxkl": 0.5 * masked_mean(log_ratio**2, mask),
             "policykl": masked_mean(-log_ratio, mask),
             "ratio": masked_mean(ratio, mask),

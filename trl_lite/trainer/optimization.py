@@ -1,4 +1,5 @@
-"""The PPO epochs of ``step()``: shuffled mini-batches, the losses of PPO_SPEC section 6, guarded
+"""The PPO epochs of ``step()``: shuffled mini-batches, the losses of PPO_SPEC sections 6 and 13
+(the policy's through the trainer's :class:`~trl_lite.trainer.objective.PolicyObjective`), guarded
 backward passes and early stopping. :class:`~trl_lite.trainer.PPOTrainer` mixes it in.
 """
 
@@ -10,19 +11,19 @@ import torch
 
 from ..core import (
     entropy_from_logits,
-    k3_kl,
+    importance_ratio,
     logprobs_and_entropy_from_hidden,
     logprobs_and_entropy_from_logits,
     masked_mean,
     masked_var,
-    ppo_policy_loss,
     ppo_value_loss,
 )
 from .rollout import _to_compact
 
 _POLICY_STAT_KEYS = (
     "loss/policy", "loss/total", "policy/entropy", "policy/approxkl", "policy/policykl",
-    "policy/clipfrac", "policy/advantages_mean", "policy/ratio",
+    "policy/clipfrac", "policy/clipfrac_low", "policy/clipfrac_high", "policy/dual_clipfrac",
+    "policy/advantages_mean", "policy/ratio",
 )  # fmt: skip
 _VALUE_STAT_KEYS = (
     "loss/value", "returns/mean", "returns/var", "val/vpred", "val/error", "val/clipfrac", "val/mean", "val/var",
@@ -38,13 +39,15 @@ class OptimizationMixin:
     """
 
     def _optimize(
-        self, rows, old_logprobs, old_values, advantages, returns, ref_logprobs=None, kl_coef=0.0, ptx=None
+        self, rows, old_logprobs, old_values, advantages, returns, ref_logprobs=None, kl_coef=0.0, ptx=None,
+        token_weights=None,
     ) -> dict:
         """``ppo_epochs`` epochs of shuffled mini-batches (PPO_SPEC section 6). Returns averaged statistics.
 
         ``old_values``/``returns`` are None for critic-free estimators; ``ref_logprobs`` is given
         when the KL term is in the loss (``kl_coef * k3``, PPO_SPEC section 12); ``ptx``: the PTX
-        rows (PPO_SPEC section 10) or None.
+        rows (PPO_SPEC section 10) or None; ``token_weights`` ``(B, L)``: the TIS weights of the
+        policy loss (PPO_SPEC section 15) or None.
         """
         config = self.config
         batch = len(rows)
@@ -56,12 +59,15 @@ class OptimizationMixin:
         for _ in range(config.ppo_epochs):
             order = torch.randperm(batch).to(self.current_device)
             epoch_policykl = []
-            for idx in order.split(config.mini_batch_size):
+            tokens = self._tokens_per_minibatch(rows, order)
+            for i, idx in enumerate(order.split(config.mini_batch_size)):
                 w = self._width(rows, idx)
-                old, old_v, adv, ret, ref = (
-                    None if x is None else x[idx, :w] for x in (old_logprobs, old_values, advantages, returns, ref_logprobs)
+                old, old_v, adv, ret, ref, weights = (
+                    None if x is None else x[idx, :w]
+                    for x in (old_logprobs, old_values, advantages, returns, ref_logprobs, token_weights)
                 )
-                stats, ratio = self._train_rows(rows, idx, old, old_v, adv, ret, ref, kl_coef, ptx)
+                n_tokens = None if tokens is None else tokens[i // config.gradient_accumulation_steps]
+                stats, ratio = self._train_rows(rows, idx, old, old_v, adv, ret, ref, kl_coef, ptx, weights, n_tokens)
                 if stats is not None:
                     minibatch_stats.append(stats)
                     ratios.append(ratio)
@@ -78,6 +84,23 @@ class OptimizationMixin:
         stats["ppo/skipped_minibatches"] = torch.tensor(float(self.skipped_minibatches - skipped_before))
         return stats
 
+    def _tokens_per_minibatch(self, rows, order: torch.Tensor) -> torch.Tensor | None:
+        """For ``global_token_mean``: per backward batch of this epoch's ``order``, the action tokens of
+        that backward batch on all processes divided by the mini-batches averaged into its update
+        (gradient accumulation steps x processes); None for the other loss types. One collective per epoch.
+
+        accelerate divides each mini-batch's loss by the accumulation steps and DDP (or DeepSpeed)
+        averages gradients over processes, so dividing each mini-batch's token sum by this number makes
+        the update ``sum M l / N`` over the whole backward batch, whatever its split.
+        """
+        if not self._objective.needs_global_token_count:
+            return None
+        config = self.config
+        counts = torch.stack([rows.action_mask[idx].sum() for idx in order.split(config.backward_batch_size)])
+        if self.accelerator.num_processes > 1:
+            counts = self.accelerator.reduce(counts, reduction="sum")
+        return counts / (config.gradient_accumulation_steps * self.accelerator.num_processes)
+
     def _should_stop(self, epoch_policykl: list) -> bool:
         """Early stopping: the epoch's mean policykl over all processes above 1.5 * target_kl."""
         if not epoch_policykl:
@@ -89,14 +112,16 @@ class OptimizationMixin:
     def _train_stat_keys(self, kl_in_loss: bool) -> tuple:
         """Names (without ``ppo/``) of the mini-batch statistics of this run."""
         keys = _POLICY_STAT_KEYS + (() if self.config.critic_free else _VALUE_STAT_KEYS)
+        keys += ("policy/entropy_loss",) if self.config.entropy_coef else ()
         return keys + (("policy/kl_loss",) if kl_in_loss else ())
 
     def _train_rows(
-        self, rows, idx, old_logprobs, old_values, advantages, returns, ref_logprobs=None, kl_coef=0.0, ptx=None
+        self, rows, idx, old_logprobs, old_values, advantages, returns, ref_logprobs=None, kl_coef=0.0, ptx=None,
+        token_weights=None, tokens_per_minibatch=None,
     ):
         """One mini-batch: forward with grad, losses, guarded backward and optimizer step(s).
 
-        Returns its statistics (None when skipped) and the masked per-token ratios.
+        Returns its statistics (None when skipped) and the masked per-token ratios the loss used.
         """
         mask = rows.action_mask[idx, : old_logprobs.shape[1]]
         with self.accelerator.accumulate(*self._trained_models()):
@@ -114,12 +139,10 @@ class OptimizationMixin:
             logprobs = _to_compact(logprobs, slots, len(idx), width)
             entropy = _to_compact(entropy, slots, len(idx), width)
             pg_loss, vf_loss, stats = self.loss(
-                old_logprobs, old_values, None, vpreds, logprobs, mask, advantages, returns, entropy=entropy
+                old_logprobs, old_values, None, vpreds, logprobs, mask, advantages, returns, entropy=entropy,
+                ref_logprobs=ref_logprobs, kl_coef=kl_coef, token_weights=token_weights,
+                tokens_per_minibatch=tokens_per_minibatch,
             )
-            if ref_logprobs is not None:
-                kl_loss = masked_mean(k3_kl(logprobs, ref_logprobs), mask)
-                pg_loss = pg_loss + kl_coef * kl_loss
-                stats["policy/kl_loss"] = kl_loss.detach()
             policy_loss, critic_loss = self._split_losses(pg_loss, vf_loss, stats, ptx, idx)
             reason = self._skip_reason(stats["loss/total"], stats["policy/ratio"], mask)
             if reason is not None:
@@ -129,8 +152,9 @@ class OptimizationMixin:
                 return None, None
             if not self._backward_and_step(policy_loss, critic_loss):
                 return None, None
-        ratio = torch.exp(logprobs - old_logprobs).detach()[mask.bool()]
-        return stats, ratio
+        with torch.no_grad():
+            ratio = importance_ratio(logprobs, old_logprobs, mask, self.config.importance_sampling_level)
+        return stats, ratio[mask.bool()]
 
     def _skip_reason(self, loss: torch.Tensor, mean_ratio: torch.Tensor, mask: torch.Tensor) -> str | None:
         """Why this mini-batch must be skipped on every process, or None. One host sync."""
@@ -174,28 +198,25 @@ class OptimizationMixin:
             total = torch.stack(sums).sum() if sums else torch.zeros(())
         return bool(torch.isfinite(torch.as_tensor(total)).item())
 
-    def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns, entropy=None):
-        """PPO losses of one mini-batch (PPO_SPEC section 6), with their statistics.
+    def loss(
+        self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns, entropy=None,
+        ref_logprobs=None, kl_coef=0.0, token_weights=None, tokens_per_minibatch=None,
+    ):
+        """PPO losses of one mini-batch (PPO_SPEC sections 6 and 13), with their statistics.
 
-        Shapes: every per-token argument ``(b, L)``, logits ``(b, L, V)``. The entropy statistic
-        comes from ``entropy`` ``(b, L)`` when given (logits may then be None), else from the logits.
+        Shapes: every per-token argument ``(b, L)``, logits ``(b, L, V)``. The entropy comes from
+        ``entropy`` ``(b, L)`` when given (logits may then be None; differentiable for ``entropy_coef``),
+        else from the logits. The policy loss is the trainer's objective (clip variants, ``loss_type``,
+        the KL-in-loss term with ``ref_logprobs``, the entropy bonus, TIS ``token_weights``).
         Returns the policy loss, the value loss and a dict of detached 0-d statistics. Critic-free
         (``values``, ``vpreds``, ``returns`` None): the value loss is None and no value statistic is made.
         """
         if entropy is None:
-            entropy = entropy_from_logits(logits.detach())
-        pg_loss, pg_stats = ppo_policy_loss(logprobs, old_logprobs, advantages, mask, self.config.cliprange)
-        with torch.no_grad():
-            stats = {
-                "loss/policy": pg_loss.detach(),
-                "loss/total": pg_loss.detach(),
-                "policy/entropy": masked_mean(entropy, mask),
-                "policy/approxkl": pg_stats["approxkl"],
-                "policy/policykl": pg_stats["policykl"],
-                "policy/clipfrac": pg_stats["clipfrac"],
-                "policy/advantages_mean": masked_mean(advantages, mask),
-                "policy/ratio": pg_stats["ratio"],
-            }
+            entropy = entropy_from_logits(logits if self.config.entropy_coef else logits.detach())
+        pg_loss, stats = self._objective(
+            logprobs, old_logprobs, advantages, mask, entropy, ref_logprobs, kl_coef, token_weights, tokens_per_minibatch
+        )
+        stats["loss/total"] = pg_loss.detach()
         if vpreds is None:
             return pg_loss, None, stats
         vf_loss, vf_stats = ppo_value_loss(vpreds, values, returns, mask, self.config.cliprange_value)

@@ -202,7 +202,8 @@ class PPOConfig:
     log_completions_every: int | None = field(
         default=None,
         metadata={"help": "Every this many steps, log_stats writes a table of queries, responses and rewards to "
-                  "the trackers (TensorBoard as text, W&B as a table). None: never."},
+                  "the trackers (TensorBoard as text, W&B as a table). None: W&B only, every step (classic "
+                  "TRL's game_log)."},
     )
     # Batching
     batch_size: int = field(default=128, metadata={"help": "Triplets per step() call, per process."})

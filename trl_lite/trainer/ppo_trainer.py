@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from .. import core
 from ..core import (
     compute_gae,
+    masked_mean,
     compute_kl_rewards,
     discounted_returns,
     flatten_dict,
@@ -54,6 +55,7 @@ from .cpu_memory import keep_freed_cpu_memory
 from .ema import PolicyEMA
 from .generation import build_generation
 from .kl_controllers import AdaptiveKLController, FixedKLController
+from .objective import PolicyObjective
 from .optimization import OptimizationMixin
 from .ppo_config import PPOConfig
 from .resumable_loader import ResumableLoader
@@ -65,6 +67,7 @@ from .step_inputs import (
     check_critic_args,
     resolve_group_ids,
     scores_tensor,
+    validate_generation_logprobs,
     validate_step_inputs,
     wrap_plain_model,
 )
@@ -193,6 +196,7 @@ class PPOTrainer(
             else FixedKLController(config.init_kl_coef)
         )
         self.running = RunningMoments(self.accelerator)
+        self._objective = PolicyObjective.from_config(config)
         self.current_step = 0
         self.skipped_minibatches = 0
 
@@ -240,6 +244,7 @@ class PPOTrainer(
         response_masks: list[torch.Tensor] | None = None,
         group_ids: list[int] | torch.Tensor | None = None,
         ptx_inputs: list[torch.LongTensor] | None = None,
+        generation_logprobs: list[torch.Tensor] | None = None,
     ) -> dict:
         """Run one PPO step on ``batch_size`` (query, response, score) triplets of this process.
 
@@ -248,6 +253,10 @@ class PPOTrainer(
         ``ptx_inputs`` (with ``config.ptx_coef > 0``): ``batch_size`` token sequences whose
         language-modelling loss joins the policy's loss (PPO_SPEC section 10); row ``i`` goes into
         the mini-batches of triplet ``i``.
+        ``generation_logprobs``: per row, a 1-D float tensor with the log-prob of each response token
+        under the engine that sampled it (``generate(..., return_logprobs=True)``); the step then reports
+        the gap to the policy (``rollout/logprob_diff/mean|max``) and, with
+        ``importance_sampling_correction="tis"``, weights the policy loss (PPO_SPEC section 15).
         Returns the statistics of PPO_SPEC section 8 (floats and 1-D numpy arrays); critic-free
         estimators report no value statistics.
         """
@@ -257,12 +266,19 @@ class PPOTrainer(
         )  # fmt: skip
         groups = resolve_group_ids(group_ids, queries, self.config)
         self._check_ptx_inputs(ptx_inputs)
+        validate_generation_logprobs(generation_logprobs, responses)
         config = self.config
         timing = {}
         t0 = time.time()
 
-        # 1. Score shaping (section 2)
+        # 1. Score shaping: the rollout's penalties (section 14), then scaling and clipping (section 2)
         scores = scores_tensor(scores, self.current_device)
+        lengths = torch.tensor([len(r) for r in responses], device=self.current_device)
+        ends_with_eos = self._ends_with_eos(responses)
+        scores = core.shape_scores(
+            scores, lengths, ends_with_eos, config.missing_eos_penalty, config.max_response_length,
+            config.overlong_buffer_len, config.overlong_penalty_factor,
+        )  # fmt: skip
         if config.use_score_scaling:
             self.running.update(scores)
             scale = self.running.std + self.running.eps
@@ -276,6 +292,7 @@ class PPOTrainer(
         rows.reuse_logits_buffer = self.current_device.type == "cpu" and config.keep_freed_cpu_memory
         mask = rows.action_mask
         logprobs, ref_logprobs, values, full_kl = self._rollout_forward(rows)
+        gap_stats, token_weights = self._generation_gap(rows, logprobs, generation_logprobs)
         timing["time/ppo/forward_pass"] = time.time() - t
 
         # 3. KL-shaped rewards (section 4); with kl_in_reward=False the KL goes to the loss (section 12)
@@ -300,13 +317,17 @@ class PPOTrainer(
         kl_loss_ref = None if config.kl_in_reward_resolved else ref_logprobs
         ptx = self._ptx_rows(ptx_inputs) if ptx_inputs is not None else None
         with self._per_row_attention():  # over the backward passes too: gradient checkpointing recomputes
-            train_stats = self._optimize(rows, logprobs, values, advantages, returns, kl_loss_ref, kl_coef, ptx)
+            train_stats = self._optimize(
+                rows, logprobs, values, advantages, returns, kl_loss_ref, kl_coef, ptx, token_weights
+            )
         timing["time/ppo/optimize_step"] = time.time() - t
 
         # 6. Statistics (section 8)
         t = time.time()
         stats = self._step_stats(rows, scores, kls, logprobs, ref_logprobs, non_score_reward, advantages, kl_coef)
+        stats.update(self._rollout_stats(lengths, ends_with_eos, scores, groups))
         stats.update(train_stats)
+        stats.update(gap_stats)
         if not config.critic_free:
             stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
         stats = self._reduce_stats(stats)
@@ -409,6 +430,37 @@ class PPOTrainer(
         else:
             sequence_advantages = grpo_advantages(sequence_rewards, groups, config.grpo_scale_rewards)
         return sequence_to_tokens(sequence_advantages, mask).detach()
+
+    @torch.no_grad()
+    def _generation_gap(self, rows, logprobs, generation_logprobs) -> tuple[dict, torch.Tensor | None]:
+        """The log-prob gap to the generating engine and the TIS weights (PPO_SPEC section 15).
+
+        ``logprobs`` ``(B, L)``: ``lp_old`` of the rollout pass; ``generation_logprobs``: per row one
+        log-prob per response token, or None (then no statistic and no weights). Returns the
+        ``rollout/*`` statistics and, with ``importance_sampling_correction="tis"``, the weights
+        ``min(exp(lp_old - lp_gen), cap)`` ``(B, L)`` (else None).
+        """
+        config = self.config
+        if generation_logprobs is None:
+            return {}, None
+        device, width = logprobs.device, logprobs.shape[1]
+        padded = torch.nn.utils.rnn.pad_sequence(
+            [lp.to(device=device, dtype=logprobs.dtype) for lp in generation_logprobs], batch_first=True
+        )
+        # Compact column k predicts response token k (decoder token k + 1 for encoder-decoders).
+        shift = 1 if self.is_encoder_decoder else 0
+        gen = torch.nn.functional.pad(padded[:, shift:], (0, max(width - padded.shape[1] + shift, 0)))[:, :width]
+        mask = rows.action_mask
+        gap = (logprobs - gen).abs() * mask
+        stats = {
+            "rollout/logprob_diff/mean": masked_mean(gap, mask),
+            "rollout/logprob_diff/max": gap.max(),
+        }
+        if config.importance_sampling_correction != "tis":
+            return stats, None
+        weights = torch.exp(logprobs - gen).clamp(max=config.importance_sampling_cap) * mask
+        stats["rollout/is_weight/mean"] = masked_mean(weights, mask)
+        return stats, weights
 
     def _whiten(self, values, mask, shift_mean=True):
         """``masked_whiten`` with the statistics of the action tokens of every process. Shape ``(B, L)``.

@@ -258,3 +258,27 @@ def count_actions(responses, response_masks, is_encoder_decoder: bool) -> int:
 def scores_tensor(scores, device) -> torch.Tensor:
     """A list of B scalars (numbers or 0-d tensors) as a float32 ``(B,)`` tensor on ``device``."""
     return torch.stack([torch.as_tensor(s, dtype=torch.float32).to(device).reshape(()) for s in scores])
+
+
+def validate_generation_logprobs(generation_logprobs, responses) -> None:
+    """``step(..., generation_logprobs=...)``: per response, a 1-D float tensor of its length holding
+    finite log-probs (<= 0, up to rounding) - or None."""
+    if generation_logprobs is None:
+        return
+    n = len(responses)
+    if not isinstance(generation_logprobs, (list, tuple)) or len(generation_logprobs) != n:
+        given = len(generation_logprobs) if isinstance(generation_logprobs, (list, tuple)) else type(generation_logprobs).__name__
+        raise ValueError(f"generation_logprobs must be a list of {n} tensors (one per response), got {given}.")
+    for i, (lp, r) in enumerate(zip(generation_logprobs, responses)):
+        if not isinstance(lp, torch.Tensor) or not lp.dtype.is_floating_point:
+            kind = f"a {lp.dtype} tensor" if isinstance(lp, torch.Tensor) else type(lp).__name__
+            raise TypeError(f"generation_logprobs[{i}] must be a 1-D float tensor (one log-prob per token), got {kind}.")
+        if lp.shape != r.shape:
+            raise ValueError(
+                f"generation_logprobs[{i}] must have the shape of responses[{i}], {tuple(r.shape)}, got {tuple(lp.shape)}."
+            )
+        if not torch.isfinite(lp).all() or (lp > 1e-4).any():
+            raise ValueError(
+                f"generation_logprobs[{i}] must hold finite log-probabilities (<= 0), got values in "
+                f"[{lp.min().item()}, {lp.max().item()}]."
+            )

@@ -1,0 +1,70 @@
+"""One optimizer step of `loss_type="global_token_mean"` on a fixed global batch of 8 rows of unequal lengths.
+
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml --num_processes 2 \\
+        tests/distributed/global_token_mean_step.py --output_dir OUT --mini_batch_size 2 --gradient_accumulation_steps 2
+    accelerate launch --config_file accelerate_configs/single_gpu.yaml \\
+        tests/distributed/global_token_mean_step.py --output_dir OUT --mini_batch_size 8
+
+Process r of n takes rows [r * 8/n, (r+1) * 8/n); each process's rows form one backward batch
+(`batch_size = mini_batch_size * gradient_accumulation_steps`), one PPO epoch, REINFORCE++ (no
+value loss, advantages whitened over all processes), an entropy bonus (aggregated the same way), SGD. The responses have different lengths,
+so the processes hold different numbers of action tokens: only a loss that divides by the action
+tokens of all processes (PPO_SPEC section 13) takes the step of one process on all 8 rows.
+Rank 0 writes OUT/result.pt: its full weights after the step and the step's policy loss.
+"""
+
+import argparse
+import os
+
+import torch
+from common import finish, full_named_parameters
+
+from tiny_models import make_gpt2, make_tokenizer, random_batch
+from trl_lite import PPOConfig, PPOTrainer, set_seed
+
+GLOBAL_BATCH = 8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--mini_batch_size", type=int, required=True)
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    parser.add_argument("--loss_type", default="global_token_mean")
+    args = parser.parse_args()
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    per_process = GLOBAL_BATCH // world_size
+    config = PPOConfig(
+        batch_size=per_process,
+        mini_batch_size=args.mini_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        ppo_epochs=1,
+        learning_rate=1.0,
+        advantage_estimator="reinforce_pp",
+        loss_type=args.loss_type,
+        entropy_coef=0.05,
+        max_grad_norm=None,
+        seed=0,
+    )
+    set_seed(0)
+    model = make_gpt2(seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate)
+    trainer = PPOTrainer(config, model, tokenizer=make_tokenizer(), optimizer=optimizer)
+    assert trainer.accelerator.num_processes == world_size, (trainer.accelerator.num_processes, world_size)
+
+    queries, responses, scores = random_batch(GLOBAL_BATCH, seed=3, query_len=(2, 5), response_len=(1, 9))
+    rows = slice(rank * per_process, (rank + 1) * per_process)
+    tokens = [sum(len(r) for r in responses[i * per_process : (i + 1) * per_process]) for i in range(world_size)]
+    assert world_size == 1 or len(set(tokens)) > 1, tokens  # the processes hold different numbers of tokens
+    stats = trainer.step(queries[rows], responses[rows], scores[rows])
+
+    named = full_named_parameters(trainer, trainer.accelerator.unwrap_model(trainer.model).pretrained_model)
+    if rank == 0:
+        torch.save({"named_parameters": named, "loss": stats["ppo/loss/policy"]}, os.path.join(args.output_dir, "result.pt"))
+    finish(trainer)
+
+
+if __name__ == "__main__":
+    main()
