@@ -261,8 +261,13 @@ def test_missing_eos_penalty_without_an_eos_id_raises_before_any_change():
     tokenizer.eos_token = None
     gpt2 = make_gpt2()
     gpt2.config.eos_token_id = None
-    trainer = make_trainer(model=AutoModelForCausalLMWithValueHead.from_pretrained(gpt2), tokenizer=tokenizer,
-                           missing_eos_penalty=1.0, use_score_scaling=True)  # fmt: skip
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(gpt2)
+    # At construction ...
+    with pytest.raises(ValueError, match="missing_eos_penalty=1.0 needs an EOS token id.*set stop_token_id"):
+        make_trainer(model=model, tokenizer=tokenizer, missing_eos_penalty=1.0)
+    # ... and in step() when the field was set afterwards.
+    trainer = make_trainer(model=model, tokenizer=tokenizer, use_score_scaling=True)
+    trainer.config.missing_eos_penalty = 1.0
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     with pytest.raises(ValueError, match="missing_eos_penalty=1.0 needs an EOS token id.*set stop_token_id"):
         trainer.step(*random_batch(8))

@@ -61,7 +61,7 @@ from .ppo_config import PPOConfig
 from .resumable_loader import ResumableLoader
 from .rollout import RolloutMixin, packing_unsupported
 from .running_moments import RunningMoments
-from .statistics import StatisticsMixin
+from .statistics import StatisticsMixin, resolve_stop_token_ids
 from .step_inputs import (
     check_constructor_args,
     check_critic_args,
@@ -120,6 +120,12 @@ class PPOTrainer(
             config, model, ref_model, tokenizer, optimizer, lr_scheduler, num_shared_layers, value_model
         )
         check_critic_args(config, model, value_model, critic_optimizer)
+        model_config = getattr(getattr(model, "pretrained_model", model), "config", None)
+        if config.missing_eos_penalty is not None and not resolve_stop_token_ids(config.stop_token_id, tokenizer, model_config):
+            raise ValueError(
+                f"missing_eos_penalty={config.missing_eos_penalty} needs an EOS token id, but stop_token_id is None and "
+                "neither the tokenizer nor the model config has an eos_token_id; set stop_token_id."
+            )
         self.critic = as_value_model(value_model) if value_model is not None else None
         # A plain LM gets a value-head wrapper for logits_positions and the fused LM head; its head never runs.
         model, self._policy_is_plain = wrap_plain_model(model)
