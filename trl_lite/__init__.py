@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 from .core import LengthSampler, set_seed
 from .environment import TextEnvironment, TextHistory
-from .extras import BestOfNSampler
+from .extras import BestOfNSampler, DynamicSampler
 from .models import (
     AutoModelForCausalLMWithValueHead,
     AutoModelForSeq2SeqLMWithValueHead,
@@ -27,6 +27,7 @@ __all__ = [
     "AutoModelForCausalLMWithValueHead",
     "AutoModelForSeq2SeqLMWithValueHead",
     "BestOfNSampler",
+    "DynamicSampler",
     "FixedKLController",
     "LengthSampler",
     "PPOConfig",
