@@ -16,9 +16,16 @@ see the same machine load. Per iteration both draw the same `max_new_tokens` per
 seeded alike before each loop's generation) and sample with the classic settings (`top_k=0`,
 `top_p=1.0`, `do_sample=True`). Phase times are wall-clock (`time.perf_counter`, CUDA synchronised).
 
+With `--backend vllm` the two loops are both trl_lite's, on the same batches: `use_vllm=True` (a
+colocated vLLM engine, the policy's weights pushed into it before each iteration's generate,
+`generate(..., return_logprobs=True)` passed to `step(..., generation_logprobs=...)`) against
+`use_vllm=False` (transformers `generate` in chunks). The table then also has the weight push
+(`time/rollout/weight_sync`), and the ratios are to the transformers path. The `grpo` loop (GRPO,
+8 samples per query) runs only there: the plain loop has no critic-free step.
+
 Usage:
-    python benchmarks/bench_loop.py [--workload tiny|small] [--iterations 3] [--warmup 1]
-        [--threads N] [--greedy] [--output benchmarks/RESULTS.md]
+    python benchmarks/bench_loop.py [--workload tiny|small|grpo] [--backend transformers|vllm]
+        [--iterations 3] [--warmup 1] [--threads N] [--greedy] [--output benchmarks/RESULTS.md]
 
 With `--greedy` both loops decode greedily to a fixed length (the sampler's mean): they then
 generate the same tokens and step on the same batch, so the ratios show overhead alone.
@@ -41,6 +48,7 @@ import bench_step  # noqa: E402  (the floor, the models, the results file)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("generate", "reward", "step", "total")
+VLLM_PHASES = ("generate", "weight_sync", "reward", "step", "total")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +57,9 @@ class LoopWorkload:
 
     name: str
     model: bench_step.Workload
-    generation_batch_size: int = 4
+    generation_batch_size: int = 4  # queries per transformers generate call
     new_tokens: tuple = (16, 33)  # LengthSampler(16, 33): 16-32 new tokens, 24 on average
+    samples_per_query: int = 1  # > 1: GRPO, the model.batch_size rows answer batch_size / k queries
 
 
 LOOPS = {
@@ -60,6 +69,11 @@ LOOPS = {
     "small": LoopWorkload(
         "loop-small", dataclasses.replace(bench_step.W2, name="loop-small", batch_size=16, mini_batch_size=4)
     ),
+    # GRPO on the w1 model: 8 queries x 8 samples = 64 rows, 4 mini-batches.
+    "grpo": LoopWorkload(
+        "loop-grpo", dataclasses.replace(bench_step.W1, name="loop-grpo", batch_size=64, mini_batch_size=16),
+        samples_per_query=8,
+    ),  # fmt: skip
 }
 
 
@@ -122,9 +136,10 @@ def length_sampler(loop: LoopWorkload, greedy: bool):
 
 
 class TrlLoop:
-    """The loop on trl_lite, as a user writes it."""
+    """The loop on trl_lite, as a user writes it; ``backend='vllm'``: generation on a colocated vLLM engine."""
 
-    def __init__(self, loop: LoopWorkload, device: str, dtype: torch.dtype, greedy: bool = False):
+    def __init__(self, loop: LoopWorkload, device: str, dtype: torch.dtype, greedy: bool = False,
+                 backend: str = "transformers"):  # fmt: skip
         from transformers import PreTrainedTokenizerFast
         from tokenizers import Tokenizer, models
 
@@ -135,34 +150,44 @@ class TrlLoop:
         model = AutoModelForCausalLMWithValueHead.from_pretrained(lm).to(device=device, dtype=dtype)
         # generate() pads with the tokenizer's ids: a word-level tokenizer whose special ids are the model's.
         eos = w.vocab_size - 1
-        backend = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "<|endoftext|>": eos}, unk_token="<unk>"))
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+        word_level = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "<|endoftext|>": eos}, unk_token="<unk>"))
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+        k = loop.samples_per_query
+        critic_free = dict(advantage_estimator="grpo", num_samples_per_query=k) if k > 1 else {}
         config = PPOConfig(
             batch_size=w.batch_size, mini_batch_size=w.mini_batch_size, ppo_epochs=w.ppo_epochs,
-            learning_rate=bench_step.LEARNING_RATE, seed=w.seed,
+            learning_rate=bench_step.LEARNING_RATE, seed=w.seed, use_vllm=backend == "vllm", **critic_free,
         )  # fmt: skip
         self.trainer = PPOTrainer(config, model, tokenizer=tokenizer)
         self.sampler = length_sampler(loop, greedy)
         self.settings = GREEDY if greedy else SAMPLING
-        self.loop, self.device = loop, device
+        if k > 1:
+            self.settings = dict(self.settings, num_return_sequences=k)
+        self.loop, self.device, self.backend = loop, device, backend
 
     def iteration(self, queries: list) -> dict:
-        trainer, times = self.trainer, {}
+        """One iteration on ``queries`` (``batch_size`` of them; GRPO: every k-th, each answered k times)."""
+        trainer, times, k = self.trainer, {}, self.loop.samples_per_query
+        asked = queries[::k]
+        engine_logprobs = self.backend == "vllm"
         t0 = time.perf_counter()
-        responses = trainer.generate(
-            queries, length_sampler=self.sampler, batch_size=self.loop.generation_batch_size, return_prompt=False,
-            **self.settings,
+        out = trainer.generate(
+            asked, length_sampler=self.sampler, batch_size=self.loop.generation_batch_size, return_prompt=False,
+            return_logprobs=engine_logprobs, **self.settings,
         )  # fmt: skip
+        responses, logprobs = out if engine_logprobs else (out, None)
         with trainer.timed("rollout/reward"):
             scores = reward_fn(responses)
         _sync(self.device)
         t1 = time.perf_counter()
-        stats = trainer.step(queries, responses, scores)
+        rows = [query for query in asked for _ in range(k)]
+        stats = trainer.step(rows, responses, scores, generation_logprobs=logprobs)
         _sync(self.device)
         t2 = time.perf_counter()
         times.update(
-            generate=stats["time/rollout/generate"], reward=stats["time/rollout/reward"], step=t2 - t1, total=t2 - t0
-        )
+            generate=stats["time/rollout/generate"], weight_sync=stats.get("time/rollout/weight_sync", 0.0),
+            reward=stats["time/rollout/reward"], step=t2 - t1, total=t2 - t0,
+        )  # fmt: skip
         times["new_tokens"] = sum(len(r) for r in responses)
         return times
 
@@ -200,10 +225,21 @@ class PlainLoop:
         return times
 
 
-def run_loops(loop: LoopWorkload, iterations: int, warmup: int, device="cpu", dtype="fp32", greedy=False) -> dict:
-    """Both loops, taking turns; returns per loop the list of per-iteration phase times (timed iterations)."""
+def run_loops(loop: LoopWorkload, iterations: int, warmup: int, device="cpu", dtype="fp32", greedy=False,
+              backend="transformers") -> dict:  # fmt: skip
+    """Both loops, taking turns; returns per loop the list of per-iteration phase times (timed iterations).
+
+    ``backend='transformers'``: trl_lite (``trl_lite``) and plain transformers (``plain``);
+    ``'vllm'``: trl_lite on a vLLM engine (``vllm``) and on transformers (``transformers``).
+    """
     dtype = bench_step.DTYPES[dtype]
-    loops = {"trl_lite": TrlLoop(loop, device, dtype, greedy), "plain": PlainLoop(loop, device, dtype, greedy)}
+    if backend == "vllm":
+        loops = {
+            "vllm": TrlLoop(loop, device, dtype, greedy, backend="vllm"),
+            "transformers": TrlLoop(loop, device, dtype, greedy),
+        }
+    else:
+        loops = {"trl_lite": TrlLoop(loop, device, dtype, greedy), "plain": PlainLoop(loop, device, dtype, greedy)}
     times = {name: [] for name in loops}
     for i in range(warmup + iterations):
         queries = sample_queries(loop.model, i)
@@ -217,18 +253,18 @@ def run_loops(loop: LoopWorkload, iterations: int, warmup: int, device="cpu", dt
     return times
 
 
-def format_loop_table(loop_name: str, times: dict) -> str:
-    """Median seconds per phase for each loop, and trl_lite / plain."""
+def format_loop_table(loop_name: str, times: dict, baseline: str = "plain", phases: tuple = PHASES) -> str:
+    """Median seconds per phase for each loop, and each loop / ``baseline``."""
     lines = [
-        "| loop | method | " + " | ".join(f"{p} s | x plain" for p in PHASES) + " | new tokens/s (generate) |",
-        "| --- | --- | " + " | ".join("---: | ---:" for _ in PHASES) + " | ---: |",
+        "| loop | method | " + " | ".join(f"{p} s | x {baseline}" for p in phases) + " | new tokens/s (generate) |",
+        "| --- | --- | " + " | ".join("---: | ---:" for _ in phases) + " | ---: |",
     ]
-    medians = {m: {p: statistics.median(t[p] for t in ts) for p in (*PHASES, "new_tokens")} for m, ts in times.items()}
+    medians = {m: {p: statistics.median(t[p] for t in ts) for p in (*phases, "new_tokens")} for m, ts in times.items()}
     for method, med in medians.items():
         cells = [loop_name, method]
-        for phase in PHASES:
-            plain = medians["plain"][phase]
-            cells += [f"{med[phase]:.3f}", f"{med[phase] / plain:.2f}" if plain else "-"]
+        for phase in phases:
+            base = medians[baseline][phase]
+            cells += [f"{med[phase]:.3f}", f"{med[phase] / base:.2f}" if base else "-"]
         cells.append(f"{med['new_tokens'] / med['generate']:.0f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -237,6 +273,10 @@ def format_loop_table(loop_name: str, times: dict) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="tiny", choices=sorted(LOOPS))
+    parser.add_argument(
+        "--backend", default="transformers", choices=["transformers", "vllm"],
+        help="transformers: trl_lite against plain transformers; vllm: trl_lite with use_vllm=True and =False",
+    )  # fmt: skip
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -250,25 +290,36 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.iterations < 1 or args.warmup < 0:
         parser.error(f"--iterations must be >= 1 and --warmup >= 0, got {args.iterations} and {args.warmup}")
+    loop = LOOPS[args.workload]
+    if loop.samples_per_query > 1 and (args.backend != "vllm" or args.greedy):
+        parser.error(f"--workload {args.workload} (GRPO, sampled) runs with --backend vllm and without --greedy")
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    loop = LOOPS[args.workload]
     machine = bench_step.machine_description(args.device)
     print(f"machine: {machine}", flush=True)
-    times = run_loops(loop, args.iterations, args.warmup, args.device, args.dtype, args.greedy)
-    table = format_loop_table(loop.name, times)
+    times = run_loops(loop, args.iterations, args.warmup, args.device, args.dtype, args.greedy, args.backend)
+    if args.backend == "vllm":
+        table = format_loop_table(loop.name, times, baseline="transformers", phases=VLLM_PHASES)
+    else:
+        table = format_loop_table(loop.name, times)
     print(table)
     w = loop.model
     setting = (
         f"{args.iterations} timed iterations after {args.warmup} warm-up; load average at end "
         + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f"; {time.strftime('%Y-%m-%d')}\n\n"
         f"- `{loop.name}`: GPT-2 {w.n_layer} x {w.n_embd}, vocabulary {w.vocab_size}, batch {w.batch_size} "
-        f"(queries {w.query_len[0]}-{w.query_len[1]} tokens), generated in chunks of {loop.generation_batch_size} "
+        + (f"(GRPO: {w.batch_size // loop.samples_per_query} queries x {loop.samples_per_query} samples, "
+           if loop.samples_per_query > 1 else "(")
+        + f"queries {w.query_len[0]}-{w.query_len[1]} tokens), generated "
+        + ("on a colocated vLLM engine (all queries in one call; one length drawn per query) against transformers "
+           if args.backend == "vllm" else "")
+        + f"in chunks of {loop.generation_batch_size} queries (one length drawn per chunk) "
         + (f"greedily, {sum(loop.new_tokens) // 2} new tokens each" if args.greedy else f"with LengthSampler{loop.new_tokens}")
         + f", mini-batch {w.mini_batch_size}, {w.ppo_epochs} PPO epochs"
-    )
+    )  # fmt: skip
     heading = f"{args.device} {args.dtype}: loop {args.workload}" + (", greedy" if args.greedy else "")
+    heading += ", vLLM against transformers" if args.backend == "vllm" else ""
     heading += f", torch threads {args.threads}" if args.threads else ""
     bench_step.write_results(args.output, heading, f"Machine: {machine}\n\n{setting}\n\n{table}")
     print(f"written to {args.output}")

@@ -142,6 +142,20 @@ def test_ppo_sentiment_trains_a_separate_critic(tmp_path):
     assert any(not torch.equal(trained[k], initial[k]) for k in initial), "the critic was not trained"
 
 
+def test_ppo_sentiment_on_vllm_passes_the_engine_logprobs_to_step(tmp_path):
+    """--use_vllm: a colocated engine (in the script's process) generates, and its log-probs reach
+    step(): the logged gap to the policy's is that of one fp32 model read by two implementations."""
+    out = tmp_path / "run"
+    run_script("ppo_sentiment.py", *SMALL_RUN, "--steps", "2", "--use_vllm", "--vllm_kv_cache_gb", "1",
+               "--output_dir", str(out))  # fmt: skip
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert all(math.isfinite(record[key]) for key in METRIC_KEYS)
+        # Present only when step() got generation_logprobs; the engine samples from the current policy.
+        assert 0 <= record["rollout/logprob_diff/mean"] <= record["rollout/logprob_diff/max"] < 1e-3
+
+
 @pytest.mark.parametrize("flags", [[], ["--use_vllm"]], ids=["transformers", "vllm"])
 def test_custom_rollout_loop_learns_its_reward(flags):
     result = run_script("custom_rollout_loop.py", *flags)

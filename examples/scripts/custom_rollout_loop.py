@@ -29,8 +29,9 @@ def main(steps: int = 30, batch_size: int = 16, use_vllm: bool = False) -> None:
     """Train for `steps` PPO steps of `batch_size` prompts, printing the mean reward of each.
 
     With `use_vllm` the rollouts come from a vLLM engine in this process, which gets the new weights
-    before each generation; the model then has one attention head (vLLM's CPU attention needs a head
-    size of at least 32; the parameters have the same shapes).
+    before each generation, and the engine's log-probs of its tokens go to `step()` (which reports
+    their gap to the policy's, `rollout/logprob_diff/*`); the model then has one attention head
+    (vLLM's CPU attention needs a head size of at least 32; the parameters have the same shapes).
     """
     set_seed(0)
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
@@ -50,14 +51,17 @@ def main(steps: int = 30, batch_size: int = 16, use_vllm: bool = False) -> None:
     for step in range(steps):
         # 1. Rollout: the policy continues a batch of prompts.
         queries = [tokenizer(p, return_tensors="pt").input_ids[0] for p in random.choices(PROMPTS, k=batch_size)]
-        responses = trainer.generate(
-            queries, return_prompt=False, length_sampler=lengths, batch_size=batch_size, do_sample=True
-        )
+        generated = trainer.generate(
+            queries, return_prompt=False, length_sampler=lengths, batch_size=batch_size, do_sample=True,
+            return_logprobs=use_vllm,
+        )  # fmt: skip
+        responses, logprobs = generated if use_vllm else (generated, None)
         # 2. Evaluation: one scalar score per (query, response) pair, from any code you like.
         scores = [torch.tensor(reward(text)) for text in tokenizer.batch_decode(responses, skip_special_tokens=True)]
         # 3. Optimisation: one PPO step on the triplets.
-        stats = trainer.step(queries, responses, scores)
-        print(f"step {step + 1:2d}  mean reward {stats['ppo/mean_scores']:.3f}  KL {stats['objective/kl']:.3f}")
+        stats = trainer.step(queries, responses, scores, generation_logprobs=logprobs)
+        gap = f"  engine log-prob gap {stats['rollout/logprob_diff/mean']:.1e}" if use_vllm else ""
+        print(f"step {step + 1:2d}  mean reward {stats['ppo/mean_scores']:.3f}  KL {stats['objective/kl']:.3f}{gap}")
 
 
 if __name__ == "__main__":

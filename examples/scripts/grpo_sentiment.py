@@ -11,6 +11,9 @@ continuations of its prompt (PPOConfig advantage_estimator="grpo", PPO_SPEC sect
     # compare with a PPO run of the same batch size (the same budget of generated tokens per step)
     python examples/scripts/ppo_sentiment.py --output_dir outputs/ppo_sentiment
     python examples/scripts/grpo_sentiment.py --compare_with outputs/ppo_sentiment/metrics.jsonl
+    # rollouts on a colocated vLLM engine (all prompts x k samples in one engine call); the engine's
+    # log-probs go to step(), which reports their gap to the policy's (rollout/logprob_diff/*)
+    python examples/scripts/grpo_sentiment.py --use_vllm
 
 Every PPOConfig field is a flag too (--advantage_estimator rloo, --num_samples_per_query 8, ...).
 Written to --output_dir: metrics.jsonl (one line per step), grpo_vs_ppo.png (with --compare_with:
@@ -123,14 +126,15 @@ def train(trainer: PPOTrainer, loader, rewards_of, args: ScriptArguments, gen_kw
         for batch in loader:
             queries = batch["input_ids"]
             start = time.perf_counter()
-            responses = trainer.generate(
+            generated = trainer.generate(
                 queries, return_prompt=False, length_sampler=length_sampler, batch_size=args.generation_batch_size,
-                num_return_sequences=k, **gen_kwargs,
+                num_return_sequences=k, return_logprobs=config.use_vllm, **gen_kwargs,
             )  # fmt: skip
+            responses, logprobs = generated if config.use_vllm else (generated, None)
             generate_seconds = time.perf_counter() - start
             rows = [q for q in queries for _ in range(k)]  # the k continuations of a prompt are consecutive
             rewards = rewards_of(decode_pairs(tokenizer, rows, responses))
-            stats = trainer.step(rows, responses, rewards)
+            stats = trainer.step(rows, responses, rewards, generation_logprobs=logprobs)
             record = step_record(trainer, stats, rewards)
             record["time/generate"] = generate_seconds
             records.append(record)

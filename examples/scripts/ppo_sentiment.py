@@ -14,6 +14,10 @@ transformers `pipeline` (the reward is the classifier's positive logit), and tra
     # a separate critic (DeepSpeed-Chat/OpenRLHF style), initialised from a one-label reward model
     # that reads the policy's tokens (e.g. RewardTrainer's output); written to model/value_model
     python examples/scripts/ppo_sentiment.py --value_model path/to/reward_model
+    # rollouts on a colocated vLLM engine; its log-probs go to step() (rollout/logprob_diff/*)
+    python examples/scripts/ppo_sentiment.py --use_vllm
+    # ... on a vLLM server started with `python -m trl_lite.vllm_server --model <dir>`
+    python examples/scripts/ppo_sentiment.py --use_vllm --vllm_mode server --model_name <dir> ...
     # several processes (only the main one prints and writes files)
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml --num_processes 2 \
         examples/scripts/ppo_sentiment.py
@@ -272,16 +276,22 @@ def offline_stages(args: ScriptArguments, config: PPOConfig, main: bool) -> Offl
 def rollout_and_step(trainer: PPOTrainer, batch: dict, rewards_of, length_sampler, gen_kwargs: dict, chunk: int):
     """One classic PPO iteration on a batch of prompts: generate, score, `step()`, `log_stats()`.
 
-    Returns the step's statistics and the rewards (one 0-d tensor per prompt).
+    On a vLLM engine (`--use_vllm`) the engine's log-probs of the sampled tokens go to `step()`,
+    which reports their gap to the policy's (`rollout/logprob_diff/*`) and, with
+    `--importance_sampling_correction tis`, corrects for it. Returns the step's statistics and the
+    rewards (one 0-d tensor per prompt).
     """
     tokenizer = trainer.tokenizer
     query_tensors = batch["input_ids"]
-    response_tensors = trainer.generate(
-        query_tensors, return_prompt=False, length_sampler=length_sampler, batch_size=chunk, **gen_kwargs
-    )
+    engine_logprobs = trainer.config.use_vllm
+    generated = trainer.generate(
+        query_tensors, return_prompt=False, length_sampler=length_sampler, batch_size=chunk,
+        return_logprobs=engine_logprobs, **gen_kwargs,
+    )  # fmt: skip
+    response_tensors, logprobs = generated if engine_logprobs else (generated, None)
     batch["response"] = tokenizer.batch_decode(response_tensors, skip_special_tokens=True)
     rewards = rewards_of(decode_pairs(tokenizer, query_tensors, response_tensors))
-    stats = trainer.step(query_tensors, response_tensors, rewards)
+    stats = trainer.step(query_tensors, response_tensors, rewards, generation_logprobs=logprobs)
     trainer.log_stats(stats, batch, rewards)
     return stats, rewards
 

@@ -337,6 +337,8 @@ def build_vllm_backend(config, model_config, generation_config, policy_dtype: to
     """The backend ``config.vllm_mode`` names: a colocated engine, or the client of a running server.
 
     ``vllm_dtype='auto'`` means ``policy_dtype``: the engine samples from the model being trained.
+    A server's engine settings (dtype, KV cache, lengths, parallelism) are those it was launched with
+    (``python -m trl_lite.vllm_server``); the trainer only needs ``vllm_server_url`` and ``vllm_server_timeout``.
     """
     if config.vllm_mode == "server":
         from .vllm_client import VLLMServerClient
