@@ -447,12 +447,15 @@ def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtyp
     if not with_generation_logprobs:
         return trainer.step
 
+    generation = []
+
     def step_with_engine_logprobs(queries, responses, scores):
-        # Stand-in engine log-probs: what the rollout pass computes, shifted, so that TIS weights vary.
-        rows = trainer._make_rows(queries, responses, None)
-        with torch.no_grad():
-            logprobs = trainer._rollout_forward(rows)[0]
-        generation = [logprobs[i, : len(r)].cpu() - 0.05 for i, r in enumerate(responses)]
+        # Stand-in engine log-probs, made once (untimed work of the first call): what the rollout pass
+        # computes, shifted, so that TIS weights vary.
+        if not generation:
+            with torch.no_grad():
+                logprobs = trainer._rollout_forward(trainer._make_rows(queries, responses, None))[0]
+            generation.extend(logprobs[i, : len(r)].cpu() - 0.05 for i, r in enumerate(responses))
         return trainer.step(queries, responses, scores, generation_logprobs=generation)
 
     return step_with_engine_logprobs
