@@ -148,6 +148,9 @@ def test_quick_run_writes_plot_metrics_and_models(script, tmp_path, flags):
     for record in metrics["records"]:
         assert math.isfinite(record["ppo/loss/total"]) and math.isfinite(record["objective/kl"])
         assert 0.0 <= record["rollout/accuracy"] <= 1.0 and record["dynamic_sampling/tries"] >= 1
+        # On vLLM the engine's log-probs reach step(): the float32 engine samples from the policy itself.
+        assert ("rollout/logprob_diff/mean" in record) is bool(flags)
+        assert record.get("rollout/logprob_diff/max", 0.0) < 1e-3
     assert metrics["num_heldout"] == 64 and metrics["use_vllm"] is bool(flags)
 
     # The accuracies it reports are those of the models it wrote, on the held-out problems of its seed.

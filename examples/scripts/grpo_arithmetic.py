@@ -236,18 +236,25 @@ def rollout_function(trainer: PPOTrainer, problems, args: ScriptArguments, seed:
             order += fresh
         chosen, order = [problems[i] for i in order[:num_groups]], order[num_groups:]
         queries = encode_prompts(tokenizer, chosen)
-        responses = trainer.generate(queries, return_prompt=False, batch_size=len(queries), **gen_kwargs)
+        # On vLLM the engine's log-probs of its samples go to step() too (rollout/logprob_diff/*).
+        generated = trainer.generate(
+            queries, return_prompt=False, batch_size=len(queries), return_logprobs=config.use_vllm, **gen_kwargs
+        )
+        responses, engine_logprobs = generated if config.use_vllm else (generated, None)
         prompts = [prompt_of(p) for p in chosen for _ in range(k)]  # rows of a prompt are adjacent
         completions = tokenizer.batch_decode(responses)
         rewards = [exact_match_reward(p, c) for p, c in zip(prompts, completions)]
         tally["rows"] += len(rewards)
         tally["correct"] += sum(rewards)
         tally["eos"] += sum(c.endswith(EOS) for c in completions)
-        return {
+        batch = {
             "queries": [q for q in queries for _ in range(k)],
             "responses": responses,
             "scores": [torch.tensor(r) for r in rewards],
         }
+        if engine_logprobs is not None:
+            batch["generation_logprobs"] = engine_logprobs
+        return batch
 
     return generate_and_score
 
@@ -300,7 +307,9 @@ def train(trainer: PPOTrainer, problems, args: ScriptArguments, evaluations: lis
     for step in progress:
         tally.update(rows=0, correct=0.0, eos=0)
         batch = sampler(generate_and_score)
-        stats = trainer.step(batch.queries, batch.responses, batch.scores)
+        stats = trainer.step(
+            batch.queries, batch.responses, batch.scores, generation_logprobs=batch.extras.get("generation_logprobs")
+        )
         record = {"step": step, "dynamic_sampling/tries": batch.tries}
         record["dynamic_sampling/dropped_groups"] = batch.dropped_groups
         record["dynamic_sampling/filled_with_zero_std"] = batch.filled_with_zero_std
