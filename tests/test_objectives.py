@@ -404,3 +404,26 @@ def test_bad_generation_logprobs_are_rejected_before_any_state_changes(bad, erro
         trainer.step(queries, responses, scores, generation_logprobs=lps)
     assert trainer.current_step == 0
     assert all(torch.equal(v, trainer.model.state_dict()[k]) for k, v in weights.items())
+
+
+def test_classic_train_minibatch_takes_every_loss_type():
+    """The classic one-mini-batch entry point: with global_token_mean the mini-batch is its own backward
+    batch, so its loss equals the token mean's (and a per-row mean differs, the rows' lengths differing)."""
+    losses = {}
+    for loss_type in ("token_mean", "global_token_mean", "seq_mean_token_mean"):
+        trainer, _, _, _ = _build_pair(dict(loss_type=loss_type))
+        queries = [torch.tensor([5, 6, 7]), torch.tensor([8, 9, 10])]  # equal query lengths: one slice fits all
+        responses = [torch.tensor([11, 12, 13, 14]), torch.tensor([15, 16])]
+        rows = trainer._make_rows(queries, responses, None)
+        with torch.no_grad():
+            old, _, values, _ = trainer._rollout_forward(rows)
+        mask = rows.action_mask
+        logits, _, vpreds = trainer.model(**trainer.prepare_model_inputs(queries, responses))
+        logits, vpreds = logits[:, 2:6], vpreds[:, 2:6]  # the positions predicting response tokens 0..3
+        targets = torch.stack([torch.cat((r, r.new_zeros(4 - len(r)))) for r in responses])
+        logprobs = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+        advantages = torch.tensor([[1.0, -2.0, 0.5, 1.5], [-1.0, 2.0, 0.0, 0.0]]) * mask
+        stats = trainer.train_minibatch(old, values, logprobs, logits, vpreds, mask, advantages, values + advantages)
+        losses[loss_type] = float(stats["loss/policy"])
+    assert losses["global_token_mean"] == pytest.approx(losses["token_mean"], rel=1e-6)
+    assert losses["seq_mean_token_mean"] != pytest.approx(losses["token_mean"], rel=1e-3)

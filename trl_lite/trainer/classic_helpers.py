@@ -1,8 +1,9 @@
 """Classic ``PPOTrainer`` private methods that classic examples and tests call, as thin wrappers.
 
 ``step()`` does not use them; they give code written against classic TRL the names and results it
-expects: ``_kl_penalty``, ``_step_safety_checker``, ``gather_stats``, ``record_step_stats``,
-``_save_pretrained`` and ``create_model_card``.
+expects: ``compute_rewards``, ``compute_advantages``, ``train_minibatch``, ``_kl_penalty``,
+``_step_safety_checker``, ``gather_stats``, ``record_step_stats``, ``_save_pretrained`` and
+``create_model_card``.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import os
 import torch
 
 from .. import __version__
-from ..core import full_kl_from_logits, kl_estimate, masked_mean
-from .step_inputs import validate_step_inputs
+from ..core import compute_kl_rewards, full_kl_from_logits, kl_estimate, masked_mean
+from .step_inputs import scores_tensor, validate_step_inputs
 
 _MODEL_CARD = """---
 license: apache-2.0
@@ -47,7 +48,36 @@ model = AutoModelForCausalLMWithValueHead.from_pretrained("{model_id}")
 
 
 class ClassicHelpersMixin:
-    """Classic private methods of ``PPOTrainer``: :class:`PPOTrainer` mixes it in."""
+    """Classic helper methods of ``PPOTrainer`` that ``step()`` does not use: :class:`PPOTrainer` mixes it in."""
+
+    def compute_rewards(self, scores, logprobs, ref_logprobs, masks, full_kl=None):
+        """KL-shaped rewards (PPO_SPEC section 4) for any per-token layout.
+
+        Shapes: scores ``(B,)`` (or a list of B scalars), the rest ``(B, L)``.
+        Returns rewards, non_score_reward and the per-token KL estimate, ``(B, L)`` each.
+        """
+        if isinstance(scores, (list, tuple)):
+            scores = scores_tensor(scores, logprobs.device)
+        kls = kl_estimate(logprobs, ref_logprobs, self.config.kl_penalty, full_kl)
+        rewards, non_score_reward = compute_kl_rewards(scores, kls, masks, self.kl_ctl.value)
+        return rewards, non_score_reward, kls
+
+    def compute_advantages(self, values, rewards, mask):
+        """Masked values, whitened advantages and returns (PPO_SPEC section 5). Shapes ``(B, L)``."""
+        return self._advantages(values, rewards, mask)
+
+    def train_minibatch(self, old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns):
+        """One optimisation step on precomputed new log-probs/values (classic signature).
+
+        ``logprobs``, ``vpreds`` and ``logits`` must come from a forward pass with grad.
+        Returns the mini-batch statistics.
+        """
+        self.model.train()
+        pg_loss, vf_loss, stats = self.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns)
+        policy_loss, critic_loss = self._split_losses(pg_loss, vf_loss, stats)
+        self._backward_and_step(policy_loss, critic_loss)
+        self._zero_grad()
+        return stats
 
     def _kl_penalty(self, logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
         """Per-token KL estimate of ``config.kl_penalty`` between policy and reference log-probs.

@@ -68,12 +68,15 @@ class PolicyObjective:
         ``loss = agg(w * l_clip) [+ kl_coef * agg(k3(lp, ref))] [- entropy_coef * agg(H)]`` with ``w`` the
         ``token_weights`` (TIS, section 15), ``ref_logprobs`` given when the KL is in the loss (section 12)
         and ``entropy`` (differentiable) needed when ``entropy_coef > 0``. ``tokens_per_minibatch``:
-        see :func:`trl_lite.core.aggregate_loss` (``global_token_mean`` only).
+        see :func:`trl_lite.core.aggregate_loss` (``global_token_mean`` only; None: the mini-batch is its
+        own backward batch, as in a lone ``train_minibatch`` call, and its action tokens are the count).
         Shapes: every tensor ``(b, L)``. Statistics: ``loss/policy`` (the clipped surrogate alone),
         ``policy/clipfrac[_low|_high]``, ``policy/dual_clipfrac``, ``policy/approxkl``, ``policy/policykl``,
         ``policy/ratio``, ``policy/advantages_mean``, ``policy/entropy``, and ``policy/kl_loss`` /
         ``policy/entropy_loss`` when those terms are on.
         """
+        if self.needs_global_token_count and tokens_per_minibatch is None:
+            tokens_per_minibatch = mask.sum()
         if self.entropy_coef and entropy is None:
             raise ValueError(f"entropy_coef={self.entropy_coef} needs the entropy of every action token, got None.")
         pg_loss, pg_stats = ppo_policy_loss(

@@ -482,38 +482,6 @@ class PPOTrainer(
         return whitened if shift_mean else whitened + mean
 
     # ------------------------------------------------------------------------------------------
-    # The classic public-ish helpers
-    # ------------------------------------------------------------------------------------------
-    def compute_rewards(self, scores, logprobs, ref_logprobs, masks, full_kl=None):
-        """KL-shaped rewards (PPO_SPEC section 4) for any per-token layout.
-
-        Shapes: scores ``(B,)`` (or a list of B scalars), the rest ``(B, L)``.
-        Returns rewards, non_score_reward and the per-token KL estimate, ``(B, L)`` each.
-        """
-        if isinstance(scores, (list, tuple)):
-            scores = scores_tensor(scores, logprobs.device)
-        kls = kl_estimate(logprobs, ref_logprobs, self.config.kl_penalty, full_kl)
-        rewards, non_score_reward = compute_kl_rewards(scores, kls, masks, self.kl_ctl.value)
-        return rewards, non_score_reward, kls
-
-    def compute_advantages(self, values, rewards, mask):
-        """Masked values, whitened advantages and returns (PPO_SPEC section 5). Shapes ``(B, L)``."""
-        return self._advantages(values, rewards, mask)
-
-    def train_minibatch(self, old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns):
-        """One optimisation step on precomputed new log-probs/values (classic signature).
-
-        ``logprobs``, ``vpreds`` and ``logits`` must come from a forward pass with grad.
-        Returns the mini-batch statistics.
-        """
-        self.model.train()
-        pg_loss, vf_loss, stats = self.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns)
-        policy_loss, critic_loss = self._split_losses(pg_loss, vf_loss, stats)
-        self._backward_and_step(policy_loss, critic_loss)
-        self._zero_grad()
-        return stats
-
-    # ------------------------------------------------------------------------------------------
     # Checkpoint and resume (the mechanism is in .checkpointing)
     # ------------------------------------------------------------------------------------------
     def _checkpoint_state(self) -> dict:
