@@ -1,14 +1,13 @@
 """Colocated vLLM engines under `accelerate launch` with two processes (ZeRO-2, ZeRO-3, ZeRO-2 with
 a LoRA policy): every process runs its own engine on its own queries, the processes end with equal
 weights, and every engine follows them - its greedy tokens equal greedy decoding of the trained
-policy's full weights (LoRA merged by hand) in float64 transformers, in this plain process."""
-
-from pathlib import Path
+policy's full weights (LoRA merged by hand) in float64 transformers, in this plain process. The
+model is test_distributed's `base_model_dir`, GPT-2 256 wide with 2 heads: ZeRO-3 partitions its
+largest matrices, and vLLM's CPU attention takes its head size of 128."""
 
 import pytest
 import torch
-from test_distributed import REPO, deepspeed_cpu_collectives, launch  # noqa: F401  (a module-scope fixture)
-from tiny_models import make_gpt2
+from test_distributed import REPO, base_model_dir, deepspeed_cpu_collectives, launch  # noqa: F401  (fixtures)
 from transformers import GPT2LMHeadModel
 
 pytestmark = pytest.mark.xdist_group("distributed")
@@ -16,17 +15,6 @@ pytestmark = pytest.mark.xdist_group("distributed")
 SCRIPT = REPO / "tests" / "distributed" / "vllm_loop.py"
 FIXED_QUERIES = [[5, 6, 7, 8], [10], [11, 12, 13], [20, 21]]  # as in the script
 NEW_TOKENS = 6
-# 256 wide with 2 heads: ZeRO-3 partitions its largest matrices, and vLLM's CPU attention takes head size 128.
-BASE_MODEL = {"seed": 0, "n_embd": 256}
-
-
-@pytest.fixture(scope="module")
-def base_model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("base_gpt2_vllm")
-    make_gpt2(**BASE_MODEL).save_pretrained(path)
-    return path
-
-
 def greedy(lm, query):
     """Greedy tokens of ``lm`` after ``query``, one forward pass per token, stopped after EOS (id 1)."""
     tokens = list(query)

@@ -7,11 +7,11 @@ One engine per policy kind, started once per module. The tiny GPT-2 is 64 wide w
 CPU attention needs a head size of at least 32.
 """
 
-import math
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from engine_checks import assert_sampled_rows_and_logprobs
 from tiny_models import make_gpt2, make_tokenizer
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
@@ -145,22 +145,7 @@ def test_sampled_rows_for_grpo_are_adjacent_cut_after_eos_and_logprobs_match_a_f
     k, new = 3, 12
     rows, logprobs = trainer.generate(QUERIES, return_prompt=True, max_new_tokens=new, do_sample=True,
                                       temperature=1.0, top_k=0, num_return_sequences=k, return_logprobs=True)  # fmt: skip
-    assert len(rows) == len(QUERIES) * k and len(logprobs) == len(rows)
-    lm64 = _float64_copy(lm)
-    worst = 0.0
-    for index, (row, row_logprobs) in enumerate(zip(rows, logprobs)):
-        query = QUERIES[index // k]
-        assert row[: len(query)].tolist() == query.tolist()  # rows i*k .. i*k+k-1 answer query i
-        response = row[len(query) :].tolist()
-        assert EOS not in response[:-1] and (response[-1] == EOS or len(response) == new)
-        assert row_logprobs.shape == (len(response),)
-        with torch.no_grad():
-            logits = lm64(input_ids=row[None]).logits[0]
-        for t, token in enumerate(response):  # the log-prob of response token t, from the logits before it
-            position = len(query) + t - 1
-            log_z = math.log(sum(math.exp(v) for v in logits[position].tolist()))
-            worst = max(worst, abs(float(row_logprobs[t]) - (float(logits[position, token]) - log_z)))
-    assert worst < 1e-4
+    assert_sampled_rows_and_logprobs(rows, logprobs, lm, QUERIES, k, new, EOS)
     # Sampling really samples: the k rows of a query are not all equal.
     assert any(len({tuple(rows[i * k + j].tolist()) for j in range(k)}) > 1 for i in range(len(QUERIES)))
 

@@ -9,7 +9,6 @@ Not covered here (needs GPUs): vLLM's NCCL weight transfer, which the trainer do
 go over HTTP on every machine), and a server on a GPU.
 """
 
-import math
 import os
 import signal
 import socket
@@ -20,6 +19,7 @@ import time
 import pytest
 import requests
 import torch
+from engine_checks import assert_sampled_rows_and_logprobs
 from tiny_models import make_gpt2, make_tokenizer
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
@@ -163,23 +163,7 @@ def test_sampled_rows_and_their_logprobs_match_a_float64_recomputation(trainer):
     k, new = 3, 10
     rows, logprobs = trainer.generate(QUERIES, return_prompt=True, max_new_tokens=new, do_sample=True,
                                       temperature=1.0, top_k=0, num_return_sequences=k, return_logprobs=True)  # fmt: skip
-    assert len(rows) == len(QUERIES) * k and len(logprobs) == len(rows)
-    lm64 = type(lm)(lm.config).double().eval()
-    lm64.load_state_dict({name: t.double() for name, t in lm.state_dict().items()})
-    worst = 0.0
-    for index, (row, row_logprobs) in enumerate(zip(rows, logprobs)):
-        query = QUERIES[index // k]
-        assert row[: len(query)].tolist() == query.tolist()  # rows i*k .. i*k+k-1 answer query i
-        response = row[len(query) :].tolist()
-        assert EOS not in response[:-1] and (response[-1] == EOS or len(response) == new)
-        assert row_logprobs.shape == (len(response),)
-        with torch.no_grad():
-            logits = lm64(input_ids=row[None]).logits[0]
-        for t, token in enumerate(response):  # response token t is predicted at the position before it
-            position = len(query) + t - 1
-            log_z = math.log(sum(math.exp(v) for v in logits[position].tolist()))
-            worst = max(worst, abs(float(row_logprobs[t]) - (float(logits[position, token]) - log_z)))
-    assert worst < 1e-4
+    assert_sampled_rows_and_logprobs(rows, logprobs, lm, QUERIES, k, new, EOS)
 
 
 def test_a_server_that_cannot_read_our_files_gets_the_chunks_inline(server, trainer, monkeypatch):
