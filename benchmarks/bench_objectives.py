@@ -1,4 +1,4 @@
-"""The step-time cost of each option of PPO_SPEC sections 13-15 on `w1`, the runs taking turns.
+"""The step-time cost of each option of docs/algorithm.md sections 13-15 on `w1`, the runs taking turns.
 
     python benchmarks/bench_objectives.py --rounds 6
 

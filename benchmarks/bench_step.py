@@ -69,13 +69,13 @@ class Workload:
     response_len: tuple = (16, 32)
     vocab_size: int = 50257
     seed: int = 0
-    # PPOConfig fields of the trainer's runs, as JSON (the objective workloads: PPO_SPEC sections 13-15);
+    # PPOConfig fields of the trainer's runs, as JSON (the objective workloads: docs/algorithm.md sections 13-15);
     # "generation_logprobs": true passes step() engine log-probs (the policy's own, shifted by 0.05).
     options: str = "{}"
 
 
 W1 = Workload("w1", n_layer=2, n_embd=128, n_head=2, batch_size=16, mini_batch_size=4, ppo_epochs=4)
-# w1 with each option of PPO_SPEC sections 13-15: what the option costs per step.
+# w1 with each option of docs/algorithm.md sections 13-15: what the option costs per step.
 OBJECTIVE_OPTIONS = {
     "clip-higher": {"cliprange_high": 0.28},
     "dual-clip": {"dual_clip": 3.0},
@@ -454,7 +454,7 @@ def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtyp
         # computes, shifted, so that TIS weights vary.
         if not generation:
             with torch.no_grad():
-                logprobs = trainer._rollout_forward(trainer._make_rows(queries, responses, None))[0]
+                logprobs = trainer.experience_maker.passes(trainer.forward.make_rows(queries, responses, None))[0]
             generation.extend(logprobs[i, : len(r)].cpu() - 0.05 for i, r in enumerate(responses))
         return trainer.step(queries, responses, scores, generation_logprobs=generation)
 
@@ -462,7 +462,7 @@ def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtyp
 
 
 # ---------------------------------------------------------------------------------------------
-# Critic-free workloads (PPO_SPEC section 12): GRPO on a plain causal LM, against GAE on the same batch
+# Critic-free workloads (docs/algorithm.md section 12): GRPO on a plain causal LM, against GAE on the same batch
 # ---------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class CriticFreeWorkload(Workload):
@@ -908,7 +908,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------------------------
-# Separate critic (PPO_SPEC section 9): the policy without a value head, and a critic of the same
+# Separate critic (docs/algorithm.md section 9): the policy without a value head, and a critic of the same
 # size - a GPT-2 backbone and a one-output score head, no LM head - with its own Adam.
 # ----------------------------------------------------------------------------------------------
 CRITIC_WORKLOADS = {"critic": dataclasses.replace(W1, name="critic")}

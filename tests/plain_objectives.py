@@ -1,4 +1,4 @@
-"""A float64, row-by-row reference of PPO_SPEC sections 13 and 15 on top of ``plain_ppo.PlainPPO``.
+"""A float64, row-by-row reference of docs/algorithm.md sections 13 and 15 on top of ``plain_ppo.PlainPPO``.
 
 ``PlainObjectivesPPO`` keeps PlainPPO's sections 2-12 (scores, padded forward passes, rewards,
 advantages, epochs) and rewrites the per-mini-batch loss: every action token's clipped surrogate
@@ -45,7 +45,7 @@ def token_entropy(logits_row: torch.Tensor) -> torch.Tensor:
 
 
 class PlainObjectivesPPO(PlainPPO):
-    """PlainPPO with PPO_SPEC sections 13 and 15, in float64 (see the module docstring); a shared value
+    """PlainPPO with docs/algorithm.md sections 13 and 15, in float64 (see the module docstring); a shared value
     head or none (critic-free), no separate critic, PTX or EMA."""
 
     def __init__(self, model, ref_model, config, pad_id, padding_side="right", optimizer_cls=None):
@@ -137,8 +137,9 @@ class PlainObjectivesPPO(PlainPPO):
             row_means = []
             for b in range(rows):
                 terms = [v for (row, _), v in per_token.items() if row == b]
-                row_means.append(sum(terms) / len(terms) if terms else 0.0)
-            return sum(row_means) / rows
+                if terms:  # a row without action tokens is no part of the mean
+                    row_means.append(sum(terms) / len(terms))
+            return sum(row_means) / len(row_means)
         if loss_type == "seq_mean_token_sum_norm":
             return total / (rows * config.max_response_length)
         return total / self.backward_batch_tokens

@@ -1,4 +1,4 @@
-"""A plain, independent implementation of ``PPOTrainer.step()`` straight from PPO_SPEC.md, for tests.
+"""A plain, independent implementation of ``PPOTrainer.step()`` straight from docs/algorithm.md, for tests.
 
 Everything lives in the spec's ``(B, T)`` layout: the whole batch is padded once to one length ``S``,
 the model gives full logits ``(B, S, V)``, log-probabilities come from a log-softmax over the whole
@@ -7,7 +7,7 @@ code with ``trl_lite`` beyond the value-head model it trains (its transformers m
 are called directly). The critic-free estimators of section 12 train a plain transformers model
 (or a value-head model whose head is never called).
 
-It also covers PPO_SPEC sections 9-11: a separate critic (a transformers sequence-classification
+It also covers docs/algorithm.md sections 9-11: a separate critic (a transformers sequence-classification
 model whose score head reads every position's last hidden state), the PTX loss (a per-row
 cross-entropy loop) and the EMA of the policy (float64 accumulators over every parameter).
 """
@@ -31,7 +31,7 @@ class PaddedBatch:
 
     ``inputs``: kwargs of the transformers model, ``(B, S)`` tensors (plus the decoder's for
     encoder-decoders); ``targets`` ``(B, T)``: the token predicted at each position; ``mask``
-    ``(B, T)`` float: the action mask of PPO_SPEC section 3.
+    ``(B, T)`` float: the action mask of docs/algorithm.md section 3.
     """
 
     inputs: dict
@@ -61,7 +61,7 @@ def pad(sequences: list, pad_id: int, side: str) -> tuple[torch.Tensor, torch.Te
 
 
 def make_batch(queries, responses, response_masks, pad_id, padding_side, is_encoder_decoder) -> PaddedBatch:
-    """Model inputs, targets and the action mask ``(B, T)`` of PPO_SPEC section 3."""
+    """Model inputs, targets and the action mask ``(B, T)`` of docs/algorithm.md section 3."""
     masks = response_masks or [torch.ones(len(r)) for r in responses]
     if is_encoder_decoder:
         enc, enc_attention, _ = pad(queries, pad_id, "right")
@@ -153,7 +153,7 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torc
 
 
 def kl_per_token(kind: str, lp, ref_lp, logits, ref_logits) -> torch.Tensor:
-    """The four KL estimators of PPO_SPEC section 4. Shapes ``(B, T)`` (logits ``(B, T, V)``)."""
+    """The four KL estimators of docs/algorithm.md section 4. Shapes ``(B, T)`` (logits ``(B, T, V)``)."""
     if kind == "kl":
         return lp - ref_lp
     if kind == "abs":
@@ -190,7 +190,7 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
 
 
 def gae(values: torch.Tensor, rewards: torch.Tensor, gamma: float, lam: float) -> torch.Tensor:
-    """Advantages by the backward recursion of PPO_SPEC section 5 (``V_T = 0``). Shapes ``(B, T)``."""
+    """Advantages by the backward recursion of docs/algorithm.md section 5 (``V_T = 0``). Shapes ``(B, T)``."""
     batch, length = rewards.shape
     advantages = torch.zeros(batch, length)
     for b in range(batch):
@@ -204,7 +204,7 @@ def gae(values: torch.Tensor, rewards: torch.Tensor, gamma: float, lam: float) -
 
 
 class PlainPPO:
-    """``PPOTrainer.step()`` of PPO_SPEC.md for one process, written out plainly.
+    """``PPOTrainer.step()`` of docs/algorithm.md for one process, written out plainly.
 
     Holds the state that lives across steps: the Adam optimizer, the KL coefficient, every score
     seen (for score scaling) and the count of backward passes (for gradient accumulation).
@@ -277,7 +277,7 @@ class PlainPPO:
         return {key: torch.cat(value) for key, value in parts.items()}
 
     def step(self, queries, responses, scores, response_masks=None, group_ids=None, ptx_inputs=None) -> dict:
-        """One PPO step; returns the statistics of PPO_SPEC section 8 that the tests compare."""
+        """One PPO step; returns the statistics of docs/algorithm.md section 8 that the tests compare."""
         config = self.config
         scores = self.shaped_scores = self.shape_scores(scores)
         batch = self.make_batch(queries, responses, response_masks)
@@ -411,7 +411,8 @@ class PlainPPO:
         if ptx is not None:
             ptx_loss = ptx_loss_of(self.model, ptx)
             loss = loss + config.ptx_coef * ptx_loss
-        total = loss if critic_loss is None else loss + critic_loss
+        # What the step reports: policy loss + vf_coef * value loss (+ KL, PTX terms), whichever model takes each part.
+        total = loss if critic_loss is None else loss + config.vf_coef * critic_loss
         if masked_mean(ratio, mask) > config.ratio_threshold:
             raise AssertionError("PlainPPO does not model mini-batches skipped by ratio_threshold")
 

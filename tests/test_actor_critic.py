@@ -1,4 +1,4 @@
-"""Separate critic, PTX loss and EMA of the policy (PPO_SPEC sections 9-11).
+"""Separate critic, PTX loss and EMA of the policy (docs/algorithm.md sections 9-11).
 
 The steps are checked against ``plain_ppo.PlainPPO`` (a critic read through the classifier's own
 forward, a per-row cross-entropy loop for PTX, float64 EMA accumulators over every parameter) with
@@ -148,7 +148,7 @@ def test_each_loss_reaches_only_its_own_model(monkeypatch):
     policy_params = [p for p in trainer.model.parameters() if p.requires_grad]
     critic_params = list(trainer.critic.parameters())
     seen = []
-    original = type(trainer)._backward_and_step
+    original = type(trainer.learner).backward_and_step
 
     def checked(self, policy_loss, critic_loss):
         into_critic = torch.autograd.grad(policy_loss, critic_params, retain_graph=True, allow_unused=True)
@@ -159,7 +159,7 @@ def test_each_loss_reaches_only_its_own_model(monkeypatch):
         seen.append(True)
         return original(self, policy_loss, critic_loss)
 
-    monkeypatch.setattr(type(trainer), "_backward_and_step", checked)
+    monkeypatch.setattr(type(trainer.learner), "backward_and_step", checked)
     v_head = copy.deepcopy(trainer.model.v_head.state_dict())
     queries, responses, scores, _ = make_batch(0)
     trainer.step(queries, responses, scores, ptx_inputs=ptx_batch(0))

@@ -1,6 +1,6 @@
 """Tests of ``trl_lite.core`` against independent float64 references.
 
-Every reference below is written from the equations of ``PPO_SPEC.md`` with plain Python / NumPy
+Every reference below is written from the equations of ``docs/algorithm.md`` with plain Python / NumPy
 loops over elements (brute force), never by calling or mirroring the function under test.
 """
 
@@ -90,7 +90,7 @@ def ref_gae(values, rewards, mask, gamma, lam):
 
 
 def ref_policy_terms(lp, old_lp, adv, mask, cliprange):
-    """Per-element clipped surrogate and statistics of PPO_SPEC section 6, element by element."""
+    """Per-element clipped surrogate and statistics of docs/algorithm.md section 6, element by element."""
     losses, clipped, approx, policy, ratios = [], [], [], [], []
     for new, old, a, m in zip(*(x.flatten().tolist() for x in (lp, old_lp, adv, mask))):
         if not m:
@@ -135,7 +135,7 @@ def ref_policy_loss_autograd(lp, old_lp, adv, mask, cliprange):
 
 
 def ref_value_terms(v, old_v, returns, mask, cliprange_value):
-    """Per-element clipped value loss and clip fraction of PPO_SPEC section 6."""
+    """Per-element clipped value loss and clip fraction of docs/algorithm.md section 6."""
     losses, clipped = [], []
     for vn, vo, r, m in zip(*(x.flatten().tolist() for x in (v, old_v, returns, mask))):
         if not m:

@@ -1,4 +1,4 @@
-"""The critic-free estimators of trl_lite.core.advantages against brute-force float64 loops (PPO_SPEC section 12)."""
+"""The critic-free estimators of trl_lite.core.advantages against brute-force float64 loops (docs/algorithm.md section 12)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Critic-free PPO (PPO_SPEC section 12): plain causal-LM policies, the value-head switch, the
+"""Critic-free PPO (docs/algorithm.md section 12): plain causal-LM policies, the value-head switch, the
 estimators inside step(), group_ids, the KL-in-loss term and the configuration checks.
 
 Exact agreement of a GRPO step with a plain implementation is in test_step_reference.py.

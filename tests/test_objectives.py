@@ -1,4 +1,4 @@
-"""The policy-loss variants of PPO_SPEC section 13 and the log-prob gap of section 15.
+"""The policy-loss variants of docs/algorithm.md section 13 and the log-prob gap of section 15.
 
 - The pure pieces (`importance_ratio`, `clipped_surrogate`, `aggregate_loss`, the differentiable
   entropy of the fused log-prob kernels) against float64 brute force.
@@ -98,7 +98,8 @@ def test_aggregate_loss_matches_loops(loss_type):
         want = total / len(terms)
     elif loss_type == "seq_mean_token_mean":
         rows = [[float(values[b, t]) for b2, t in terms if b2 == b] for b in range(values.shape[0])]
-        want = sum(sum(r) / len(r) if r else 0.0 for r in rows) / len(rows)
+        rows = [r for r in rows if r]  # rows without action tokens are left out of the mean
+        want = sum(sum(r) / len(r) for r in rows) / len(rows)
     elif loss_type == "seq_mean_token_sum_norm":
         want = total / (values.shape[0] * 9)
     else:
@@ -209,7 +210,7 @@ def _build_pair(case: dict):
     optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=config.learning_rate)
     trainer = PPOTrainer(config, policy, ref_model=ref, tokenizer=tokenizer, optimizer=optimizer)
     if case.get("unfused"):
-        trainer._linear_head = lambda model: None  # the logits path of the LM head
+        trainer.forward.linear_head = lambda model: None  # the logits path of the LM head
     plain = PlainObjectivesPPO(
         plain_policy, plain_ref, config, pad_id=tokenizer.pad_token_id,
         optimizer_cls=lambda params, lr: torch.optim.SGD(params, lr=lr),
@@ -414,9 +415,9 @@ def test_classic_train_minibatch_takes_every_loss_type():
         trainer, _, _, _ = _build_pair(dict(loss_type=loss_type))
         queries = [torch.tensor([5, 6, 7]), torch.tensor([8, 9, 10])]  # equal query lengths: one slice fits all
         responses = [torch.tensor([11, 12, 13, 14]), torch.tensor([15, 16])]
-        rows = trainer._make_rows(queries, responses, None)
+        rows = trainer.forward.make_rows(queries, responses, None)
         with torch.no_grad():
-            old, _, values, _ = trainer._rollout_forward(rows)
+            old, _, values, _ = trainer.experience_maker.passes(rows)
         mask = rows.action_mask
         logits, _, vpreds = trainer.model(**trainer.prepare_model_inputs(queries, responses))
         logits, vpreds = logits[:, 2:6], vpreds[:, 2:6]  # the positions predicting response tokens 0..3

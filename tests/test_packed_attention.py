@@ -18,7 +18,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import trl_lite.models.packed_attention as packed_attention
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
-from trl_lite.models.packed_attention import PACKED_SDPA, ROW_LENGTHS, packed_sdpa_attention_forward
+from trl_lite.models.packed_attention import (
+    PACKED_SDPA,
+    ROW_LENGTHS,
+    DeferredMask,
+    packed_sdpa_attention_forward,
+    packed_sdpa_mask,
+)
 
 LENGTHS = (3, 5, 1, 7)
 
@@ -144,14 +150,84 @@ def test_critic_values_match_between_packed_and_padded_passes():
         trainer = PPOTrainer(config, policy, tokenizer=make_tokenizer("left"), value_model=critic)
         assert trainer._pack is padding_free
         queries, responses, _ = random_batch(8, seed=1, query_len=(1, 7), response_len=(1, 9))
-        values.append(trainer._rollout_forward(trainer._make_rows(queries, responses, None))[2])
+        values.append(trainer.experience_maker.passes(trainer.forward.make_rows(queries, responses, None))[2])
     assert values[0].abs().sum() > 0
     np.testing.assert_allclose(values[0].numpy(), values[1].numpy(), rtol=0, atol=1e-5)
 
 
 def test_registered_under_its_own_name():
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     assert AttentionInterface._global_mapping[PACKED_SDPA] is packed_sdpa_attention_forward
-    assert AttentionMaskInterface._global_mapping[PACKED_SDPA] is sdpa_mask
+    assert AttentionMaskInterface._global_mapping[PACKED_SDPA] is packed_sdpa_mask
+
+
+def _packed_inputs(lengths, seed=0):
+    """One packed sequence of rows of ``lengths`` tokens: input ids and restarting position ids, ``(1, N)``."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, VOCAB_SIZE, (1, sum(lengths)), generator=g)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    return input_ids, position_ids
+
+
+def test_packed_passes_build_no_block_diagonal_mask_yet_attend_within_rows(monkeypatch):
+    built = []
+    sdpa_mask = packed_attention.sdpa_mask
+
+    def counting_sdpa_mask(**kwargs):
+        built.append((kwargs["q_length"], kwargs["kv_length"]))
+        return sdpa_mask(**kwargs)
+
+    monkeypatch.setattr(packed_attention, "sdpa_mask", counting_sdpa_mask)
+    lm = make_gpt2(seed=4).eval()
+    input_ids, position_ids = _packed_inputs(LENGTHS)
+    # Independent reference: every row alone, through plain sdpa, without packing.
+    rows = [lm(input_ids=ids[None]).logits[0] for ids in input_ids[0].split(LENGTHS)]
+    expected = torch.cat(rows)
+    with torch.no_grad(), packed_attention.attend_per_row([lm]):
+        per_row = lm(input_ids=input_ids, position_ids=position_ids, use_cache=False, **{ROW_LENGTHS: LENGTHS}).logits
+        assert built == []  # the per-row attention needed no mask, so none was built
+        # Without the row lengths the layers build the deferred mask, once for the pass, and use it.
+        masked = lm(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+    assert built == [(sum(LENGTHS), sum(LENGTHS))]
+    torch.testing.assert_close(per_row[0], expected.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(masked[0], expected.detach(), rtol=0, atol=1e-5)
+
+
+def test_a_packed_step_defers_every_mask_and_builds_none(monkeypatch):
+    deferred, built = [], []
+
+    class CountingDeferredMask(DeferredMask):
+        def __init__(self, mask_kwargs):
+            deferred.append(mask_kwargs["q_length"])
+            super().__init__(mask_kwargs)
+
+        def build(self):
+            built.append(1)
+            return super().build()
+
+    monkeypatch.setattr(packed_attention, "DeferredMask", CountingDeferredMask)
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2(seed=2))
+    trainer = PPOTrainer(PPOConfig(batch_size=4, mini_batch_size=2, ppo_epochs=1), model, tokenizer=make_tokenizer())
+    queries, responses, scores = random_batch(4, seed=0, query_len=(1, 7), response_len=(1, 9))
+    trainer.step(queries, responses, scores)
+    # Policy and reference passes of both rollout mini-batches, then the two training passes.
+    assert len(deferred) == 6 and built == []
+
+
+def test_the_deferred_mask_is_the_block_diagonal_causal_mask():
+    from transformers.masking_utils import and_masks, causal_mask_function, packed_sequence_mask_function
+
+    n = sum(LENGTHS)
+    row = torch.repeat_interleave(torch.arange(len(LENGTHS)), torch.tensor(LENGTHS))
+    mask_function = and_masks(causal_mask_function, packed_sequence_mask_function(row[None]))
+    deferred = packed_sdpa_mask(batch_size=1, q_length=n, kv_length=n, mask_function=mask_function,
+                                allow_is_causal_skip=False)  # fmt: skip
+    assert isinstance(deferred, DeferredMask)
+    block_causal = (row[:, None] == row[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+    assert torch.equal(deferred.build(), block_causal[None, None]) and deferred.build() is deferred.build()
+    # Padded batches (several rows, a padding mask) get their mask at once, as from sdpa_mask.
+    padding = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    padded = packed_sdpa_mask(batch_size=2, q_length=3, kv_length=3, attention_mask=padding)
+    assert isinstance(padded, torch.Tensor) and padded.shape == (2, 1, 3, 3) and not padded[0, 0, 2, 2]

@@ -43,12 +43,12 @@ def test_packed_rows_give_each_row_its_own_logprobs_and_values(padding_side):
     trainer = make_trainer(None, padding_side)
     assert trainer._pack
     queries, responses, _ = random_batch(8, seed=4, query_len=(1, 7), response_len=(1, 9))
-    rows = trainer._make_rows(queries, responses, None)
+    rows = trainer.forward.make_rows(queries, responses, None)
     seen = []
     hook = trainer.model.pretrained_model.transformer.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape), with_kwargs=True
     )
-    logprobs, ref_logprobs, values, _ = trainer._rollout_forward(rows)
+    logprobs, ref_logprobs, values, _ = trainer.experience_maker.passes(rows)
     hook.remove()
     # One row per pass of the policy, holding exactly the tokens of its rows: no padding token is computed.
     lengths = [len(q) + len(r) for q, r in zip(queries, responses)]

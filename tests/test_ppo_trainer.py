@@ -4,6 +4,7 @@ encoder-decoder and PEFT models, generation, logging, saving and the dataloader.
 Exact numeric agreement of step() with the plain spec formulation is in test_step_reference.py.
 """
 
+import copy
 import glob
 import math
 
@@ -172,14 +173,14 @@ def test_whiten_rewards_changes_the_update_but_not_the_kl():
 def test_early_stopping_stops_the_epochs_when_policykl_exceeds_the_target():
     trainer = make_trainer(ppo_epochs=4, early_stopping=True, target_kl=1e-9, learning_rate=5e-2)
     decisions = []
-    original = trainer._should_stop
+    original = trainer.learner.should_stop
 
     def record(epoch_policykl):
         decision = original(epoch_policykl)
         decisions.append((torch.stack(epoch_policykl).mean().item(), decision))
         return decision
 
-    trainer._should_stop = record
+    trainer.learner.should_stop = record
     for seed in range(3):
         trainer.step(*random_batch(4, seed=seed))
     assert decisions, "early stopping was never consulted"
@@ -193,8 +194,8 @@ def test_early_stopping_stops_the_epochs_when_policykl_exceeds_the_target():
 def test_early_stopping_off_runs_every_epoch():
     trainer = make_trainer(ppo_epochs=3)
     calls = []
-    original = trainer._train_rows
-    trainer._train_rows = lambda *a, **k: calls.append(1) or original(*a, **k)
+    original = trainer.learner.train_rows
+    trainer.learner.train_rows = lambda *a, **k: calls.append(1) or original(*a, **k)
     trainer.step(*random_batch(4))
     assert len(calls) == 3 * 2
 
@@ -350,12 +351,17 @@ def test_results_do_not_depend_on_other_rows():
         assert torch.allclose(lp_all[i][mask_all[i].bool()], lp_one[0][mask_one[0].bool()], atol=1e-5)
 
 
-def test_trainer_fills_the_derived_config_fields():
+def test_trainer_fills_the_derived_config_fields_in_its_own_copy():
     config = PPOConfig(batch_size=4, mini_batch_size=2, gradient_accumulation_steps=2)
-    PPOTrainer(config, AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2()))
-    assert config.backward_batch_size == 4
-    assert config.world_size == 1 and config.global_batch_size == 4 and config.global_backward_batch_size == 4
-    assert config.is_encoder_decoder is False and config.is_peft_model is False
+    before = copy.deepcopy(config)
+    trainer = PPOTrainer(config, AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2()))
+    # The user's config is left as it was given; the trainer's copy holds the derived values.
+    assert config == before and config.world_size is None and config.is_encoder_decoder is None
+    assert trainer.config is not config
+    derived = trainer.config
+    assert derived.backward_batch_size == 4
+    assert derived.world_size == 1 and derived.global_batch_size == 4 and derived.global_backward_batch_size == 4
+    assert derived.is_encoder_decoder is False and derived.is_peft_model is False
 
 
 @pytest.mark.parametrize("encoder_decoder", [False, True])
@@ -365,8 +371,8 @@ def test_lm_head_and_softmax_see_only_the_response_token_slots(monkeypatch, enco
     # (one fewer per row for encoder-decoders, whose first decoder token is the start token).
     # Decoder-only models go through the fused head (core._lm_head_logits), T5 through its own head.
     import trl_lite.core.logprobs as core_module
-    import trl_lite.trainer.optimization as optimization_module
-    import trl_lite.trainer.rollout as rollout_module
+    import trl_lite.trainer.forward as forward_module
+    import trl_lite.trainer.learner as learner_module
 
     if encoder_decoder:
         model = AutoModelForSeq2SeqLMWithValueHead.from_pretrained(make_t5())
@@ -377,7 +383,7 @@ def test_lm_head_and_softmax_see_only_the_response_token_slots(monkeypatch, enco
     lengths = [len(r) - encoder_decoder for r in responses]
     assert len(set(lengths)) > 1  # the mini-batches do have padding to leave out
     softmax_rows, buffers = [], []
-    for module, name in ((rollout_module, "logprobs_from_logits"), (optimization_module, "logprobs_and_entropy_from_logits")):
+    for module, name in ((forward_module, "logprobs_from_logits"), (learner_module, "logprobs_and_entropy_from_logits")):
         real = getattr(module, name)
 
         def recording(logits, labels, real=real):

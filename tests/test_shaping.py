@@ -1,4 +1,4 @@
-"""Score shaping of the rollout and its diagnostics (PPO_SPEC section 14): the pure functions of
+"""Score shaping of the rollout and its diagnostics (docs/algorithm.md section 14): the pure functions of
 ``trl_lite.core.shaping`` against per-row Python references, and their place in ``step()``.
 
 The last test launches 2 processes (tests/distributed/rollout_stats.py) to check the statistics'
@@ -28,7 +28,7 @@ EOS = 1  # the tiny tokenizer's <eos>
 
 
 def reference_overlong(length: int, max_len: int, buffer: int, factor: float) -> float:
-    """PPO_SPEC section 14, case by case."""
+    """docs/algorithm.md section 14, case by case."""
     if length <= max_len - buffer:
         return 0.0
     if length <= max_len:

@@ -1,4 +1,4 @@
-"""The fast ``PPOTrainer.step()`` gives the results of the plain formulation of PPO_SPEC.md.
+"""The fast ``PPOTrainer.step()`` gives the results of the plain formulation of docs/algorithm.md.
 
 ``plain_ppo.PlainPPO`` pads the whole batch once, takes full-vocabulary log-softmaxes of full logits
 and writes every formula out; the trainer computes logits only where response tokens are predicted,
@@ -193,7 +193,7 @@ def test_batched_forward_pass_matches_the_plain_layout(layout, mini_batch_size, 
     torch.testing.assert_close(logits, full_logits * batch.mask.unsqueeze(-1), rtol=STATS_RTOL, atol=STATS_ATOL)
 
 
-# Critic-free estimators (PPO_SPEC section 12): a plain transformers policy and reference, groups of 4.
+# Critic-free estimators (docs/algorithm.md section 12): a plain transformers policy and reference, groups of 4.
 # Weights: WEIGHTS_REL_L2 where the issue asks for it (GRPO with the KL in the loss) and for REINFORCE++.
 # A group baseline with the KL in the reward is worse conditioned: the advantages of a group sum to
 # zero, so the gradients of the parameters the group's shared query drives nearly cancel and Adam

@@ -4,7 +4,7 @@ Each step takes batch_size / num_samples_per_query prompts, lets the policy (a p
 value head) continue each of them num_samples_per_query times with
 `trainer.generate(..., num_return_sequences=k)`, scores every continuation with the sentiment
 classifier and hands the rows to `trainer.step`, which baselines each reward against the other
-continuations of its prompt (PPOConfig advantage_estimator="grpo", PPO_SPEC section 12).
+continuations of its prompt (PPOConfig advantage_estimator="grpo", docs/algorithm.md section 12).
 
     # offline default: the tiny SFT policy and classifier of tiny_sentiment.py, 4 samples per prompt
     python examples/scripts/grpo_sentiment.py

@@ -9,7 +9,7 @@ Process r of n takes rows [r * 8/n, (r+1) * 8/n); each process's rows form one b
 (`batch_size = mini_batch_size * gradient_accumulation_steps`), one PPO epoch, REINFORCE++ (no
 value loss, advantages whitened over all processes), an entropy bonus (aggregated the same way), SGD. The responses have different lengths,
 so the processes hold different numbers of action tokens: only a loss that divides by the action
-tokens of all processes (PPO_SPEC section 13) takes the step of one process on all 8 rows.
+tokens of all processes (docs/algorithm.md section 13) takes the step of one process on all 8 rows.
 Rank 0 writes OUT/result.pt: its full weights after the step and the step's policy loss.
 """
 

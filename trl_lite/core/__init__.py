@@ -2,7 +2,7 @@
 
 Nothing here holds state or knows about devices, processes or models; every function is tested
 against an independent float64 reference in ``tests/test_core.py``. Section numbers refer to
-``PPO_SPEC.md``. Shape names: ``B`` rows, ``L`` positions of a per-token tensor (the ``T = S - 1``
+``docs/algorithm.md``. Shape names: ``B`` rows, ``L`` positions of a per-token tensor (the ``T = S - 1``
 next-token positions of the spec, or any sub-range of them), ``V`` vocabulary.
 
 - :mod:`.logprobs`: log-probs and entropy from logits, or fused with a linear LM head;

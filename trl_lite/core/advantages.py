@@ -1,4 +1,4 @@
-"""Critic-free advantages of PPO_SPEC section 12: RLOO, GRPO, REINFORCE++ returns, and the k3
+"""Critic-free advantages of docs/algorithm.md section 12: RLOO, GRPO, REINFORCE++ returns, and the k3
 KL estimate the loss takes when the KL penalty is not in the reward.
 
 Groups are given as ``group_ids (B,)``: integer ids, rows with equal ids form one group (rows of a

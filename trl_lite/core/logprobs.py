@@ -139,12 +139,22 @@ def _lm_head_logits(hidden, weight, bias, buffer_rows: int | None, out: torch.Te
             f"{tuple(out.shape)} {out.dtype} on {out.device}"
         )
     logits = out[:n]
+    hidden = _head_input(hidden, weight)
     if hidden.dtype == weight.dtype == dtype and not torch.is_autocast_enabled(hidden.device.type):
         if bias is None:
             return torch.mm(hidden, weight.t(), out=logits)
         return torch.addmm(bias, hidden, weight.t(), out=logits)
     # Half precision or autocast: the product in the dtype the model's LM head would use, then upcast.
     return logits.copy_(F.linear(hidden, weight, bias))
+
+
+def _head_input(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``hidden`` in the dtype the LM head's product runs in: as given under autocast (which casts both
+    operands), else the weights' dtype - e.g. float32 hidden states, which accelerate hands back from a
+    mixed-precision forward, meeting the bfloat16 head of a checkpoint loaded in bfloat16."""
+    if torch.is_autocast_enabled(hidden.device.type) or hidden.dtype == weight.dtype:
+        return hidden
+    return hidden.to(weight.dtype)
 
 
 class _LinearLogProbsAndEntropy(torch.autograd.Function):
@@ -161,6 +171,8 @@ class _LinearLogProbsAndEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, buffer_rows, out):
+        # Saved as the product saw it; the engine casts grad_hidden back to the input's dtype.
+        hidden = _head_input(hidden, weight)
         probs = _lm_head_logits(hidden, weight, bias, buffer_rows, out)
         dtype, n = probs.dtype, probs.shape[0]
         flat_labels = labels.reshape(-1, 1)

@@ -1,4 +1,4 @@
-"""The PPO equations of PPO_SPEC sections 4-6: KL estimators, KL-shaped rewards, GAE and the clipped losses."""
+"""The PPO equations of docs/algorithm.md sections 4-6: KL estimators, KL-shaped rewards, GAE and the clipped losses."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from .masked import clip_by_value, masked_mean
 
 KL_PENALTIES = ("kl", "abs", "mse", "full")
-# PPO_SPEC section 13: how per-token losses of a mini-batch become one number, and TRL's names for them.
+# docs/algorithm.md section 13: how per-token losses of a mini-batch become one number, and TRL's names for them.
 LOSS_TYPES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "global_token_mean")
 LOSS_TYPE_ALIASES = {"bnpo": "token_mean", "grpo": "seq_mean_token_mean", "dr_grpo": "seq_mean_token_sum_norm", "dapo": "global_token_mean"}
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -19,7 +19,7 @@ def kl_estimate(
     kl_penalty: str = "kl",
     full_kl: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token KL estimate between policy and reference (PPO_SPEC section 4).
+    """Per-token KL estimate between policy and reference (docs/algorithm.md section 4).
 
     ``"kl"``: ``lp - ref``; ``"abs"``: ``|lp - ref|``; ``"mse"``: ``0.5 (lp - ref)^2``; ``"full"``: the
     exact KL of the full next-token distributions, which the caller computes with
@@ -50,7 +50,7 @@ def compute_kl_rewards(
     mask: torch.Tensor,
     kl_coef: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """KL-shaped per-token rewards (PPO_SPEC section 4).
+    """KL-shaped per-token rewards (docs/algorithm.md section 4).
 
     ``non_score_reward = -kl_coef * kl`` inside the mask; each row's score is added at its last
     action position. Shape: scores ``(B,)``, kl and mask ``(B, L)`` -> rewards and
@@ -70,7 +70,7 @@ def compute_gae(
     gamma: float,
     lam: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation (PPO_SPEC section 5), before whitening.
+    """Generalised advantage estimation (docs/algorithm.md section 5), before whitening.
 
     Values and rewards are zeroed outside the mask; then for ``t = L-1 .. 0``:
     ``delta_t = r_t + gamma V_{t+1} - V_t`` (``V_L = 0``), ``A_t = delta_t + gamma lam A_{t+1}``;
@@ -97,7 +97,7 @@ def importance_ratio(
     mask: torch.Tensor,
     level: str = "token",
 ) -> torch.Tensor:
-    """The importance ratio of every action token (PPO_SPEC sections 6 and 13).
+    """The importance ratio of every action token (docs/algorithm.md sections 6 and 13).
 
     ``"token"``: ``exp(lp - lp_old)``. ``"sequence"`` (GSPO): row ``i`` uses
     ``s_i = exp(masked_mean_t(lp - lp_old))`` at every position, the gradient flowing through the
@@ -119,7 +119,7 @@ def clipped_surrogate(
     cliprange_high: float | None = None,
     dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token clipped surrogate loss (PPO_SPEC sections 6 and 13), before aggregation.
+    """Per-token clipped surrogate loss (docs/algorithm.md sections 6 and 13), before aggregation.
 
     ``l = max(-A r, -A clamp(r, 1 - cliprange, 1 + cliprange_high))`` (``cliprange_high`` None:
     ``cliprange``); with ``dual_clip = c > 1``, where ``A < 0``: ``l = min(l, -c A)``.
@@ -155,11 +155,11 @@ def aggregate_loss(
     max_response_length: int | None = None,
     tokens_per_minibatch: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One number from the per-token losses of a mini-batch (PPO_SPEC section 13, ``loss_type``).
+    """One number from the per-token losses of a mini-batch (docs/algorithm.md section 13, ``loss_type``).
 
     - ``"token_mean"``: ``sum M l / sum M``;
-    - ``"seq_mean_token_mean"``: mean over the rows of ``sum_t M l / sum_t M`` (a row without action
-      tokens counts as 0);
+    - ``"seq_mean_token_mean"``: mean of ``sum_t M l / sum_t M`` over the rows that hold an action token
+      (a row without one carries no loss and is left out);
     - ``"seq_mean_token_sum_norm"``: ``sum M l / (B * max_response_length)``;
     - ``"global_token_mean"``: ``sum M l / tokens_per_minibatch``, where the caller gives the action
       tokens of the whole backward batch on all processes divided by the number of mini-batches that
@@ -170,7 +170,11 @@ def aggregate_loss(
     if loss_type == "token_mean":
         return masked_mean(losses, mask)
     if loss_type == "seq_mean_token_mean":
-        return ((losses * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+        tokens = mask.sum(-1)
+        has_actions = (tokens > 0).to(losses.dtype)
+        # A row without an action token carries no loss: it is left out of the mean, not counted as 0.
+        row_means = (losses * mask).sum(-1) / tokens.clamp(min=1)
+        return (row_means * has_actions).sum() / has_actions.sum().clamp(min=1)
     if loss_type == "seq_mean_token_sum_norm":
         if max_response_length is None:
             raise ValueError("loss_type='seq_mean_token_sum_norm' needs max_response_length, got None.")
@@ -196,7 +200,7 @@ def ppo_policy_loss(
     tokens_per_minibatch: float | torch.Tensor | None = None,
     token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate policy loss (PPO_SPEC sections 6 and 13), aggregated by ``loss_type``.
+    """Clipped surrogate policy loss (docs/algorithm.md sections 6 and 13), aggregated by ``loss_type``.
 
     Defaults give section 6: ``masked_mean(max(-A ratio, -A clamp(ratio, 1 +- eps)))``.
     ``token_weights`` (detached, e.g. the TIS weights of section 15) multiply each token's loss
@@ -232,7 +236,7 @@ def ppo_value_loss(
     mask: torch.Tensor,
     cliprange_value: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss (PPO_SPEC section 6).
+    """Clipped value loss (docs/algorithm.md section 6).
 
     ``v_clip = clamp(v, v_old +- c)``; loss ``= 0.5 masked_mean(max((v - R)^2, (v_clip - R)^2))``.
     Shape: ``(B, L)`` four times -> loss ``()`` and detached clipfrac ``()``.

@@ -1,4 +1,4 @@
-"""Shaping of the rollout's scores and its diagnostics (PPO_SPEC section 14), applied to the raw
+"""Shaping of the rollout's scores and its diagnostics (docs/algorithm.md section 14), applied to the raw
 scores before the scaling and clipping of section 2.
 
 - ``missing_eos_penalty``: ``score -= p`` for a row whose response does not end with an EOS token;

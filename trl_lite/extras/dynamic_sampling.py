@@ -1,6 +1,6 @@
 """DAPO's dynamic sampling: fill a batch with groups whose scores are not all equal.
 
-Under a group baseline (``advantage_estimator="grpo"`` or ``"rloo"``, PPO_SPEC section 12) a group
+Under a group baseline (``advantage_estimator="grpo"`` or ``"rloo"``, docs/algorithm.md section 12) a group
 whose rows all score the same has zero advantage on every token: it costs a forward and a backward
 pass and teaches nothing, and as training solves more prompts more groups look like that. DAPO (Yu et
 al., 2025, "over-sampling and filtering") drops such groups and samples more until the batch is full.

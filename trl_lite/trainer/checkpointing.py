@@ -14,30 +14,23 @@ _TRAINER_STATE = "trl_lite_trainer_state.json"
 _TRAINER_TENSORS = "trl_lite_trainer_tensors_{rank}.safetensors"
 
 
-class CheckpointMixin:
-    """``save_checkpoint``/``load_checkpoint`` for a trainer with an ``accelerator`` (``PPOTrainer``, ``RewardTrainer``).
+class Checkpointer:
+    """Writes and reads checkpoints for a trainer with an ``accelerator`` (``PPOTrainer``, ``RewardTrainer``).
 
     Everything ``accelerator.prepare`` saw (models, optimizers, schedulers, registered objects) and
-    every process's RNG states go through ``accelerator.save_state``; the trainer adds its own
-    JSON-serialisable counters by defining ``_checkpoint_state() -> dict`` and
-    ``_load_checkpoint_state(state)``, and each process's own tensors by defining
-    ``_checkpoint_tensors() -> dict`` (empty when there are none) and ``_load_checkpoint_tensors(tensors)``.
+    every process's RNG states go through ``accelerator.save_state``; the trainer hands over its own
+    JSON-serialisable counters (written by the main process) and each process's own tensors (the
+    policy's EMA), and gets them back from :meth:`load`.
     """
 
-    def _checkpoint_tensors(self) -> dict:
-        """Per-process tensors the trainer adds to a checkpoint (none by default)."""
-        return {}
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
 
-    def _load_checkpoint_tensors(self, tensors: dict) -> None:
-        """Restore what :meth:`_checkpoint_tensors` saved (nothing by default)."""
-
-    def save_checkpoint(self, path: str) -> None:
-        """Save everything a run needs to continue exactly: what accelerate holds (weights, optimizer,
-        scheduler, registered objects, every process's RNG) and the trainer's own counters (for
-        ``PPOTrainer``: KL controller, score moments, step counter, dataloader position).
+    def save(self, path: str, state: dict, tensors: dict | None = None) -> None:
+        """Save what accelerate holds, the trainer's ``state`` (JSON) and this process's ``tensors``.
 
         The checkpoint is written to a sibling directory and renamed into place, so a run killed
-        while saving leaves the previous checkpoint at ``path`` whole.
+        while saving leaves the previous checkpoint at ``path`` whole. Every process must call this.
         """
         path = os.path.abspath(path)
         tmp = f"{path}.tmp"
@@ -46,7 +39,6 @@ class CheckpointMixin:
             shutil.rmtree(tmp)
         accelerator.wait_for_everyone()
         accelerator.save_state(tmp, safe_serialization=True)
-        tensors = self._checkpoint_tensors()
         if tensors:
             tensors = {key: value.detach().cpu().contiguous() for key, value in tensors.items()}
             save_file(tensors, os.path.join(tmp, _TRAINER_TENSORS.format(rank=accelerator.process_index)))
@@ -54,7 +46,7 @@ class CheckpointMixin:
         # done before the main process renames tmp into place.
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            state = {**self._checkpoint_state(), "num_processes": accelerator.num_processes}
+            state = {**state, "num_processes": accelerator.num_processes}
             with open(os.path.join(tmp, _TRAINER_STATE), "w") as f:
                 json.dump(state, f)
             old = f"{path}.old"
@@ -67,8 +59,9 @@ class CheckpointMixin:
                 shutil.rmtree(old)
         accelerator.wait_for_everyone()
 
-    def load_checkpoint(self, path: str) -> None:
-        """Restore a checkpoint written by :meth:`save_checkpoint` (same number of processes)."""
+    def load(self, path: str) -> tuple[dict, dict]:
+        """Restore what accelerate holds from a checkpoint written by :meth:`save` (same number of
+        processes); return the trainer's ``state`` and this process's ``tensors`` (empty when none)."""
         path = os.path.abspath(path)
         if not os.path.exists(os.path.join(path, _TRAINER_STATE)) and os.path.exists(
             os.path.join(f"{path}.old", _TRAINER_STATE)
@@ -86,6 +79,5 @@ class CheckpointMixin:
                 f"this run has {self.accelerator.num_processes}. Resume with the same number of processes."
             )
         self.accelerator.load_state(path)
-        self._load_checkpoint_state(state)
         tensors_file = os.path.join(path, _TRAINER_TENSORS.format(rank=self.accelerator.process_index))
-        self._load_checkpoint_tensors(load_file(tensors_file) if os.path.exists(tensors_file) else {})
+        return state, (load_file(tensors_file) if os.path.exists(tensors_file) else {})

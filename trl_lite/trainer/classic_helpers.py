@@ -1,9 +1,10 @@
-"""Classic ``PPOTrainer`` private methods that classic examples and tests call, as thin wrappers.
+"""Classic ``PPOTrainer`` methods that classic examples and tests call, as a thin layer over the parts.
 
 ``step()`` does not use them; they give code written against classic TRL the names and results it
-expects: ``compute_rewards``, ``compute_advantages``, ``train_minibatch``, ``_kl_penalty``,
-``_step_safety_checker``, ``gather_stats``, ``record_step_stats``, ``_save_pretrained`` and
-``create_model_card``.
+expects: ``prepare_model_inputs``, ``batched_forward_pass``, ``compute_rewards``, ``compute_advantages``,
+``loss``, ``train_minibatch``, ``_kl_penalty``, ``_step_safety_checker``, ``gather_stats``,
+``record_step_stats``, ``_save_pretrained`` and ``create_model_card``. Each calls only public methods
+of the trainer's parts (``forward``, ``experience_maker``, ``learner``) or pure functions.
 """
 
 from __future__ import annotations
@@ -50,8 +51,18 @@ model = AutoModelForCausalLMWithValueHead.from_pretrained("{model_id}")
 class ClassicHelpersMixin:
     """Classic helper methods of ``PPOTrainer`` that ``step()`` does not use: :class:`PPOTrainer` mixes it in."""
 
+    def prepare_model_inputs(self, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> dict:
+        """Pad one batch the classic way (see :meth:`.forward.ForwardPass.prepare_model_inputs`)."""
+        return self.forward.prepare_model_inputs(queries, responses)
+
+    def batched_forward_pass(self, model, queries, responses, model_inputs: dict, return_logits: bool = False,
+                             response_masks=None):  # fmt: skip
+        """Log-probs, logits, values and masks in the classic ``(B, T)`` layout (see
+        :meth:`.forward.ForwardPass.batched_forward_pass`)."""
+        return self.forward.batched_forward_pass(model, queries, responses, model_inputs, return_logits, response_masks)
+
     def compute_rewards(self, scores, logprobs, ref_logprobs, masks, full_kl=None):
-        """KL-shaped rewards (PPO_SPEC section 4) for any per-token layout.
+        """KL-shaped rewards (docs/algorithm.md section 4) for any per-token layout.
 
         Shapes: scores ``(B,)`` (or a list of B scalars), the rest ``(B, L)``.
         Returns rewards, non_score_reward and the per-token KL estimate, ``(B, L)`` each.
@@ -63,21 +74,24 @@ class ClassicHelpersMixin:
         return rewards, non_score_reward, kls
 
     def compute_advantages(self, values, rewards, mask):
-        """Masked values, whitened advantages and returns (PPO_SPEC section 5). Shapes ``(B, L)``."""
-        return self._advantages(values, rewards, mask)
+        """Masked values, whitened advantages and returns (docs/algorithm.md section 5). Shapes ``(B, L)``."""
+        return self.experience_maker.advantages(values, rewards, mask)
+
+    def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns, **kwargs):
+        """The PPO losses of one mini-batch with their statistics (see :meth:`.learner.Learner.loss`)."""
+        return self.learner.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns, **kwargs)
 
     def train_minibatch(self, old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns):
-        """One optimisation step on precomputed new log-probs/values (classic signature).
+        """One guarded optimisation step on precomputed new log-probs/values (classic signature).
 
-        ``logprobs``, ``vpreds`` and ``logits`` must come from a forward pass with grad.
-        Returns the mini-batch statistics.
+        ``logprobs``, ``vpreds`` and ``logits`` must come from a forward pass with grad. Returns the
+        mini-batch statistics (see :meth:`.learner.Learner.train_minibatch`).
         """
-        self.model.train()
-        pg_loss, vf_loss, stats = self.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns)
-        policy_loss, critic_loss = self._split_losses(pg_loss, vf_loss, stats)
-        self._backward_and_step(policy_loss, critic_loss)
-        self._zero_grad()
-        return stats
+        return self.learner.train_minibatch(old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns)
+
+    def _trim_generations(self, generations, prompt_width, lengths, return_prompt, remove_padding) -> list:
+        """The transformers engine's trimming of a left-padded ``generate`` output (see :func:`.engines.trim_rows`)."""
+        return self.generation.reference_engine.trim(generations, prompt_width, lengths, return_prompt, remove_padding)
 
     def _kl_penalty(self, logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
         """Per-token KL estimate of ``config.kl_penalty`` between policy and reference log-probs.

@@ -1,4 +1,4 @@
-"""Exponential moving average of the policy's weights (PPO_SPEC section 11), as DeepSpeed-Chat and
+"""Exponential moving average of the policy's weights (docs/algorithm.md section 11), as DeepSpeed-Chat and
 OpenRLHF keep for evaluation: ``ema = decay * ema + (1 - decay) * policy`` after every policy
 optimizer step, in float32 accumulators.
 
@@ -12,6 +12,8 @@ import copy
 
 import torch
 import torch.distributed as dist
+
+from ..models.modeling_base import _WRAPPED_PREFIX as WRAPPED_PREFIX
 
 
 def _is_partitioned(param: torch.Tensor) -> bool:
@@ -70,6 +72,31 @@ class PolicyEMA:
         out = {}
         for name, param, shadow in zip(self.names, self._sources(), self.shadow):
             out[name] = _gather_partition(param, shadow) if self.partitioned else shadow.detach()
+        return out
+
+
+    def averaged_state_dict(self, state_dict: dict) -> dict:
+        """The policy's full ``state_dict`` (as its wrapper saves it) with every trainable parameter replaced
+        by its average, in the parameter's dtype; tied names share their parameter's average. Under ZeRO-3
+        every process must call this (a gather); ``state_dict`` may then be None off the main process,
+        and None is returned there.
+
+        The wrapper's ``state_dict`` keys may lack the ``pretrained_model.`` of its parameter names.
+        """
+        averages = self.full_parameters()
+        if state_dict is None:
+            return None
+        out = dict(state_dict)
+        names_of = {}
+        for name, param in self.policy.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(param), []).append(name)
+        for name, param in self.policy.named_parameters():
+            if name not in averages:
+                continue
+            for alias in names_of[id(param)]:
+                for key in (alias, alias.removeprefix(WRAPPED_PREFIX)):
+                    if key in out:
+                        out[key] = averages[name].to(out[key].dtype)
         return out
 
 

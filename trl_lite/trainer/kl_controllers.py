@@ -1,4 +1,4 @@
-"""KL coefficient controllers (PPO_SPEC section 7)."""
+"""KL coefficient controllers (docs/algorithm.md section 7)."""
 
 from __future__ import annotations
 

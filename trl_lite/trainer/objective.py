@@ -1,4 +1,4 @@
-"""The policy's objective of one mini-batch (PPO_SPEC sections 6, 12, 13 and 15), picked once from the config.
+"""The policy's objective of one mini-batch (docs/algorithm.md sections 6, 12, 13 and 15), picked once from the config.
 
 :class:`PolicyObjective` is a part the trainer holds: it turns new and old log-probs, advantages,
 entropies, the reference's log-probs (KL in the loss) and importance weights into one loss with
@@ -19,7 +19,7 @@ from ..core import aggregate_loss, k3_kl, masked_mean, ppo_policy_loss
 class PolicyObjective:
     """Clipped surrogate (with clip-higher, dual clip, GSPO), KL-in-loss and entropy bonus, aggregated by ``loss_type``.
 
-    Every field is the ``PPOConfig`` field of the same name; the defaults give PPO_SPEC section 6.
+    Every field is the ``PPOConfig`` field of the same name; the defaults give docs/algorithm.md section 6.
     """
 
     cliprange: float = 0.2

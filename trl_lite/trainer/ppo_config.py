@@ -84,7 +84,7 @@ class PPOConfig:
         default=None,
         metadata={"help": "Keep an exponential moving average of the policy with this decay in (0, 1) (trainer.ema_model)."},
     )
-    # Critic-free advantages (PPO_SPEC section 12)
+    # Critic-free advantages (docs/algorithm.md section 12)
     advantage_estimator: str = field(
         default="gae",
         metadata={
@@ -110,7 +110,7 @@ class PPOConfig:
     grpo_scale_rewards: bool = field(
         default=True, metadata={"help": "'grpo': divide by the group's score std (False: only subtract the mean)."}
     )
-    # Policy-loss variants (PPO_SPEC section 13); every default reproduces section 6
+    # Policy-loss variants (docs/algorithm.md section 13); every default reproduces section 6
     cliprange_high: float | None = field(
         default=None,
         metadata={"help": "Upper clip range of the ratio, clamp(r, 1 - cliprange, 1 + cliprange_high) (DAPO's "
@@ -139,7 +139,7 @@ class PPOConfig:
     entropy_coef: float = field(
         default=0.0, metadata={"help": "Entropy bonus: loss -= entropy_coef * agg(entropy of the action tokens)."}
     )
-    # Rollout score shaping (PPO_SPEC section 14), before section 2
+    # Rollout score shaping (docs/algorithm.md section 14), before section 2
     missing_eos_penalty: float | None = field(
         default=None,
         metadata={"help": "Subtract this from the score of a row whose response does not end with the EOS token."},
@@ -155,7 +155,7 @@ class PPOConfig:
     overlong_penalty_factor: float = field(
         default=1.0, metadata={"help": "The largest overlong penalty (reached at max_response_length)."}
     )
-    # Rollouts from another engine (PPO_SPEC section 15)
+    # Rollouts from another engine (docs/algorithm.md section 15)
     importance_sampling_correction: str | None = field(
         default=None,
         metadata={"help": "'tis': multiply each token's policy loss by min(exp(lp_old - lp_gen), "
@@ -234,7 +234,7 @@ class PPOConfig:
             "help": "When training on CPU under Linux/glibc, keep memory freed between mini-batches mapped in "
             "the process instead of returning it to the OS (a process-wide malloc setting, see "
             "trl_lite.trainer.cpu_memory): saves the kernel's page faults on every vocabulary-sized tensor, "
-            "about 20% of a step on the w1 benchmark. Resident memory stays at its peak. Also makes CPU steps "
+            "about a fifth of a step on the w1 benchmark. Resident memory stays at its peak. Also makes CPU steps "
             "reuse one LM-head logits buffer, kept between steps."
         },
     )
@@ -335,7 +335,7 @@ class PPOConfig:
         self.total_ppo_epochs = math.ceil(self.steps / self.batch_size)
 
     def _validate_objective(self) -> None:
-        """The fields of PPO_SPEC sections 13-15; stores ``loss_type`` under its canonical name."""
+        """The fields of docs/algorithm.md sections 13-15; stores ``loss_type`` under its canonical name."""
         if self.loss_type in LOSS_TYPE_ALIASES:
             self.loss_type = LOSS_TYPE_ALIASES[self.loss_type]
         if self.loss_type not in LOSS_TYPES:

@@ -1,20 +1,27 @@
 """``PPOTrainer``: the classic ``step(queries, responses, scores)`` PPO trainer on accelerate.
 
-``step()`` reads top-down like ``PPO_SPEC.md``: validate, shape the scores, forward passes,
-rewards, advantages, epochs, statistics, controller update. The math lives in
-:mod:`trl_lite.core`; this module runs the epochs and talks to the other processes. What the
-trainer uses lives beside it: the rows, compact layout and forward passes in :mod:`.rollout`,
-the PPO epochs and losses in :mod:`.optimization`, the statistics and their logging in
-:mod:`.statistics`, the separate critic, PTX, EMA and save_pretrained in :mod:`.actor_critic`,
-generation in :mod:`.generation`, checkpoints in :mod:`.checkpointing`, input checks in
-:mod:`.step_inputs`, process and device set-up in :mod:`.accelerate_setup`, the dataloader's
-resumable position in :mod:`.resumable_loader`.
+The trainer is a facade over parts, each built here from explicit inputs:
+
+- :class:`~.forward.ForwardPass` - rows, mini-batch inputs and the models' passes;
+- :class:`~.experience_maker.ExperienceMaker` - ``make(batch) -> Experience``: score shaping, the
+  passes without grad, KL-shaped rewards, advantages (docs/algorithm.md sections 1-5, 12, 14, 15);
+- :class:`~.learner.Learner` - ``train(experience) -> stats``: the PPO epochs (sections 6, 9-11, 13);
+- :class:`~.statistics.StepStatistics` - the statistics, reduced over processes, and their logging;
+- :class:`~.checkpointing.Checkpointer` - atomic checkpoints for exact resume;
+- :class:`~.generation.RolloutGeneration` - ``generate`` on the configured engine.
+
+``step()`` reads: check the inputs, make the experience, train on it, reduce the statistics, update
+the KL controller. The classic helpers (``batched_forward_pass``, ``compute_rewards``, ``loss``, ...)
+are a thin mixin over the parts (:mod:`.classic_helpers`).
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import inspect
 import math
+import os
 import time
 import warnings
 from dataclasses import asdict
@@ -24,59 +31,48 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from .. import core
-from ..core import (
-    compute_gae,
-    masked_mean,
-    compute_kl_rewards,
-    discounted_returns,
-    flatten_dict,
-    grpo_advantages,
-    kl_estimate,
-    masked_whiten,
-    rloo_advantages,
-    sequence_to_tokens,
-)
-from ..models import (
-    PreTrainedModelWrapper,
-    as_value_model,
-    create_reference_model,
-)
+from ..core import flatten_dict
+from ..models import PreTrainedModelWrapper, as_value_model, create_reference_model
 from .accelerate_setup import (
     build_accelerator,
     default_optimizer,
     empty_device_cache,
     fill_deepspeed_config,
     prepare_deepspeed_reference,
+    save_full_model,
 )
-from .actor_critic import ActorCriticMixin
-from .checkpointing import CheckpointMixin
+from .checkpointing import Checkpointer
 from .classic_helpers import ClassicHelpersMixin
 from .cpu_memory import keep_freed_cpu_memory
 from .ema import PolicyEMA
+from .experience import StepBatch
+from .experience_maker import ExperienceMaker
+from .forward import ForwardPass, packing_unsupported, reference_context
 from .generation import build_generation
 from .kl_controllers import AdaptiveKLController, FixedKLController
+from .learner import Learner
 from .objective import PolicyObjective
-from .optimization import OptimizationMixin
 from .ppo_config import PPOConfig
 from .resumable_loader import ResumableLoader
-from .rollout import RolloutMixin, packing_unsupported
 from .running_moments import RunningMoments
-from .statistics import StatisticsMixin, resolve_stop_token_ids
+from .statistics import StepStatistics, resolve_stop_token_ids
 from .step_inputs import (
     check_constructor_args,
     check_critic_args,
     resolve_group_ids,
-    scores_tensor,
+    staleness,
     validate_generation_logprobs,
+    validate_ptx_inputs,
     validate_step_inputs,
     wrap_plain_model,
 )
 from .timing import PhaseTimer
 
-class PPOTrainer(
-    RolloutMixin, OptimizationMixin, StatisticsMixin, CheckpointMixin, ClassicHelpersMixin,
-    ActorCriticMixin,
-):
+# Where save_pretrained(save_value_model=True) writes the critic, inside the policy's directory.
+VALUE_MODEL_SUBFOLDER = "value_model"
+
+
+class PPOTrainer(ClassicHelpersMixin):
     """PPO for language models with the classic API: the user generates and scores, ``step()`` trains.
 
     Args:
@@ -93,7 +89,7 @@ class PPOTrainer(
         data_collator: collate function of the dataloader.
         num_shared_layers: layers shared between policy and the created reference.
         lr_scheduler: stepped once per ``step()``.
-        value_model: a separate critic (PPO_SPEC section 9): a decoder-only transformers
+        value_model: a separate critic (docs/algorithm.md section 9): a decoder-only transformers
             ``AutoModelForSequenceClassification`` with ``num_labels=1`` (e.g. a reward model), a PEFT
             model of one, or a :class:`~trl_lite.models.ValueModel`; it then gives the values and is
             trained by the value loss alone; the policy (which may be a plain causal LM) trains on the
@@ -115,17 +111,16 @@ class PPOTrainer(
         value_model=None,
         critic_optimizer: torch.optim.Optimizer | None = None,
     ):
-        config = PPOConfig() if config is None else config
+        # The trainer works on its own copy: the values it derives (world size, global batch sizes, ...)
+        # are filled in there, and the config the user passed stays as it was.
+        config = copy.deepcopy(config) if isinstance(config, PPOConfig) else (PPOConfig() if config is None else config)
         check_constructor_args(
             config, model, ref_model, tokenizer, optimizer, lr_scheduler, num_shared_layers, value_model
         )
         check_critic_args(config, model, value_model, critic_optimizer)
         model_config = getattr(getattr(model, "pretrained_model", model), "config", None)
-        if config.missing_eos_penalty is not None and not resolve_stop_token_ids(config.stop_token_id, tokenizer, model_config):
-            raise ValueError(
-                f"missing_eos_penalty={config.missing_eos_penalty} needs an EOS token id, but stop_token_id is None and "
-                "neither the tokenizer nor the model config has an eos_token_id; set stop_token_id."
-            )
+        self._eos_ids = resolve_stop_token_ids(config.stop_token_id, tokenizer, model_config)
+        self._check_eos_penalty(config)
         self.critic = as_value_model(value_model) if value_model is not None else None
         # A plain LM gets a value-head wrapper for logits_positions and the fused LM head; its head never runs.
         model, self._policy_is_plain = wrap_plain_model(model)
@@ -141,24 +136,16 @@ class PPOTrainer(
         config.world_size = self.accelerator.num_processes
         config.global_backward_batch_size = config.backward_batch_size * config.world_size
         config.global_batch_size = config.batch_size * config.world_size
-
-        self.is_encoder_decoder = model.is_encoder_decoder
-        self.is_peft_model = model.is_peft_model
-        config.is_encoder_decoder = self.is_encoder_decoder
-        config.is_peft_model = self.is_peft_model
+        self.is_encoder_decoder = config.is_encoder_decoder = model.is_encoder_decoder
+        self.is_peft_model = config.is_peft_model = model.is_peft_model
         self.tokenizer = tokenizer
         if config.gradient_checkpointing:
             model.gradient_checkpointing_enable()
             if self.critic is not None:
                 self.critic.gradient_checkpointing_enable()
-
-        if ref_model is not None:
-            self.ref_model = ref_model
-        elif self.is_peft_model:
-            self.ref_model = None
-        else:
-            self.ref_model = create_reference_model(model, num_shared_layers=num_shared_layers)
-
+        if ref_model is None and not self.is_peft_model:
+            ref_model = create_reference_model(model, num_shared_layers=num_shared_layers)
+        self.ref_model = ref_model  # None for a PEFT policy: the reference is the policy without its adapter
         if config.keep_freed_cpu_memory and self.accelerator.device.type == "cpu":
             keep_freed_cpu_memory()
         self.optimizer = optimizer or default_optimizer(model, config.learning_rate)
@@ -175,25 +162,7 @@ class PPOTrainer(
                 UserWarning,
                 stacklevel=2,
             )
-
-        self.is_deepspeed_enabled = getattr(self.accelerator.state, "deepspeed_plugin", None) is not None
-        self._is_zero3 = self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3
-        if self.is_deepspeed_enabled:
-            fill_deepspeed_config(self.accelerator, config)
-        to_prepare = [model, self.optimizer] + ([dataloader] if dataloader is not None else [])
-        to_prepare += [lr_scheduler] if lr_scheduler is not None else []
-        prepared = list(self.accelerator.prepare(*to_prepare))
-        self.model, self.optimizer = prepared[0], prepared[1]
-        self.dataloader = ResumableLoader(prepared[2], self._data_generator) if dataloader is not None else None
-        if lr_scheduler is not None:
-            self.lr_scheduler = prepared[-1]
-        self._prepare_critic(critic_optimizer)
-        if self.ref_model is not None:
-            if self.is_deepspeed_enabled:
-                self.ref_model = prepare_deepspeed_reference(self.ref_model, self.accelerator)
-            else:
-                self.ref_model = self.accelerator.prepare_model(self.ref_model, evaluation_mode=True)
-
+        self._prepare(model, dataloader, lr_scheduler, critic_optimizer)
         self.current_device = self.accelerator.device
         self._phase_timer = PhaseTimer(self.current_device)
         self.kl_ctl = (
@@ -202,30 +171,8 @@ class PPOTrainer(
             else FixedKLController(config.init_kl_coef)
         )
         self.running = RunningMoments(self.accelerator)
-        self._objective = PolicyObjective.from_config(config)
         self.current_step = 0
-        self.skipped_minibatches = 0
-
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        self._vocab_size = unwrapped.pretrained_model.get_input_embeddings().num_embeddings
-        self._pass_position_ids = "position_ids" in inspect.signature(unwrapped.transformers_model.forward).parameters
-        self._pad_id = _pad_token_id(tokenizer, unwrapped.config)
-        self._padding_side = getattr(tokenizer, "padding_side", "right") or "right"
-        self._logits_buffer = None  # see _logits_out
-        # (prepared model, unwrapped model) pairs, looked up once: unwrapping reads package metadata,
-        # too slow for every mini-batch.
-        self._unwrapped_model = unwrapped
-        self._unwrapped = [(self.model, unwrapped)]
-        if self.ref_model is not None:
-            self._unwrapped.append((self.ref_model, self.accelerator.unwrap_model(self.ref_model)))
-        self._find_row_attention_models([self.model, self.ref_model, self.critic])
-        self._ema = PolicyEMA(unwrapped, config.ema_decay) if config.ema_decay is not None else None
-        self.generation = build_generation(
-            config, model=self.model, unwrapped=unwrapped, accelerator=self.accelerator, tokenizer=tokenizer,
-            pad_token_id=self._pad_id, is_encoder_decoder=self.is_encoder_decoder, is_zero3=self._is_zero3,
-            reference_context=self._reference, optimizer=self.optimizer, timer=self._phase_timer,
-        )  # fmt: skip
-
+        self._build_parts()
         if config.log_with is not None:
             self.accelerator.init_trackers(
                 config.tracker_project_name,
@@ -233,11 +180,74 @@ class PPOTrainer(
                 init_kwargs=config.tracker_kwargs,
             )
 
+    def _prepare(self, model, dataloader, lr_scheduler, critic_optimizer) -> None:
+        """``accelerator.prepare`` the policy, optimizer, dataloader and scheduler, then the critic (a second
+        call: under DeepSpeed an engine of its own) and the reference (evaluation mode)."""
+        accelerator, config = self.accelerator, self.config
+        self.is_deepspeed_enabled = getattr(accelerator.state, "deepspeed_plugin", None) is not None
+        self._is_zero3 = self.is_deepspeed_enabled and accelerator.state.deepspeed_plugin.zero_stage == 3
+        if self.is_deepspeed_enabled:
+            fill_deepspeed_config(accelerator, config)
+        to_prepare = [model, self.optimizer] + ([dataloader] if dataloader is not None else [])
+        to_prepare += [lr_scheduler] if lr_scheduler is not None else []
+        prepared = list(accelerator.prepare(*to_prepare))
+        self.model, self.optimizer = prepared[0], prepared[1]
+        self.dataloader = ResumableLoader(prepared[2], self._data_generator) if dataloader is not None else None
+        if lr_scheduler is not None:
+            self.lr_scheduler = prepared[-1]
+        self.critic_optimizer = None
+        if self.critic is not None:
+            learning_rate = config.critic_learning_rate or config.learning_rate
+            optimizer = critic_optimizer or default_optimizer(self.critic, learning_rate)
+            self.critic, self.critic_optimizer = accelerator.prepare(self.critic, optimizer)
+        if self.ref_model is not None:
+            if self.is_deepspeed_enabled:
+                self.ref_model = prepare_deepspeed_reference(self.ref_model, accelerator)
+            else:
+                self.ref_model = accelerator.prepare_model(self.ref_model, evaluation_mode=True)
+
+    def _build_parts(self) -> None:
+        """The parts ``step()`` calls, each from explicit inputs (see the module docstring)."""
+        config, accelerator = self.config, self.accelerator
+        self.forward = ForwardPass.build(accelerator, self.model, self.ref_model, self.critic, self.tokenizer, config, self._pack)
+        unwrapped = self.forward.unwrapped(self.model)
+        self._vocab_size = unwrapped.pretrained_model.get_input_embeddings().num_embeddings
+        self._reference = functools.partial(reference_context, self.ref_model, self.model, unwrapped)
+        self._ema = PolicyEMA(unwrapped, config.ema_decay) if config.ema_decay is not None else None
+        self.experience_maker = ExperienceMaker(
+            config, accelerator, self.forward, self.model, self._reference, self.critic, self.kl_ctl, self.running,
+            self._eos_ids, self._uses_value_head,
+        )  # fmt: skip
+        self.learner = Learner(
+            config, accelerator, self.forward, self.model, self.optimizer, PolicyObjective.from_config(config),
+            self.critic, self.critic_optimizer, self._ema, self._uses_value_head,
+        )  # fmt: skip
+        self.statistics = StepStatistics(config, accelerator)
+        self.checkpointer = Checkpointer(accelerator)
+        self.generation = build_generation(
+            config, model=self.model, unwrapped=unwrapped, accelerator=accelerator, tokenizer=self.tokenizer,
+            pad_token_id=self.forward.layout.pad_id, is_encoder_decoder=self.is_encoder_decoder,
+            is_zero3=self._is_zero3, reference_context=self._reference, optimizer=self.optimizer,
+            timer=self._phase_timer,
+        )  # fmt: skip
+
     @property
     def _uses_value_head(self) -> bool:
         """Whether the policy's value head runs and trains: only for GAE, never on a plain LM, and not
         when a separate critic gives the values."""
         return not self.config.critic_free and not self._policy_is_plain and self.critic is None
+
+    @property
+    def skipped_minibatches(self) -> int:
+        """Mini-batches skipped by the learner's guards since the run began (see ``ppo/skipped_minibatches``)."""
+        return self.learner.skipped_minibatches
+
+    def _check_eos_penalty(self, config) -> None:
+        if config.missing_eos_penalty is not None and not self._eos_ids:
+            raise ValueError(
+                f"missing_eos_penalty={config.missing_eos_penalty} needs an EOS token id, but stop_token_id is None and "
+                "neither the tokenizer nor the model config has an eos_token_id; set stop_token_id."
+            )
 
     # ------------------------------------------------------------------------------------------
     # The PPO step
@@ -251,96 +261,39 @@ class PPOTrainer(
         group_ids: list[int] | torch.Tensor | None = None,
         ptx_inputs: list[torch.LongTensor] | None = None,
         generation_logprobs: list[torch.Tensor] | None = None,
+        policy_version: int | list[int] | None = None,
     ) -> dict:
         """Run one PPO step on ``batch_size`` (query, response, score) triplets of this process.
 
-        ``group_ids`` (``'rloo'``/``'grpo'``): one id per row, rows of a group answer one query;
-        default: consecutive runs of ``num_samples_per_query`` rows (PPO_SPEC section 12).
-        ``ptx_inputs`` (with ``config.ptx_coef > 0``): ``batch_size`` token sequences whose
-        language-modelling loss joins the policy's loss (PPO_SPEC section 10); row ``i`` goes into
-        the mini-batches of triplet ``i``.
-        ``generation_logprobs``: per row, a 1-D float tensor with the log-prob of each response token
-        under the engine that sampled it (``generate(..., return_logprobs=True)``); the step then reports
-        the gap to the policy (``rollout/logprob_diff/mean|max``) and, with
-        ``importance_sampling_correction="tis"``, weights the policy loss (PPO_SPEC section 15).
-        Returns the statistics of PPO_SPEC section 8 (floats and 1-D numpy arrays); critic-free
-        estimators report no value statistics.
+        ``response_masks``: per row 0/1 like the response (0: a token the model did not generate, e.g.
+        a tool's output; it is no action). ``group_ids`` (``'rloo'``/``'grpo'``): one id per row, rows of
+        a group answer one query; default: consecutive runs of ``num_samples_per_query`` rows
+        (docs/algorithm.md section 12). ``ptx_inputs`` (with ``config.ptx_coef > 0``): ``batch_size``
+        token sequences whose language-modelling loss joins the policy's loss (section 10); row ``i``
+        goes into the mini-batches of triplet ``i``. ``generation_logprobs``: per row, a 1-D float
+        tensor with the log-prob of each response token under the engine that sampled it
+        (``generate(..., return_logprobs=True)``); the step then reports the gap to the policy
+        (``rollout/logprob_diff/mean|max``) and, with ``importance_sampling_correction="tis"``, weights
+        the policy loss (section 15). ``policy_version``: the ``current_step`` whose weights generated
+        the batch (one int, or one per row); the step then reports ``rollout/staleness/mean|max`` (section 17).
+        Returns the statistics of section 8 (floats and 1-D numpy arrays); critic-free estimators
+        report no value statistics.
         """
-        validate_step_inputs(
-            queries, responses, scores, response_masks,
-            batch_size=self.config.batch_size, vocab_size=self._vocab_size, is_encoder_decoder=self.is_encoder_decoder,
-        )  # fmt: skip
-        groups = resolve_group_ids(group_ids, queries, self.config)
-        self._check_ptx_inputs(ptx_inputs)
-        validate_generation_logprobs(generation_logprobs, responses)
+        batch = self._check_step_inputs(
+            queries, responses, scores, response_masks, group_ids, ptx_inputs, generation_logprobs, policy_version
+        )
         config = self.config
-        timing = {}
         t0 = time.time()
-
-        # 1. Score shaping: the rollout's penalties (section 14), then scaling and clipping (section 2)
-        scores = scores_tensor(scores, self.current_device)
-        lengths = torch.tensor([len(r) for r in responses], device=self.current_device)
-        ends_with_eos = self._ends_with_eos(responses)
-        scores = core.shape_scores(
-            scores, lengths, ends_with_eos, config.missing_eos_penalty, config.max_response_length,
-            config.overlong_buffer_len, config.overlong_penalty_factor,
-        )  # fmt: skip
-        if config.use_score_scaling:
-            self.running.update(scores)
-            scale = self.running.std + self.running.eps
-            scores = (scores - self.running.mean) / scale if config.use_score_norm else scores / scale
-        if config.score_clip is not None:
-            scores = scores.clamp(-config.score_clip, config.score_clip)
-
-        # 2. Forward passes without grad (section 3)
+        experience = self.experience_maker.make(batch)
         t = time.time()
-        rows = self._make_rows(queries, responses, response_masks)
-        rows.reuse_logits_buffer = self.current_device.type == "cpu" and config.keep_freed_cpu_memory
-        mask = rows.action_mask
-        logprobs, ref_logprobs, values, full_kl = self._rollout_forward(rows)
-        gap_stats, token_weights = self._generation_gap(rows, logprobs, generation_logprobs)
-        timing["time/ppo/forward_pass"] = time.time() - t
-
-        # 3. KL-shaped rewards (section 4); with kl_in_reward=False the KL goes to the loss (section 12)
+        train_stats = self.learner.train(experience)
+        timing = {**experience.timings, "time/ppo/optimize_step": time.time() - t}
         t = time.time()
-        kl_coef = self.kl_ctl.value
-        kls = kl_estimate(logprobs, ref_logprobs, config.kl_penalty, full_kl)
-        reward_kl_coef = kl_coef if config.kl_in_reward_resolved else 0.0
-        rewards, non_score_reward = compute_kl_rewards(scores, kls, mask, reward_kl_coef)
-        timing["time/ppo/compute_rewards"] = time.time() - t
-
-        # 4. Advantages (section 5, or section 12 for critic-free estimators)
-        t = time.time()
-        if config.critic_free:
-            advantages = self._critic_free_advantages(scores, rewards, non_score_reward, mask, groups)
-            values = returns = None
-        else:
-            values, advantages, returns = self._advantages(values, rewards, mask)
-        timing["time/ppo/compute_advantages"] = time.time() - t
-
-        # 5. PPO epochs (section 6)
-        t = time.time()
-        kl_loss_ref = None if config.kl_in_reward_resolved else ref_logprobs
-        ptx = self._ptx_rows(ptx_inputs) if ptx_inputs is not None else None
-        with self._per_row_attention():  # over the backward passes too: gradient checkpointing recomputes
-            train_stats = self._optimize(
-                rows, logprobs, values, advantages, returns, kl_loss_ref, kl_coef, ptx, token_weights
-            )
-        timing["time/ppo/optimize_step"] = time.time() - t
-
-        # 6. Statistics (section 8)
-        t = time.time()
-        stats = self._step_stats(rows, scores, kls, logprobs, ref_logprobs, non_score_reward, advantages, kl_coef)
-        stats.update(self._rollout_stats(lengths, ends_with_eos, scores, groups))
-        stats.update(train_stats)
-        stats.update(gap_stats)
-        if not config.critic_free:
-            stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
-        stats = self._reduce_stats(stats)
+        stats = self.statistics.step_stats(experience, train_stats)
         timing["time/ppo/calc_stats"] = time.time() - t
         stats["ppo/learning_rate"] = self.optimizer.param_groups[0]["lr"]
 
-        # 7. Controller and scheduler (section 7)
+        # Section 7: the KL controller and the scheduler
         if math.isfinite(stats["objective/kl"]):
             self.kl_ctl.update(stats["objective/kl"], config.batch_size * self.accelerator.num_processes)
         else:
@@ -355,6 +308,23 @@ class PPOTrainer(
         stats.update(timing)
         stats.update(self._phase_timer.pop())
         return stats
+
+    def _check_step_inputs(self, queries, responses, scores, response_masks, group_ids, ptx_inputs,
+                           generation_logprobs, policy_version) -> StepBatch:  # fmt: skip
+        """Every check of ``step()``'s arguments, before any state changes; the batch they make."""
+        config = self.config
+        validate_step_inputs(
+            queries, responses, scores, response_masks,
+            batch_size=config.batch_size, vocab_size=self._vocab_size, is_encoder_decoder=self.is_encoder_decoder,
+        )  # fmt: skip
+        groups = resolve_group_ids(group_ids, queries, config)
+        validate_ptx_inputs(ptx_inputs, config, self.is_encoder_decoder, self._vocab_size)
+        validate_generation_logprobs(generation_logprobs, responses)
+        self._check_eos_penalty(config)  # the field may have been set on trainer.config since
+        return StepBatch(
+            queries, responses, scores, response_masks, groups, generation_logprobs, ptx_inputs,
+            staleness(policy_version, self.current_step, config.batch_size),
+        )  # fmt: skip
 
     def generate(
         self,
@@ -393,10 +363,6 @@ class PPOTrainer(
             return_logprobs, **generation_kwargs,
         )  # fmt: skip
 
-    def _trim_generations(self, generations, prompt_width, lengths, return_prompt, remove_padding) -> list:
-        """The transformers engine's trimming of a left-padded ``generate`` output (see :func:`.engines.trim_rows`)."""
-        return self.generation.reference_engine.trim(generations, prompt_width, lengths, return_prompt, remove_padding)
-
     def timed(self, phase: str):
         """Time a phase of your loop: ``with trainer.timed("rollout/reward"): scores = reward_fn(...)``.
 
@@ -407,109 +373,82 @@ class PPOTrainer(
         """
         return self._phase_timer(phase)
 
-    # ------------------------------------------------------------------------------------------
-    # Advantages
-    # ------------------------------------------------------------------------------------------
-    def _advantages(self, values, rewards, mask):
-        """Masked values, whitened GAE advantages and returns (PPO_SPEC section 5). Shapes ``(B, L)``."""
-        if self.config.whiten_rewards:
-            rewards = self._whiten(rewards, mask, shift_mean=False)
-        advantages, returns = compute_gae(values, rewards, mask, self.config.gamma, self.config.lam)
-        advantages = self._whiten(advantages, mask)
-        return values * mask, advantages.detach(), returns.detach()
+    def log_stats(self, stats: dict, batch: dict, rewards, columns_to_log=("query", "response")) -> None:
+        """Send ``stats`` and reward statistics of this step to the accelerate trackers (main process).
 
-    def _critic_free_advantages(self, scores, rewards, non_score_reward, mask, groups):
-        """Advantages ``(B, L)`` of the critic-free estimators (PPO_SPEC section 12).
-
-        ``scores (B,)`` after shaping; ``rewards``, ``non_score_reward`` ``(B, L)`` (the latter zero
-        when the KL is in the loss); ``groups (B,)`` group ids for 'rloo'/'grpo'.
+        With ``config.log_completions_every = N``, every N-th step also logs a table of ``columns_to_log``
+        of ``batch`` (one entry per row) and the rewards, with the rows of every process, as ``game_log``
+        (see :meth:`.statistics.StepStatistics.log`). Every process must call this when any does.
         """
-        config = self.config
-        if config.advantage_estimator == "reinforce_pp":
-            if config.whiten_rewards:
-                rewards = self._whiten(rewards, mask, shift_mean=False)
-            return (self._whiten(discounted_returns(rewards, mask, config.gamma), mask) * mask).detach()
-        sequence_rewards = scores + non_score_reward.sum(-1)
-        groups = groups.to(sequence_rewards.device)
-        if config.advantage_estimator == "rloo":
-            sequence_advantages = rloo_advantages(sequence_rewards, groups)
-        else:
-            sequence_advantages = grpo_advantages(sequence_rewards, groups, config.grpo_scale_rewards)
-        return sequence_to_tokens(sequence_advantages, mask).detach()
-
-    @torch.no_grad()
-    def _generation_gap(self, rows, logprobs, generation_logprobs) -> tuple[dict, torch.Tensor | None]:
-        """The log-prob gap to the generating engine and the TIS weights (PPO_SPEC section 15).
-
-        ``logprobs`` ``(B, L)``: ``lp_old`` of the rollout pass; ``generation_logprobs``: per row one
-        log-prob per response token, or None (then no statistic and no weights). Returns the
-        ``rollout/*`` statistics and, with ``importance_sampling_correction="tis"``, the weights
-        ``min(exp(lp_old - lp_gen), cap)`` ``(B, L)`` (else None).
-        """
-        config = self.config
-        if generation_logprobs is None:
-            return {}, None
-        device, width = logprobs.device, logprobs.shape[1]
-        padded = torch.nn.utils.rnn.pad_sequence(
-            [lp.to(device=device, dtype=logprobs.dtype) for lp in generation_logprobs], batch_first=True
-        )
-        # Compact column k predicts response token k (decoder token k + 1 for encoder-decoders).
-        shift = 1 if self.is_encoder_decoder else 0
-        gen = torch.nn.functional.pad(padded[:, shift:], (0, max(width - padded.shape[1] + shift, 0)))[:, :width]
-        mask = rows.action_mask
-        gap = (logprobs - gen).abs() * mask
-        stats = {
-            "rollout/logprob_diff/mean": masked_mean(gap, mask),
-            "rollout/logprob_diff/max": gap.max(),
-        }
-        if config.importance_sampling_correction != "tis":
-            return stats, None
-        weights = torch.exp(logprobs - gen).clamp(max=config.importance_sampling_cap) * mask
-        stats["rollout/is_weight/mean"] = masked_mean(weights, mask)
-        return stats, weights
-
-    def _whiten(self, values, mask, shift_mean=True):
-        """``masked_whiten`` with the statistics of the action tokens of every process. Shape ``(B, L)``.
-
-        Whitening over all processes makes a step on N processes x B rows equal to one on N*B rows.
-        """
-        if self.accelerator.num_processes == 1:
-            return masked_whiten(values, mask, shift_mean)
-        sums = self.accelerator.reduce(torch.stack([(values * mask).sum(), mask.sum()]), reduction="sum")
-        mean, count = sums[0] / sums[1], sums[1]
-        squares = self.accelerator.reduce((((values - mean) ** 2) * mask).sum().reshape(1), reduction="sum")[0]
-        whitened = (values - mean) * torch.rsqrt(squares / (count - 1).clamp(min=1) + 1e-8)
-        return whitened if shift_mean else whitened + mean
+        self.statistics.log(self.current_step, stats, batch, rewards, columns_to_log)
 
     # ------------------------------------------------------------------------------------------
-    # Checkpoint and resume (the mechanism is in .checkpointing)
+    # Saving, checkpoint and resume
     # ------------------------------------------------------------------------------------------
-    def _checkpoint_state(self) -> dict:
-        """The trainer's counters that accelerate's state does not hold (JSON-serialisable)."""
-        return {
+    @property
+    def ema_model(self):
+        """The policy's moving average as a model (float32), for generation and evaluation.
+
+        Under ZeRO-3 the average is kept partitioned: save it with ``save_pretrained(dir, ema=True)``
+        and load that directory in a process without DeepSpeed.
+        """
+        if self._ema is None:
+            raise ValueError("ema_model needs PPOConfig.ema_decay (the policy's moving average is not kept).")
+        if self._ema.model is None:
+            raise ValueError(
+                "Under DeepSpeed ZeRO-3 the policy's EMA is kept partitioned over the processes; "
+                "use save_pretrained(dir, ema=True) to write it whole."
+            )
+        return self._ema.model
+
+    def save_pretrained(self, save_directory: str, ema: bool = False, save_value_model: bool = False) -> None:
+        """Save the policy (full weights, also under ZeRO-3) and the tokenizer: with its value head, or as
+        the plain transformers (or PEFT) model the user passed.
+
+        ``ema=True`` writes the policy's moving average (``config.ema_decay``) instead of its weights;
+        ``save_value_model=True`` also writes the separate critic to ``save_directory/value_model``.
+        Every process must call this.
+        """
+        if ema and self._ema is None:
+            raise ValueError("save_pretrained(ema=True) needs an EMA of the policy: set PPOConfig.ema_decay.")
+        if save_value_model and self.critic is None:
+            raise ValueError("save_pretrained(save_value_model=True) needs a separate critic: pass value_model.")
+        # Under ZeRO-3 both gathers are collectives, and DeepSpeed returns the consolidated state dict
+        # on the main process only (None elsewhere): each runs exactly once on every process.
+        state_dict = self.accelerator.get_state_dict(self.model)
+        if ema:
+            state_dict = self._ema.averaged_state_dict(state_dict)
+        accelerator, tokenizer = self.accelerator, self.tokenizer
+        save_full_model(accelerator, self.model, tokenizer, save_directory, state_dict, plain=self._policy_is_plain)
+        if save_value_model:
+            save_full_model(accelerator, self.critic, tokenizer, os.path.join(save_directory, VALUE_MODEL_SUBFOLDER))
+
+    def save_checkpoint(self, path: str) -> None:
+        """Save everything a run needs to continue exactly: what accelerate holds (weights, optimizers,
+        scheduler, every process's RNG), the KL controller, score moments, step counter, dataloader
+        position and the policy's EMA. Written atomically (see :class:`.checkpointing.Checkpointer`);
+        every process must call this."""
+        state = {
             "current_step": self.current_step,
-            "skipped_minibatches": self.skipped_minibatches,
+            "skipped_minibatches": self.learner.skipped_minibatches,
             "kl_ctl": self.kl_ctl.state_dict(),
             "running": self.running.state_dict(),
             "dataloader": self.dataloader.state_dict() if self.dataloader is not None else None,
         }
+        self.checkpointer.save(path, state, self._ema.state_dict() if self._ema is not None else {})
 
-    def _checkpoint_tensors(self) -> dict:
-        return self._ema.state_dict() if self._ema is not None else {}
-
-    def _load_checkpoint_tensors(self, tensors: dict) -> None:
-        if self._ema is not None:
-            self._ema.load_state_dict(tensors)
-
-    def _load_checkpoint_state(self, state: dict) -> None:
+    def load_checkpoint(self, path: str) -> None:
+        """Continue from a checkpoint written by :meth:`save_checkpoint` (same number of processes)."""
+        state, tensors = self.checkpointer.load(path)
         self.current_step = state["current_step"]
-        self.skipped_minibatches = state["skipped_minibatches"]
+        self.learner.skipped_minibatches = state["skipped_minibatches"]
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.running.load_state_dict(state["running"])
         self.generation.weights_changed()
         if self.dataloader is not None and state["dataloader"] is not None:
             self.dataloader.load_state_dict(state["dataloader"])
-
+        if self._ema is not None:
+            self._ema.load_state_dict(tensors)
 
     # ------------------------------------------------------------------------------------------
     # Data
@@ -554,16 +493,3 @@ def _signature_columns(model: PreTrainedModelWrapper) -> set[str]:
     """Dataset columns kept by ``remove_unused_columns``: the model's forward arguments plus the classic text columns."""
     return set(inspect.signature(model.transformers_model.forward).parameters) | {"label", "query", "response"}
 
-
-def _pad_token_id(tokenizer, model_config) -> int:
-    for source in (tokenizer, model_config):
-        pad = getattr(source, "pad_token_id", None)
-        if pad is not None:
-            return int(pad)
-    for source in (tokenizer, model_config):
-        eos = getattr(source, "eos_token_id", None)
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        if eos is not None:
-            return int(eos)
-    return 0

@@ -29,7 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 from .. import core
 from ..core import flatten_dict, pairwise_ranking_loss, preference_stats
 from .accelerate_setup import build_accelerator, default_optimizer, fill_deepspeed_batch_config, save_full_model
-from .checkpointing import CheckpointMixin
+from .checkpointing import Checkpointer
 from .resumable_loader import ResumableLoader
 from .reward_config import RewardConfig
 from .reward_data import RewardDataCollatorWithPadding, prepare_pairs
@@ -38,7 +38,7 @@ from .reward_data import RewardDataCollatorWithPadding, prepare_pairs
 _SUMS = ("loss", "accuracy", "rewards/chosen", "rewards/rejected", "pairs")
 
 
-class RewardTrainer(CheckpointMixin):
+class RewardTrainer:
     """Trains a scalar reward model on chosen/rejected pairs (classic TRL's ``RewardTrainer`` API).
 
     ``save_checkpoint(path)``/``load_checkpoint(path)`` (or ``train(resume_from_checkpoint=path)``)
@@ -366,11 +366,16 @@ class RewardTrainer(CheckpointMixin):
     # Checkpoint and resume (the mechanism is in .checkpointing)
     # ------------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> None:
-        """Write a checkpoint to ``path`` (every process calls it); see :class:`.checkpointing.CheckpointMixin`."""
+        """Write a checkpoint to ``path`` (every process calls it); see :class:`.checkpointing.Checkpointer`."""
         # The metric sums are per process but only the main process writes the trainer's state:
         # it saves the sums over all processes (a collective, so here, before the main-only part).
         self._global_sums = self.accelerator.reduce(torch.stack([self._window, self._totals]), reduction="sum")
-        super().save_checkpoint(path)
+        Checkpointer(self.accelerator).save(path, self._checkpoint_state())
+
+    def load_checkpoint(self, path: str) -> None:
+        """Continue from a checkpoint written by :meth:`save_checkpoint` (same number of processes)."""
+        state, _ = Checkpointer(self.accelerator).load(path)
+        self._load_checkpoint_state(state)
 
     def _checkpoint_state(self) -> dict:
         """The trainer's counters that accelerate's state does not hold (JSON-serialisable)."""

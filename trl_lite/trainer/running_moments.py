@@ -1,4 +1,4 @@
-"""Running mean and standard deviation of scores over every process (PPO_SPEC section 2)."""
+"""Running mean and standard deviation of scores over every process (docs/algorithm.md section 2)."""
 
 from __future__ import annotations
 

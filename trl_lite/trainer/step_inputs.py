@@ -15,6 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..models import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, ValueModel
 from ..models.modeling_base import is_peft_model
 from .ppo_config import PPOConfig
+from .rows import count_actions
 
 SUPPORTED_MODELS = (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead)
 # Estimators whose baseline comes from the other responses to the same query.
@@ -87,7 +88,7 @@ def wrap_plain_model(model):
 
 
 def check_critic_args(config, model, value_model, critic_optimizer):
-    """Checks of the separate critic (PPO_SPEC section 9); ValueModel checks the model itself."""
+    """Checks of the separate critic (docs/algorithm.md section 9); ValueModel checks the model itself."""
     if value_model is None:
         if critic_optimizer is not None:
             raise ValueError("critic_optimizer was given without value_model; pass both or neither.")
@@ -235,24 +236,13 @@ def validate_step_inputs(
                 )
             if not ((m == 0) | (m == 1)).all():
                 raise ValueError(f"response_masks[{i}] must hold only 0 and 1, got values {m.unique().tolist()}.")
-    n_actions = count_actions(responses, response_masks, is_encoder_decoder)
+    n_actions = count_actions(responses, response_masks, shift=1 if is_encoder_decoder else 0)
     if n_actions < 2:
         raise ValueError(
             f"responses/response_masks: the batch has {n_actions} action token(s) (response tokens with mask 1"
             f"{', excluding the first and last decoder token' if is_encoder_decoder else ''}); "
             "advantage whitening needs at least 2."
         )
-
-
-def count_actions(responses, response_masks, is_encoder_decoder: bool) -> int:
-    """Action tokens of a batch: response tokens with mask 1 (decoder tokens 2.. for encoder-decoders)."""
-    if is_encoder_decoder:
-        if response_masks is None:
-            return sum(max(len(r) - 2, 0) for r in responses)
-        return int(sum(m[2:].sum() for m in response_masks if len(m) > 2))
-    if response_masks is None:
-        return sum(len(r) for r in responses)
-    return int(sum(m.sum() for m in response_masks))
 
 
 def scores_tensor(scores, device) -> torch.Tensor:
@@ -282,3 +272,43 @@ def validate_generation_logprobs(generation_logprobs, responses) -> None:
                 f"generation_logprobs[{i}] must hold finite log-probabilities (<= 0), got values in "
                 f"[{lp.min().item()}, {lp.max().item()}]."
             )
+
+
+def validate_ptx_inputs(ptx_inputs, config, is_encoder_decoder: bool, vocab_size: int) -> None:
+    """``step()``'s ``ptx_inputs``: None, or (with ``ptx_coef > 0``) ``batch_size`` 1-D token rows of 2+ tokens."""
+    if ptx_inputs is None:
+        return
+    n = config.batch_size
+    if config.ptx_coef <= 0:
+        raise ValueError(f"ptx_inputs were given but config.ptx_coef={config.ptx_coef}; set ptx_coef > 0.")
+    if is_encoder_decoder:
+        raise ValueError("ptx_inputs (a language-modelling loss) need a decoder-only policy.")
+    if not isinstance(ptx_inputs, (list, tuple)) or len(ptx_inputs) != n:
+        given = len(ptx_inputs) if isinstance(ptx_inputs, (list, tuple)) else type(ptx_inputs).__name__
+        raise ValueError(f"ptx_inputs must be a list of config.batch_size={n} 1-D token tensors, got {given}.")
+    for i, seq in enumerate(ptx_inputs):
+        if not isinstance(seq, torch.Tensor) or seq.dim() != 1 or seq.dtype.is_floating_point:
+            raise TypeError(f"ptx_inputs[{i}] must be a 1-D tensor of token ids, got {seq!r:.80}.")
+        if len(seq) < 2:
+            raise ValueError(f"ptx_inputs[{i}] has {len(seq)} token(s); a next-token loss needs at least 2.")
+        if int(seq.min()) < 0 or int(seq.max()) >= vocab_size:
+            raise ValueError(f"ptx_inputs[{i}] holds token ids outside [0, {vocab_size}) (the model's vocabulary).")
+
+
+def staleness(policy_version, current_step: int, batch_size: int) -> torch.Tensor | None:
+    """``step()``'s ``policy_version`` (the ``current_step`` whose weights generated the batch: one int,
+    or one per row) as the rows' staleness ``current_step - version``, float ``(B,)``; None stays None."""
+    if policy_version is None:
+        return None
+    versions = [policy_version] * batch_size if isinstance(policy_version, (int, np.integer)) else policy_version
+    if isinstance(policy_version, bool) or not isinstance(versions, (list, tuple)) or len(versions) != batch_size:
+        raise ValueError(
+            f"policy_version must be an int or a list of config.batch_size={batch_size} ints, got {policy_version!r:.80}."
+        )
+    for i, version in enumerate(versions):
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or not 0 <= version <= current_step:
+            raise ValueError(
+                f"policy_version[{i}] must be an int in [0, {current_step}] (the trainer's step counter when the "
+                f"row was generated, at most the current step), got {version!r}."
+            )
+    return torch.tensor([current_step - int(v) for v in versions], dtype=torch.float32)

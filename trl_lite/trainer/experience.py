@@ -1,0 +1,121 @@
+"""The data of one PPO step: the batch the user hands to ``step()``, the :class:`Experience` the
+experience maker builds from it, and the :class:`Minibatch` views the learner trains on.
+
+Every per-token tensor is in the compact layout of :mod:`.rows`: ``(B, L)``, column ``k`` predicting
+response token ``k + shift``, zero outside the action mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .rows import Rows, to_device
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """What ``step()`` was given, checked: per row a query, a response and a score (B of each).
+
+    ``response_masks``: per row 0/1 like the response, or None; ``groups``: ``(B,)`` group ids of
+    'rloo'/'grpo' (None otherwise); ``generation_logprobs``: per row the engine's log-prob of each
+    response token, or None; ``ptx_inputs``: per row a token sequence for the PTX loss, or None;
+    ``staleness (B,)``: per row, the policy updates (``step()`` calls) since its generation, or None.
+    """
+
+    queries: list
+    responses: list
+    scores: list
+    response_masks: list | None = None
+    groups: torch.Tensor | None = None
+    generation_logprobs: list | None = None
+    ptx_inputs: list | None = None
+    staleness: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Experience:
+    """Everything the learner needs from one step's rollout, built once by the experience maker.
+
+    ``rows``: tokens, masks and layout; ``scores (B,)``: the shaped scores (docs/algorithm.md sections 2
+    and 14); ``ends_with_eos (B,)`` bool or None (no EOS id known); ``groups (B,)`` or None;
+    ``logprobs``, ``ref_logprobs``, ``kls``, ``rewards``, ``non_score_reward``, ``advantages``: ``(B, L)``;
+    ``values``, ``returns``: ``(B, L)``, None for critic-free estimators; ``token_weights``: the TIS
+    weights ``(B, L)`` or None (section 15); ``kl_coef``: the KL coefficient of this step (in the reward or
+    in the loss); ``kl_in_loss``: whether the learner adds ``kl_coef * k3`` to the policy loss (then it
+    uses ``ref_logprobs``); ``ptx``: per row the PTX token sequence on the device, or None; ``staleness``:
+    as in :class:`StepBatch`;
+    ``gap_stats``: the ``rollout/*`` log-prob gap statistics; ``timings``: seconds of each phase.
+    """
+
+    rows: Rows
+    scores: torch.Tensor
+    ends_with_eos: torch.Tensor | None
+    groups: torch.Tensor | None
+    logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor | None
+    returns: torch.Tensor | None
+    kls: torch.Tensor
+    rewards: torch.Tensor
+    non_score_reward: torch.Tensor
+    advantages: torch.Tensor
+    token_weights: torch.Tensor | None
+    kl_coef: float
+    kl_in_loss: bool
+    ptx: list | None = None
+    staleness: torch.Tensor | None = None
+    gap_stats: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def action_mask(self) -> torch.Tensor:
+        return self.rows.action_mask
+
+    def minibatch(self, indices: list[int]) -> Minibatch:
+        """The rows ``indices`` (a host list of row numbers) cut to their own compact width ``L_mb``."""
+        index = list(indices)
+        idx = to_device(index, self.logprobs.device)
+        width = self.rows.width(index)
+
+        def cut(x):
+            return None if x is None else x[idx, :width]
+
+        return Minibatch(
+            index=index,
+            idx=idx,
+            width=width,
+            mask=cut(self.rows.action_mask),
+            old_logprobs=cut(self.logprobs),
+            old_values=cut(self.values),
+            advantages=cut(self.advantages),
+            returns=cut(self.returns),
+            ref_logprobs=cut(self.ref_logprobs) if self.kl_in_loss else None,
+            token_weights=cut(self.token_weights),
+            ptx=[self.ptx[i] for i in index] if self.ptx is not None else None,
+        )
+
+
+@dataclass(frozen=True)
+class Minibatch:
+    """Rows ``index`` of an :class:`Experience` (``idx``: the same on the device), every tensor ``(b, L_mb)``.
+
+    ``old_values``/``returns`` are None for critic-free estimators, ``ref_logprobs`` when the KL is in
+    the reward, ``token_weights`` without TIS, ``ptx`` without PTX.
+    """
+
+    index: list
+    idx: torch.Tensor
+    width: int
+    mask: torch.Tensor
+    old_logprobs: torch.Tensor
+    old_values: torch.Tensor | None
+    advantages: torch.Tensor
+    returns: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+    token_weights: torch.Tensor | None
+    ptx: list | None

@@ -1,0 +1,194 @@
+"""The experience maker: from a checked batch to the :class:`~.experience.Experience` of one step.
+
+``make(batch)`` runs docs/algorithm.md sections 14 and 2 (score shaping), 3 (forward passes of policy,
+reference and critic, no grad), 15 (the log-prob gap to the generating engine and TIS weights), 4
+(KL-shaped rewards) and 5 or 12 (GAE or the critic-free estimators, with whitening over all processes).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import core
+from ..core import (
+    compute_gae,
+    compute_kl_rewards,
+    discounted_returns,
+    grpo_advantages,
+    kl_estimate,
+    masked_mean,
+    masked_whiten,
+    rloo_advantages,
+    sequence_to_tokens,
+)
+from .experience import Experience, StepBatch
+from .forward import ForwardPass
+from .rows import to_device
+from .step_inputs import scores_tensor
+
+
+class ExperienceMaker:
+    """Builds the :class:`Experience` of a step from the models' passes and the scores.
+
+    Args:
+        config: the trainer's :class:`PPOConfig` (read at every ``make``).
+        accelerator: for reductions over processes (whitening).
+        forward: the trainer's :class:`~.forward.ForwardPass`.
+        policy: the prepared policy; ``reference``: a context-manager factory yielding the reference
+            module; ``critic``: the prepared separate critic or None.
+        kl_ctl: the KL controller (its ``value`` is read, never updated here).
+        running: the running moments of the scores (updated with ``use_score_scaling``).
+        eos_ids: the EOS ids of section 14 (empty when none is known).
+        policy_values: whether the policy's value head gives the values (GAE without a separate critic).
+    """
+
+    def __init__(self, config, accelerator, forward: ForwardPass, policy, reference, critic, kl_ctl, running,
+                 eos_ids: tuple[int, ...], policy_values: bool):  # fmt: skip
+        self.config = config
+        self.accelerator = accelerator
+        self.forward = forward
+        self.policy = policy
+        self.reference = reference
+        self.critic = critic
+        self.kl_ctl = kl_ctl
+        self.running = running
+        self.eos_ids = eos_ids
+        self.policy_values = policy_values
+        self.device = accelerator.device
+
+    def make(self, batch: StepBatch) -> Experience:
+        """One step's experience; see the module docstring for the sections it runs."""
+        config = self.config
+        timings = {}
+
+        # Sections 14 and 2: the rollout's penalties, then scaling and clipping
+        lengths = to_device([len(r) for r in batch.responses], self.device)
+        ends_with_eos = core.ends_with_stop(batch.responses, self.eos_ids).to(self.device) if self.eos_ids else None
+        scores = self.shape_scores(scores_tensor(batch.scores, self.device), lengths, ends_with_eos)
+
+        # Section 3: forward passes without grad, and section 15: the gap to the generating engine
+        t = time.time()
+        rows = self.forward.make_rows(batch.queries, batch.responses, batch.response_masks)
+        mask = rows.action_mask
+        logprobs, ref_logprobs, values, full_kl = self.passes(rows)
+        gap_stats, token_weights = self.generation_gap(logprobs, batch.generation_logprobs, mask, rows.shift)
+        timings["time/ppo/forward_pass"] = time.time() - t
+
+        # Section 4: KL-shaped rewards; with kl_in_reward=False the KL goes to the loss (section 12)
+        t = time.time()
+        kl_coef = self.kl_ctl.value
+        kls = kl_estimate(logprobs, ref_logprobs, config.kl_penalty, full_kl)
+        kl_in_loss = not config.kl_in_reward_resolved
+        rewards, non_score_reward = compute_kl_rewards(scores, kls, mask, 0.0 if kl_in_loss else kl_coef)
+        timings["time/ppo/compute_rewards"] = time.time() - t
+
+        # Section 5 (GAE), or section 12 for the critic-free estimators
+        t = time.time()
+        if config.critic_free:
+            advantages = self.critic_free_advantages(scores, rewards, non_score_reward, mask, batch.groups)
+            values = returns = None
+        else:
+            values, advantages, returns = self.advantages(values, rewards, mask)
+        timings["time/ppo/compute_advantages"] = time.time() - t
+
+        ptx = None
+        if batch.ptx_inputs is not None:
+            ptx = [seq.to(device=self.device, dtype=torch.long) for seq in batch.ptx_inputs]
+        return Experience(
+            rows=rows, scores=scores, ends_with_eos=ends_with_eos, groups=batch.groups, logprobs=logprobs,
+            ref_logprobs=ref_logprobs, values=values, returns=returns, kls=kls, rewards=rewards,
+            non_score_reward=non_score_reward, advantages=advantages, token_weights=token_weights,
+            kl_coef=kl_coef, kl_in_loss=kl_in_loss, ptx=ptx, staleness=batch.staleness, gap_stats=gap_stats,
+            timings=timings,
+        )  # fmt: skip
+
+    def passes(self, rows):
+        """The policy's, reference's and critic's passes over ``rows`` without grad (section 3): logprobs,
+        ref_logprobs, values ``(B, L)`` and the exact KL ``(B, L)`` for ``kl_penalty="full"`` (else None)."""
+        return self.forward.rollout(
+            rows, self.policy, self.reference, self.critic, self.policy_values, self.config.kl_penalty == "full"
+        )
+
+    def shape_scores(self, scores: torch.Tensor, lengths: torch.Tensor, ends_with_eos) -> torch.Tensor:
+        """Scores ``(B,)`` after the rollout's penalties (section 14), running-moment scaling and clipping (section 2)."""
+        config = self.config
+        scores = core.shape_scores(
+            scores, lengths, ends_with_eos, config.missing_eos_penalty, config.max_response_length,
+            config.overlong_buffer_len, config.overlong_penalty_factor,
+        )  # fmt: skip
+        if config.use_score_scaling:
+            self.running.update(scores)
+            scale = self.running.std + self.running.eps
+            scores = (scores - self.running.mean) / scale if config.use_score_norm else scores / scale
+        if config.score_clip is not None:
+            scores = scores.clamp(-config.score_clip, config.score_clip)
+        return scores
+
+    def advantages(self, values, rewards, mask):
+        """Masked values, whitened GAE advantages and returns (section 5). Shapes ``(B, L)``."""
+        if self.config.whiten_rewards:
+            rewards = self.whiten(rewards, mask, shift_mean=False)
+        advantages, returns = compute_gae(values, rewards, mask, self.config.gamma, self.config.lam)
+        advantages = self.whiten(advantages, mask)
+        return values * mask, advantages.detach(), returns.detach()
+
+    def critic_free_advantages(self, scores, rewards, non_score_reward, mask, groups):
+        """Advantages ``(B, L)`` of the critic-free estimators (section 12).
+
+        ``scores (B,)`` after shaping; ``rewards``, ``non_score_reward`` ``(B, L)`` (the latter zero
+        when the KL is in the loss); ``groups (B,)`` group ids for 'rloo'/'grpo'.
+        """
+        config = self.config
+        if config.advantage_estimator == "reinforce_pp":
+            if config.whiten_rewards:
+                rewards = self.whiten(rewards, mask, shift_mean=False)
+            return (self.whiten(discounted_returns(rewards, mask, config.gamma), mask) * mask).detach()
+        sequence_rewards = scores + non_score_reward.sum(-1)
+        groups = groups.to(sequence_rewards.device)
+        if config.advantage_estimator == "rloo":
+            sequence_advantages = rloo_advantages(sequence_rewards, groups)
+        else:
+            sequence_advantages = grpo_advantages(sequence_rewards, groups, config.grpo_scale_rewards)
+        return sequence_to_tokens(sequence_advantages, mask).detach()
+
+    @torch.no_grad()
+    def generation_gap(self, logprobs, generation_logprobs, mask, shift: int) -> tuple[dict, torch.Tensor | None]:
+        """The log-prob gap to the generating engine and the TIS weights (section 15).
+
+        ``logprobs``, ``mask`` ``(B, L)``: ``lp_old`` of the rollout pass; ``generation_logprobs``: per
+        row one log-prob per response token, or None (then no statistic and no weights). Returns the
+        ``rollout/*`` statistics and, with ``importance_sampling_correction="tis"``, the weights
+        ``min(exp(lp_old - lp_gen), cap)`` ``(B, L)`` (else None).
+        """
+        config = self.config
+        if generation_logprobs is None:
+            return {}, None
+        device, width = logprobs.device, logprobs.shape[1]
+        padded = torch.nn.utils.rnn.pad_sequence(
+            [lp.to(device=device, dtype=logprobs.dtype) for lp in generation_logprobs], batch_first=True
+        )
+        # Compact column k predicts response token k + shift.
+        gen = torch.nn.functional.pad(padded[:, shift:], (0, max(width - padded.shape[1] + shift, 0)))[:, :width]
+        gap = (logprobs - gen).abs() * mask
+        stats = {"rollout/logprob_diff/mean": masked_mean(gap, mask), "rollout/logprob_diff/max": gap.max()}
+        if config.importance_sampling_correction != "tis":
+            return stats, None
+        weights = torch.exp(logprobs - gen).clamp(max=config.importance_sampling_cap) * mask
+        stats["rollout/is_weight/mean"] = masked_mean(weights, mask)
+        return stats, weights
+
+    def whiten(self, values, mask, shift_mean=True):
+        """``masked_whiten`` with the statistics of the action tokens of every process. Shape ``(B, L)``.
+
+        Whitening over all processes makes a step on N processes x B rows equal to one on N*B rows.
+        """
+        accelerator = self.accelerator
+        if accelerator.num_processes == 1:
+            return masked_whiten(values, mask, shift_mean)
+        sums = accelerator.reduce(torch.stack([(values * mask).sum(), mask.sum()]), reduction="sum")
+        mean, count = sums[0] / sums[1], sums[1]
+        squares = accelerator.reduce((((values - mean) ** 2) * mask).sum().reshape(1), reduction="sum")[0]
+        whitened = (values - mean) * torch.rsqrt(squares / (count - 1).clamp(min=1) + 1e-8)
+        return whitened if shift_mean else whitened + mean

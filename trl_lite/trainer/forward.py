@@ -1,0 +1,330 @@
+"""The forward part: log-probs and values of rows in mini-batches, for the rollout (no grad, docs/algorithm.md
+section 3) and for training (with grad), and the classic ``batched_forward_pass``.
+
+:class:`ForwardPass` owns what every pass needs and nothing else: the input layout (pad id, padding
+side, position ids), whether passes are packed and which models attend per row, the logits buffer of
+the fused LM head, and the prepared-to-unwrapped model map.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from contextlib import contextmanager
+
+import torch
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+from ..core import full_kl_from_logits, logprobs_from_hidden, logprobs_from_logits
+from ..models import PreTrainedModelWrapper
+from ..models.packed_attention import ROW_LENGTHS, attend_per_row, takes_row_lengths
+from .rows import InputLayout, Rows, at_positions, make_rows, to_compact
+
+
+class ForwardPass:
+    """Mini-batch forward passes of the policy, the reference and the critic over :class:`~.rows.Rows`.
+
+    Args:
+        accelerator: the run's accelerator (unwraps models it has not seen).
+        models: ``(prepared, unwrapped)`` pairs of the policy (first) and the reference; unwrapping
+            reads package metadata, too slow for every mini-batch, so it is done once here.
+        layout: pad id, padding side and position ids of model inputs.
+        is_encoder_decoder: whether the policy is an encoder-decoder.
+        mini_batch_size: rows per pass.
+        pack: whether the passes of the models in ``models`` (and the critic) take packed rows.
+        row_attention: the prepared modules whose packed passes attend per row (see
+            :func:`~trl_lite.models.packed_attention.takes_row_lengths`); others attend through
+            transformers' block-diagonal mask, to the same result.
+        reuse_logits_buffer: whether the fused LM head writes into one buffer kept between passes
+            (CPU with ``keep_freed_cpu_memory``, see :meth:`logits_out`).
+    """
+
+    def __init__(self, accelerator, models: list[tuple], layout: InputLayout, *, is_encoder_decoder: bool,
+                 mini_batch_size: int, pack: bool = False, row_attention: dict | None = None,
+                 reuse_logits_buffer: bool = False):  # fmt: skip
+        self.accelerator = accelerator
+        self.device = accelerator.device
+        self.models = models
+        self.layout = layout
+        self.is_encoder_decoder = is_encoder_decoder
+        self.mini_batch_size = mini_batch_size
+        self.pack = pack
+        self.row_attention = row_attention or {}
+        self.reuse_logits_buffer = reuse_logits_buffer
+        self._logits_buffer = None
+
+    @classmethod
+    def build(cls, accelerator, policy, reference, critic, tokenizer, config, pack: bool) -> ForwardPass:
+        """The forward part of a trainer: ``policy``, ``reference`` (or None) and ``critic`` (or None) prepared."""
+        unwrapped = accelerator.unwrap_model(policy)
+        models = [(policy, unwrapped)]
+        if reference is not None:
+            models.append((reference, accelerator.unwrap_model(reference)))
+        row_attention = {}
+        for module in (m for m in (policy, reference, critic) if m is not None and pack):
+            inner = next((inner for known, inner in models if module is known), None)
+            inner = accelerator.unwrap_model(module) if inner is None else inner
+            if takes_row_lengths(inner.transformers_model):
+                row_attention[id(module)] = inner.transformers_model
+        layout = InputLayout(
+            pad_id=pad_token_id(tokenizer, unwrapped.config),
+            padding_side=getattr(tokenizer, "padding_side", "right") or "right",
+            pass_position_ids="position_ids" in inspect.signature(unwrapped.transformers_model.forward).parameters,
+        )
+        reuse = accelerator.device.type == "cpu" and config.keep_freed_cpu_memory
+        return cls(accelerator, models, layout, is_encoder_decoder=unwrapped.is_encoder_decoder,
+                   mini_batch_size=config.mini_batch_size, pack=pack, row_attention=row_attention,
+                   reuse_logits_buffer=reuse)  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------
+    # Rows and mini-batches
+    # ------------------------------------------------------------------------------------------
+    def make_rows(self, queries, responses, response_masks=None) -> Rows:
+        """One batch on the device with its compact action mask (see :func:`~.rows.make_rows`)."""
+        return make_rows(queries, responses, response_masks, device=self.device,
+                         is_encoder_decoder=self.is_encoder_decoder, mini_batch_size=self.mini_batch_size)  # fmt: skip
+
+    def minibatches(self, n: int):
+        """Consecutive mini-batches over rows ``0 .. n - 1``: ``(index, idx)``, a host list and the same on the device."""
+        for start in range(0, n, self.mini_batch_size):
+            stop = min(start + self.mini_batch_size, n)
+            yield list(range(start, stop)), torch.arange(start, stop, device=self.device)
+
+    def unwrapped(self, model):
+        return next((inner for known, inner in self.models if model is known), None) or self.accelerator.unwrap_model(model)
+
+    def packs(self, model) -> bool:
+        """Whether the passes of ``model`` take packed rows: packing is on and ``model`` is one the trainer checked."""
+        return self.pack and any(model is known for known, _ in self.models)
+
+    def per_row_attention(self):
+        """The block in which packed passes attend within each row (forward and backward passes)."""
+        return attend_per_row(self.row_attention.values())
+
+    def linear_head(self, model) -> torch.nn.Linear | None:
+        """The model's LM head when the pass may fuse it with the log-softmax, else None.
+
+        Fused (``core.logprobs_and_entropy_from_hidden``), the head's logits become the softmax in
+        place, in a buffer of ``Rows.buffer_rows`` rows: one vocabulary-sized tensor per mini-batch
+        instead of two, of the same size in every mini-batch of a step. Asked every pass: the head
+        may be replaced (``resize_token_embeddings``) after the trainer is made.
+        """
+        return self.unwrapped(model).linear_lm_head()
+
+    def head_autocast(self):
+        """The autocast state of the models' forward, for the LM head the passes apply outside the model.
+
+        accelerate runs only ``model.forward`` under mixed precision and hands back float32 outputs; the
+        fused head is the step's largest product and must run in the autocast dtype too (the log-softmax
+        after it is float32 whatever the product's dtype). Without mixed precision: no autocast.
+        """
+        return self.accelerator.autocast()
+
+    def logits_out(self, rows: Rows, head: torch.nn.Linear) -> torch.Tensor | None:
+        """The ``(R, V)`` buffer the fused LM head of this pass writes its logits into, or None (a fresh one).
+
+        Only with ``reuse_logits_buffer``: one buffer, made at the first fused pass, grown when a step
+        needs more rows and kept between steps, so no vocabulary-sized block is freed and allocated
+        again per mini-batch. glibc splits freed blocks for later small allocations, and a block that
+        no longer fits in what is left grows the heap. Each pass is done with the buffer before the
+        next begins (a training pass after its backward). Elsewhere each pass allocates its own: GPU
+        caching allocators reuse blocks of one size well.
+        """
+        if not self.reuse_logits_buffer:
+            return None
+        buffer = _fitting(self._logits_buffer, head)
+        if buffer is None or buffer.shape[0] < rows.buffer_rows:
+            self._logits_buffer = None  # freed before its successor is allocated
+            dtype = torch.promote_types(head.weight.dtype, torch.float32)
+            self._logits_buffer = buffer = torch.empty(
+                (rows.buffer_rows, head.weight.shape[0]), dtype=dtype, device=head.weight.device
+            )
+        return buffer
+
+    # ------------------------------------------------------------------------------------------
+    # Passes
+    # ------------------------------------------------------------------------------------------
+    def head_inputs(self, model, rows: Rows, index: list[int], idx: torch.Tensor, lm_head_inputs: bool = False,
+                    return_values: bool = True, critic=None):  # fmt: skip
+        """The LM head's logits ``(N, V)`` at the token slots of rows ``index`` - or, with ``lm_head_inputs``,
+        its inputs ``(N, H)`` - their target ids ``(N,)``, the values ``(b, L_mb)`` (None without
+        ``return_values``), the slots and ``L_mb``.
+
+        With a separate ``critic`` (docs/algorithm.md section 9) the values are its outputs on the
+        same mini-batch inputs, read at the same positions; the policy's value head does not run.
+        """
+        packed = self.packs(model)
+        inputs, positions, slots, targets, width = self.layout.inputs(rows, index, idx, packed=packed)
+        critic_inputs = {key: value for key, value in inputs.items() if key != "logits_positions"}
+        if lm_head_inputs:
+            inputs["return_lm_head_inputs"] = True
+        if packed:
+            lengths = tuple(len(rows.sequences[i]) for i in index)
+            for module, module_inputs in ((model, inputs), (critic, critic_inputs)):
+                if id(module) in self.row_attention:
+                    module_inputs[ROW_LENGTHS] = lengths
+        outputs, _, values = model(**inputs, return_values=return_values and critic is None)
+        if critic is not None:
+            values = critic(**critic_inputs)
+        if values is not None:
+            values = (values[:, :-1] if rows.shift else at_positions(values, positions)).float()
+        return outputs, targets, values, slots, width
+
+    def logprobs(self, model, rows: Rows, index: list[int], idx: torch.Tensor, return_logits: bool = False,
+                 return_values: bool = True, critic=None):  # fmt: skip
+        """Log-probs and values at the action positions of rows ``index``, without the entropy.
+
+        Shapes: logprobs, values ``(b, L_mb)`` (log-probs 0 past each response; values None without
+        ``return_values``); with ``return_logits`` also the logits ``(N, V)`` at the token slots and
+        the slots (else None for both); and ``L_mb``.
+        """
+        head = None if return_logits else self.linear_head(model)
+        outputs, targets, values, slots, width = self.head_inputs(
+            model, rows, index, idx, lm_head_inputs=head is not None, return_values=return_values, critic=critic
+        )
+        if head is None:
+            logprobs = logprobs_from_logits(outputs, targets)
+        else:
+            out = self.logits_out(rows, head)
+            with self.head_autocast():
+                logprobs = logprobs_from_hidden(outputs, head.weight, head.bias, targets, rows.buffer_rows, out)
+        logprobs = to_compact(logprobs, slots, len(index), width)
+        return logprobs, values, (outputs if return_logits else None), (slots if return_logits else None), width
+
+    @torch.no_grad()
+    def rollout(self, rows: Rows, policy, reference, critic=None, policy_values: bool = True, full_kl: bool = False):
+        """Policy and reference passes without grad, in mini-batches (docs/algorithm.md section 3).
+
+        ``reference``: a context-manager factory yielding the module that computes reference
+        log-probs. Returns logprobs, ref_logprobs, values ``(B, L)`` (values zero when neither
+        ``policy_values`` nor a ``critic`` gives them) and, with ``full_kl``, the exact per-token KL
+        ``(B, L)`` (else None). Full-KL logits live one mini-batch at a time.
+        """
+        batch, width = len(rows), rows.action_mask.shape[1]
+        out = torch.zeros(4 if full_kl else 3, batch, width, device=self.device)
+        policy.eval()
+        if critic is not None:
+            critic.eval()
+        with self.per_row_attention():
+            for index, idx in self.minibatches(batch):
+                logprobs, values, logits, slots, w = self.logprobs(
+                    policy, rows, index, idx, return_logits=full_kl, return_values=policy_values, critic=critic
+                )
+                with reference() as ref:
+                    ref_logprobs, _, ref_logits, _, _ = self.logprobs(
+                        ref, rows, index, idx, return_logits=full_kl, return_values=False
+                    )
+                out[0, idx, :w], out[1, idx, :w] = logprobs, ref_logprobs
+                if values is not None:
+                    out[2, idx, :w] = values
+                if full_kl:
+                    out[3, idx, :w] = to_compact(full_kl_from_logits(logits, ref_logits), slots, len(index), w)
+        mask = rows.action_mask
+        return out[0] * mask, out[1] * mask, out[2] * mask, (out[3] * mask if full_kl else None)
+
+    def prepare_model_inputs(self, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> dict:
+        """Pad one batch the classic way: query+response (decoder-only) or encoder/decoder inputs.
+
+        Padding follows the tokenizer's padding side. Shapes: ``input_ids``, ``attention_mask``
+        ``(B, S)`` (plus ``decoder_input_ids``, ``decoder_attention_mask`` for encoder-decoders).
+        """
+        rows = self.make_rows(queries, responses)
+        index = list(range(len(rows)))
+        inputs, _, _, _, _ = self.layout.inputs(rows, index, torch.arange(len(rows), device=self.device))
+        inputs.pop("logits_positions", None)
+        return inputs
+
+    @torch.no_grad()
+    def batched_forward_pass(self, model, queries, responses, model_inputs: dict, return_logits: bool = False,
+                             response_masks=None):  # fmt: skip
+        """Log-probs, values and action masks of a batch in mini-batches, in the classic ``(B, T)`` layout.
+
+        ``model_inputs`` (from :meth:`prepare_model_inputs`) fixes ``T = S - 1``. Returns
+        ``(logprobs, logits or None, values, masks)``: ``(B, T)`` each, logits ``(B, T, V)``
+        (zero where no response token is predicted).
+        """
+        rows = self.make_rows(queries, responses, response_masks)
+        ids_key = "decoder_input_ids" if self.is_encoder_decoder else "input_ids"
+        batch, seq_len = model_inputs[ids_key].shape
+        length, device = seq_len - 1, self.device
+        columns = torch.arange(rows.action_mask.shape[1], device=device)
+        if self.is_encoder_decoder:
+            cols = columns.expand(batch, -1)
+        else:
+            pad_left = model_inputs["attention_mask"].long().argmax(-1)  # first 1 of each row; 0 under right padding
+            cols = (pad_left + rows.query_len - 1).unsqueeze(1) + columns
+        valid = cols < length
+        cols = cols.clamp(max=length - 1)
+        logprobs = torch.zeros(batch, length, device=device)
+        values = torch.zeros_like(logprobs)
+        masks = torch.zeros_like(logprobs)
+        logits_out = None
+        model.eval()
+        for index, idx in self.minibatches(batch):
+            with self.per_row_attention():
+                lp, val, logits, slots, w = self.logprobs(model, rows, index, idx, return_logits=return_logits)
+            ok = valid[idx, :w] & rows.action_mask[idx, :w].bool()
+            # Only the action entries are written: the clamped compact padding repeats column T - 1,
+            # and a scatter with repeated indices may keep the padding's zero over a real action.
+            r, c = idx.unsqueeze(1).expand(-1, w)[ok], cols[idx, :w][ok]
+            logprobs[r, c], values[r, c], masks[r, c] = lp[ok], val[ok], 1.0
+            if return_logits:
+                if logits_out is None:
+                    logits_out = torch.zeros(batch, length, logits.shape[-1], device=device)
+                logits_out[r, c] = to_compact(logits.float(), slots, len(index), w)[ok]
+        return logprobs, logits_out, values, masks
+
+
+@contextmanager
+def reference_context(reference, policy, unwrapped_policy):
+    """Yield the module that computes reference log-probs: ``reference``, or the PEFT ``policy`` with its adapter off."""
+    if reference is not None:
+        yield reference
+    else:
+        with unwrapped_policy.pretrained_model.disable_adapter():
+            yield policy
+
+
+def packing_unsupported(wrapper: PreTrainedModelWrapper) -> str | None:
+    """Why ``wrapper`` cannot take packed rows (:meth:`~.rows.InputLayout.packed`), or None when it can.
+
+    Packing needs a decoder-only transformers model that takes ``position_ids`` and builds its
+    attention mask with ``transformers.masking_utils`` (which detects packed rows from them), under an
+    attention implementation that utility knows; prompt-learning adapters prepend tokens to each row.
+    """
+    if wrapper.is_encoder_decoder:
+        return "it is an encoder-decoder"
+    if wrapper.is_peft_model and wrapper.pretrained_model.active_peft_config.is_prompt_learning:
+        return "its prompt-learning adapter prepends virtual tokens to every row"
+    model = wrapper.transformers_model
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return f"{type(model).__name__}.forward takes no position_ids"
+    backbone = getattr(model, getattr(model, "base_model_prefix", ""), model)
+    if not hasattr(sys.modules.get(type(backbone).__module__), "create_causal_mask"):
+        return f"{type(backbone).__name__} does not build its attention mask with transformers.masking_utils"
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
+        return f"its attention implementation {implementation!r} is not one masking_utils builds packed masks for"
+    return None
+
+
+def pad_token_id(tokenizer, model_config) -> int:
+    """The pad id of model inputs: the tokenizer's or the model's pad id, else its EOS id, else 0."""
+    for source in (tokenizer, model_config):
+        pad = getattr(source, "pad_token_id", None)
+        if pad is not None:
+            return int(pad)
+    for source in (tokenizer, model_config):
+        eos = getattr(source, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if eos is not None:
+            return int(eos)
+    return 0
+
+
+def _fitting(buffer: torch.Tensor | None, head: torch.nn.Linear) -> torch.Tensor | None:
+    """``buffer`` if it can hold the logits of ``head`` (vocabulary and dtype), else None."""
+    if buffer is None or buffer.shape[1] != head.weight.shape[0]:
+        return None
+    return buffer if buffer.dtype == torch.promote_types(head.weight.dtype, torch.float32) else None

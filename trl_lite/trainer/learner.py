@@ -1,0 +1,395 @@
+"""The learner: trains the policy (and the value head or separate critic) on an :class:`~.experience.Experience`.
+
+``train(experience)`` runs docs/algorithm.md section 6: ``ppo_epochs`` epochs of shuffled mini-batches,
+each a forward pass with grad, the policy's loss (the :class:`~.objective.PolicyObjective`, sections
+6, 12, 13 and 15), the value loss, the PTX loss (section 10), a guarded backward (policy before critic)
+and, at each accumulation boundary, clipped optimizer steps and the EMA update (section 11), with
+early stopping on the policy's KL.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from ..core import (
+    entropy_from_logits,
+    importance_ratio,
+    logprobs_and_entropy_from_hidden,
+    logprobs_and_entropy_from_logits,
+    masked_mean,
+    masked_var,
+    ppo_value_loss,
+)
+from .experience import Experience, Minibatch
+from .forward import ForwardPass
+from .rows import to_compact, to_device
+
+_POLICY_STAT_KEYS = (
+    "loss/policy", "loss/total", "policy/entropy", "policy/approxkl", "policy/policykl",
+    "policy/clipfrac", "policy/clipfrac_low", "policy/clipfrac_high", "policy/dual_clipfrac",
+    "policy/advantages_mean", "policy/ratio",
+)  # fmt: skip
+_VALUE_STAT_KEYS = (
+    "loss/value", "returns/mean", "returns/var", "val/vpred", "val/error", "val/clipfrac", "val/mean", "val/var",
+)  # fmt: skip
+
+
+class Learner:
+    """Owns what training changes: the policy, the critic, their optimizers, the objective and the EMA.
+
+    Args:
+        config: the trainer's :class:`PPOConfig`.
+        accelerator: the run's accelerator (backward, accumulation, clipping, reductions).
+        forward: the trainer's :class:`~.forward.ForwardPass`.
+        model, optimizer: the prepared policy and its optimizer.
+        objective: the policy's :class:`~.objective.PolicyObjective`.
+        critic, critic_optimizer: the prepared separate critic and its optimizer, or None.
+        ema: the policy's :class:`~.ema.PolicyEMA`, or None.
+        policy_values: whether the policy's value head runs and trains (GAE without a separate critic).
+    """
+
+    def __init__(self, config, accelerator, forward: ForwardPass, model, optimizer, objective, critic=None,
+                 critic_optimizer=None, ema=None, policy_values: bool = True):  # fmt: skip
+        self.config = config
+        self.accelerator = accelerator
+        self.forward = forward
+        self.model = model
+        self.optimizer = optimizer
+        self.objective = objective
+        self.critic = critic
+        self.critic_optimizer = critic_optimizer
+        self.ema = ema
+        self.policy_values = policy_values
+        self.is_deepspeed = getattr(accelerator.state, "deepspeed_plugin", None) is not None
+        self.skipped_minibatches = 0
+        self._scale = None  # the fp16 grad scaler's scale after the last update
+        self._critic_engine = None
+        if critic is not None and self.is_deepspeed:
+            from accelerate.utils import DeepSpeedEngineWrapper
+
+            # accelerate keeps the policy's engine for accelerator.backward; the critic's goes through its own.
+            self._critic_engine = DeepSpeedEngineWrapper(critic)
+
+    # ------------------------------------------------------------------------------------------
+    # Epochs (section 6)
+    # ------------------------------------------------------------------------------------------
+    def train(self, experience: Experience) -> dict:
+        """``ppo_epochs`` epochs of shuffled mini-batches over ``experience``; returns the averaged
+        ``ppo/*`` statistics, the ratios of every trained token and ``ppo/skipped_minibatches``."""
+        config = self.config
+        minibatch_stats, ratios, masks = [], [], []
+        width = experience.action_mask.shape[1]
+        skipped_before = self.skipped_minibatches
+        self.model.train()
+        if self.critic is not None:
+            self.critic.train()
+        with self.forward.per_row_attention():  # over the backward passes too: gradient checkpointing recomputes
+            for _ in range(config.ppo_epochs):
+                # Drawn on the host from torch's global generator: the same permutation on every run and process.
+                order = torch.randperm(len(experience)).tolist()
+                tokens = self.tokens_per_minibatch(experience, order)
+                epoch_policykl = []
+                for i, start in enumerate(range(0, len(order), config.mini_batch_size)):
+                    minibatch = experience.minibatch(order[start : start + config.mini_batch_size])
+                    n_tokens = None if tokens is None else tokens[i // config.gradient_accumulation_steps]
+                    stats, ratio = self.train_rows(experience, minibatch, n_tokens)
+                    if stats is not None:
+                        minibatch_stats.append(stats)
+                        ratios.append(torch.nn.functional.pad(ratio, (0, width - ratio.shape[1])))
+                        masks.append(torch.nn.functional.pad(minibatch.mask, (0, width - ratio.shape[1])))
+                        epoch_policykl.append(stats["policy/policykl"])
+                if config.early_stopping and self.should_stop(epoch_policykl):
+                    break
+        if minibatch_stats:
+            stacked = {k: torch.stack([s[k] for s in minibatch_stats]).mean() for k in minibatch_stats[0]}
+        else:
+            keys = self.stat_keys(experience.kl_in_loss) + (("loss/ptx",) if experience.ptx is not None else ())
+            stacked = {k: torch.tensor(float("nan")) for k in keys}
+        stats = {f"ppo/{k}": v for k, v in stacked.items()}
+        # The trained tokens' ratios, selected once for the whole step (a boolean selection syncs the host).
+        stats["ppo/policy/ratio"] = torch.cat(ratios)[torch.cat(masks).bool()] if ratios else torch.zeros(0)
+        stats["ppo/skipped_minibatches"] = torch.tensor(float(self.skipped_minibatches - skipped_before))
+        return stats
+
+    def tokens_per_minibatch(self, experience: Experience, order: list[int]) -> torch.Tensor | None:
+        """For ``global_token_mean``: per backward batch of this epoch's ``order``, the action tokens of
+        that backward batch on all processes divided by the mini-batches averaged into its update
+        (gradient accumulation steps x processes); None for the other loss types. One collective per epoch.
+
+        accelerate divides each mini-batch's loss by the accumulation steps and DDP (or DeepSpeed)
+        averages gradients over processes, so dividing each mini-batch's token sum by this number makes
+        the update ``sum M l / N`` over the whole backward batch, whatever its split.
+        """
+        if not self.objective.needs_global_token_count:
+            return None
+        config, accelerator = self.config, self.accelerator
+        mask = experience.action_mask[to_device(order, experience.action_mask.device)]
+        counts = torch.stack([part.sum() for part in mask.split(config.backward_batch_size)])
+        if accelerator.num_processes > 1:
+            counts = accelerator.reduce(counts, reduction="sum")
+        return counts / (config.gradient_accumulation_steps * accelerator.num_processes)
+
+    def should_stop(self, epoch_policykl: list) -> bool:
+        """Early stopping: the epoch's mean policykl over all processes above 1.5 * target_kl."""
+        if not epoch_policykl:
+            return False
+        policykl = torch.stack(epoch_policykl).mean().reshape(1)
+        policykl = self.accelerator.reduce(policykl, reduction="mean")
+        return bool(policykl.item() > 1.5 * self.config.target_kl)
+
+    def stat_keys(self, kl_in_loss: bool) -> tuple:
+        """Names (without ``ppo/``) of the mini-batch statistics of this run."""
+        keys = _POLICY_STAT_KEYS + (() if self.config.critic_free else _VALUE_STAT_KEYS)
+        keys += ("policy/entropy_loss",) if self.config.entropy_coef else ()
+        return keys + (("policy/kl_loss",) if kl_in_loss else ())
+
+    # ------------------------------------------------------------------------------------------
+    # One mini-batch
+    # ------------------------------------------------------------------------------------------
+    def train_rows(self, experience: Experience, mb: Minibatch, tokens_per_minibatch=None):
+        """One mini-batch: forward with grad, losses, guarded backward and optimizer step(s).
+
+        Returns its statistics (None when skipped) and the per-token ratios ``(b, L_mb)`` the loss used.
+        """
+        rows, forward = experience.rows, self.forward
+        with self.accelerator.accumulate(*self.trained_models()):
+            head = forward.linear_head(self.model)
+            outputs, targets, vpreds, slots, width = forward.head_inputs(
+                self.model, rows, mb.index, mb.idx, head is not None, return_values=self.policy_values, critic=self.critic
+            )
+            if head is None:
+                logprobs, entropy = logprobs_and_entropy_from_logits(outputs, targets)
+            else:
+                with forward.head_autocast():
+                    logprobs, entropy = logprobs_and_entropy_from_hidden(
+                        outputs, head.weight, head.bias, targets, rows.buffer_rows, forward.logits_out(rows, head)
+                    )
+            del outputs  # the logits, when the head ran in the model: the saved softmax replaces them
+            logprobs = to_compact(logprobs, slots, len(mb.index), width)
+            entropy = to_compact(entropy, slots, len(mb.index), width)
+            pg_loss, vf_loss, stats = self.loss(
+                mb.old_logprobs, mb.old_values, None, vpreds, logprobs, mb.mask, mb.advantages, mb.returns,
+                entropy=entropy, ref_logprobs=mb.ref_logprobs, kl_coef=experience.kl_coef,
+                token_weights=mb.token_weights, tokens_per_minibatch=tokens_per_minibatch,
+            )  # fmt: skip
+            ptx_loss = self.ptx_loss(mb.ptx) if mb.ptx is not None else None
+            policy_loss, critic_loss = self.split_losses(pg_loss, vf_loss, stats, ptx_loss)
+            if not self.guarded_update(policy_loss, critic_loss, stats, mb.mask):
+                return None, None
+        with torch.no_grad():
+            ratio = importance_ratio(logprobs, mb.old_logprobs, mb.mask, self.config.importance_sampling_level)
+        return stats, ratio
+
+    def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns, entropy=None,
+             ref_logprobs=None, kl_coef=0.0, token_weights=None, tokens_per_minibatch=None):  # fmt: skip
+        """PPO losses of one mini-batch (sections 6 and 13), with their statistics.
+
+        Shapes: every per-token argument ``(b, L)``, logits ``(b, L, V)``. The entropy comes from
+        ``entropy`` ``(b, L)`` when given (logits may then be None; differentiable for ``entropy_coef``),
+        else from the logits. Returns the policy loss (the objective: clipped surrogate plus the KL-in-loss
+        and entropy terms where on), the value loss and a dict of detached 0-d statistics, with
+        ``loss/total = policy loss + vf_coef * value loss``. Critic-free (``values``, ``vpreds``,
+        ``returns`` None): the value loss is None and no value statistic is made.
+        """
+        if entropy is None:
+            entropy = entropy_from_logits(logits if self.config.entropy_coef else logits.detach())
+        pg_loss, stats = self.objective(
+            logprobs, old_logprobs, advantages, mask, entropy, ref_logprobs, kl_coef, token_weights, tokens_per_minibatch
+        )
+        stats["loss/total"] = pg_loss.detach()
+        if vpreds is None:
+            return pg_loss, None, stats
+        vf_loss, vf_stats = ppo_value_loss(vpreds, values, returns, mask, self.config.cliprange_value)
+        with torch.no_grad():
+            stats.update({
+                "loss/value": vf_loss.detach(),
+                "loss/total": (pg_loss + self.config.vf_coef * vf_loss).detach(),
+                "returns/mean": masked_mean(returns, mask),
+                "returns/var": masked_var(returns, mask),
+                "val/vpred": masked_mean(vpreds.detach(), mask),
+                "val/error": masked_mean((vpreds.detach() - returns) ** 2, mask),
+                "val/clipfrac": vf_stats["clipfrac"],
+                "val/mean": masked_mean(values, mask),
+                "val/var": masked_var(values, mask),
+            })  # fmt: skip
+        return pg_loss, vf_loss, stats
+
+    def split_losses(self, pg_loss, vf_loss, stats: dict, ptx_loss=None):
+        """The loss each model's backward takes: the policy's and the critic's (None with the shared head).
+
+        Shared value head: ``pg + vf_coef * vf (+ ptx_coef * ptx)`` trains one model. Separate critic: the
+        policy takes ``pg (+ ptx_coef * ptx)``, the critic ``vf`` (its own learning rate plays the part of
+        ``vf_coef``). ``loss/total`` (filled by :meth:`loss`) gains the PTX term: it is always
+        ``pg + vf_coef * vf + ptx_coef * ptx``, the same sum whichever models take its parts.
+        """
+        policy_loss = pg_loss
+        if ptx_loss is not None:
+            policy_loss = policy_loss + self.config.ptx_coef * ptx_loss
+            stats["loss/ptx"] = ptx_loss.detach()
+            stats["loss/total"] = stats["loss/total"] + self.config.ptx_coef * ptx_loss.detach()
+        if self.critic is not None or vf_loss is None:
+            return policy_loss, vf_loss
+        return policy_loss + self.config.vf_coef * vf_loss, None
+
+    def guarded_update(self, policy_loss, critic_loss, stats: dict, mask) -> bool:
+        """Backward and (at an accumulation boundary) optimizer steps, unless the mini-batch must be skipped.
+
+        False when it was skipped (counted in ``skipped_minibatches``, with a warning) - before the backward
+        (no action token, a non-finite loss, a mean ratio over ``ratio_threshold``) or after it (non-finite
+        gradients).
+        """
+        reason = self.skip_reason(stats["loss/total"], stats["policy/ratio"], mask)
+        if reason is not None:
+            self.skip(reason)
+            if self.accelerator.sync_gradients:
+                self.zero_grad()
+            return False
+        return self.backward_and_step(policy_loss, critic_loss)
+
+    def skip_reason(self, loss: torch.Tensor, mean_ratio: torch.Tensor, mask: torch.Tensor) -> str | None:
+        """Why this mini-batch must be skipped on every process, or None. One host sync."""
+        flags = torch.stack([
+            (mask.sum() == 0).float(),
+            (~torch.isfinite(loss)).float(),
+            (mean_ratio > self.config.ratio_threshold).float(),
+        ])  # fmt: skip
+        if self.accelerator.num_processes > 1:
+            flags = self.accelerator.reduce(flags, reduction="sum")
+        no_actions, not_finite, ratio_high = flags.tolist()
+        if no_actions:
+            # Its masked means are 0 / 0: there is nothing to learn from, and no finite loss.
+            return "it has no action tokens (every response in it is masked out or too short)"
+        if not_finite:
+            return "the loss is not finite"
+        if ratio_high:
+            return f"the mean ratio {mean_ratio.item():.2f} exceeds ratio_threshold={self.config.ratio_threshold}"
+        return None
+
+    def skip(self, reason: str) -> None:
+        self.skipped_minibatches += 1
+        warnings.warn(f"Skipping a PPO mini-batch because {reason}; the weights are not updated for it.", stacklevel=3)
+
+    def backward_and_step(self, policy_loss, critic_loss) -> bool:
+        """Backward of each model's own loss; at an accumulation boundary, clip, check and step both
+        optimizers and update the EMA. False when the update was skipped for non-finite gradients."""
+        accelerator = self.accelerator
+        # The policy's backward first: it holds the vocabulary-sized gradient of the LM head, and
+        # the critic's gradients would otherwise be alive under it (a higher peak).
+        accelerator.backward(policy_loss)
+        if critic_loss is not None:
+            if self._critic_engine is not None:
+                self._critic_engine.backward(critic_loss, sync_gradients=accelerator.sync_gradients)
+            else:
+                accelerator.backward(critic_loss)
+        if not accelerator.sync_gradients:
+            return True
+        optimizers = [self.optimizer] + ([self.critic_optimizer] if self.critic is not None else [])
+        scaler = accelerator.scaler
+        if scaler is not None:
+            # fp16: every update goes through optimizer.step(), so the grad scaler sees inf/NaN gradients,
+            # skips the update and lowers its scale (and its unscale_ state is reset for the next one).
+            # The scale falls exactly when an inf/NaN was found, whichever optimizer (fused ones skip
+            # inside their own step, unseen by accelerate's step_was_skipped) made the decision.
+            before = self._scale if self._scale is not None else scaler.get_scale()
+            for model, optimizer in zip(self.trained_models(), optimizers):
+                self.clip_gradients(model, optimizer)
+                optimizer.step()
+            self._scale = scaler.get_scale()
+            finite = self._scale >= before
+        else:
+            finite = self.gradients_finite(list(zip(self.trained_models(), optimizers)))
+            if finite:
+                for optimizer in optimizers:
+                    optimizer.step()
+        self.zero_grad()
+        if not finite:
+            self.skip("the gradients are not finite")
+            return False
+        if self.ema is not None:
+            self.ema.update()
+        return True
+
+    def clip_gradients(self, model, optimizer) -> torch.Tensor | None:
+        """Clip the gradient norm of what ``optimizer`` trains to ``max_grad_norm`` (unscaling fp16 gradients
+        first); the total norm before clipping, or None without ``max_grad_norm``."""
+        if self.config.max_grad_norm is None:
+            return None
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return self.accelerator.clip_grad_norm_(params, self.config.max_grad_norm)
+
+    def gradients_finite(self, pairs: list[tuple]) -> bool:
+        """Clip the gradient norm of each ``(model, optimizer)`` pair (when ``max_grad_norm``) and tell whether
+        every gradient the optimizers hold is finite: one host sync for all of them."""
+        if self.is_deepspeed:
+            # DeepSpeed owns the gradients: it clips and checks them inside its own step, which
+            # the backward has already run, and skips the update when they are not finite.
+            return all([model.was_step_applied() for model, _ in pairs])
+        totals = []
+        for model, optimizer in pairs:
+            total = self.clip_gradients(model, optimizer)
+            if total is None:
+                # Only finiteness is wanted: a sum is inf or NaN when any term is (it would overflow only
+                # past 3e38), and it reads each gradient once, without the squares of a norm.
+                params = [p for group in optimizer.param_groups for p in group["params"]]
+                sums = [p.grad.sum(dtype=torch.float32) for p in params if p.grad is not None]
+                total = torch.stack(sums).sum() if sums else torch.zeros((), device=self.forward.device)
+            totals.append(torch.as_tensor(total, dtype=torch.float32))
+        return bool(torch.isfinite(torch.stack(totals)).all().item())
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+        if self.critic is not None:
+            self.critic_optimizer.zero_grad()
+
+    def trained_models(self) -> tuple:
+        return (self.model,) if self.critic is None else (self.model, self.critic)
+
+    # ------------------------------------------------------------------------------------------
+    # PTX (section 10)
+    # ------------------------------------------------------------------------------------------
+    def ptx_loss(self, seqs: list[torch.Tensor]) -> torch.Tensor:
+        """Mean next-token cross-entropy of the policy over every token (but the first) of ``seqs``
+        (1-D token tensors on the device), 0-d and differentiable.
+
+        Right-padded with explicit position ids; the LM head runs only at the N predicting positions.
+        """
+        device, layout = self.forward.device, self.forward.layout
+        input_ids = pad_sequence(seqs, batch_first=True, padding_value=layout.pad_id)
+        counts_host = [len(s) - 1 for s in seqs]
+        lengths = to_device([len(s) for s in seqs], device)
+        attention_mask = (torch.arange(input_ids.shape[1], device=device) < lengths.unsqueeze(1)).long()
+        counts, total = lengths - 1, sum(counts_host)
+        row = torch.repeat_interleave(torch.arange(len(seqs), device=device), counts, output_size=total)
+        position = torch.arange(total, device=device) - (counts.cumsum(0) - counts)[row]
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "logits_positions": (row, position)}
+        if layout.pass_position_ids:
+            inputs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        targets = input_ids[row, position + 1]
+        head = self.forward.linear_head(self.model)
+        outputs, _, _ = self.model(**inputs, return_lm_head_inputs=head is not None, return_values=False)
+        if head is None:
+            logprobs, _ = logprobs_and_entropy_from_logits(outputs, targets)
+        else:
+            # Not the forward part's shared logits buffer: it holds the PPO pass's softmax until the backward.
+            with self.forward.head_autocast():
+                logprobs, _ = logprobs_and_entropy_from_hidden(outputs, head.weight, head.bias, targets, total)
+        return -logprobs.mean()
+
+    # ------------------------------------------------------------------------------------------
+    # The classic train_minibatch
+    # ------------------------------------------------------------------------------------------
+    def train_minibatch(self, old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns) -> dict:
+        """One guarded optimisation step on precomputed new log-probs/values (classic ``train_minibatch``).
+
+        Called like classic's, inside the caller's ``accelerator.accumulate`` if any; the lone mini-batch is
+        its own backward batch (``global_token_mean``). Returns the mini-batch statistics; when the update
+        was skipped (see :meth:`guarded_update`) the weights are unchanged and ``skipped_minibatches`` counts it.
+        """
+        self.model.train()
+        pg_loss, vf_loss, stats = self.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns)
+        policy_loss, critic_loss = self.split_losses(pg_loss, vf_loss, stats)
+        self.guarded_update(policy_loss, critic_loss, stats, mask)
+        return stats
