@@ -1,6 +1,7 @@
-.PHONY: setup test demo bench
+.PHONY: setup test demo bench gpu-check
 VENV := .venv/bin
 
+# Does nothing while .venv matches setup.cfg and the set-up script; `make setup FORCE=1` redoes it.
 setup:
 	bash scripts/setup_env.sh
 
@@ -12,3 +13,7 @@ demo: setup
 
 bench: setup
 	$(VENV)/python benchmarks/bench_step.py
+
+# On a GPU machine: the checks a first GPU session must run, as one table (refuses without a GPU).
+gpu-check: setup
+	$(VENV)/python scripts/gpu_check.py

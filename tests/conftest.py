@@ -29,3 +29,11 @@ def gpt2():
 @pytest.fixture
 def t5():
     return make_t5()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The multi-process tests launch 2 processes whose devices follow the machine's: on a machine with one GPU
+    both would share it (NCCL refuses). They check CPU process groups (gloo), so they are ``cpu_only``."""
+    for item in items:
+        if item.path.name.startswith("test_distributed"):
+            item.add_marker(pytest.mark.cpu_only)

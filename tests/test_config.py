@@ -120,3 +120,11 @@ def test_trainer_revalidates_the_config():
     model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2())
     with pytest.raises(ValueError, match="kl_penalty must be one of"):
         PPOTrainer(config, model, None, make_tokenizer())
+
+
+def test_sleep_mode_field_is_checked():
+    with pytest.raises(TypeError, match="vllm_enable_sleep_mode must be None, True or False, got 'yes'"):
+        PPOConfig(vllm_enable_sleep_mode="yes")
+    with pytest.raises(ValueError, match="vllm_enable_sleep_mode=True applies to colocated engines"):
+        PPOConfig(use_vllm=True, vllm_mode="server", vllm_enable_sleep_mode=True)
+    assert PPOConfig().vllm_enable_sleep_mode is None

@@ -27,7 +27,17 @@ policy shares), ``--host``, ``--port``, ``--dtype`` (``auto``: the dtype saved i
 config, float32 when none; unlike vLLM's own ``auto``, a float32 model is not served in bfloat16),
 ``--kv-cache-gb`` (KV cache on CPU, ``VLLM_CPU_KVCACHE_SPACE``), ``--no-enforce-eager``; everything
 after ``--`` goes to ``vllm serve`` unchanged (``--tensor-parallel-size``, ``--max-model-len``,
-``--gpu-memory-utilization``, ``--seed``, ...).
+``--gpu-memory-utilization``, ``--seed``, ...). vLLM logs its errors and the warnings that need the user
+(:mod:`trl_lite.trainer.engines.vllm_logging`); ``VLLM_LOGGING_LEVEL=INFO`` shows all of its start-up.
+
+Memory and start-up defaults. On CPU the KV cache is ``--kv-cache-gb`` GiB (default 2, or
+``VLLM_CPU_KVCACHE_SPACE`` when set). On a GPU the engine takes vLLM's own default share,
+``--gpu-memory-utilization 0.92`` of the device's memory (weights, activations and KV cache): give
+the server a GPU of its own (``CUDA_VISIBLE_DEVICES``), or pass a smaller fraction after ``--``. The
+longest prompt + response is the model's full context, and vLLM refuses to start when one sequence
+of it does not fit the KV cache: pass ``-- --max-model-len N`` (``-1``: the longest that fits).
+``--enforce-eager`` (the default) runs without CUDA graphs and torch.compile, which starts in
+seconds instead of minutes and decodes somewhat slower; ``--no-enforce-eager`` for long GPU runs.
 
 The trainer starts with the weights it trains, pushed before its first ``generate``; what
 ``--model`` loads only has to have the same architecture and shapes. One server can serve several
@@ -51,11 +61,22 @@ from dataclasses import dataclass
 
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
-from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from trl_lite.trainer.engines.vllm_client import WEIGHT_TRANSFER_BACKEND as BACKEND
-from trl_lite.trainer.engines.vllm_client import WEIGHT_TRANSFER_PROTOCOL as PROTOCOL
+from trl_lite.trainer.engines.vllm_logging import configure_vllm_logging
+
+# Before vLLM's import, which logs; at import, so that the engine processes vLLM spawns (they import
+# this module again) log as this one.
+configure_vllm_logging()
+
+from vllm.distributed.weight_transfer.base import (  # noqa: E402
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # noqa: E402
+
+from trl_lite.trainer.engines.vllm_client import WEIGHT_TRANSFER_BACKEND as BACKEND  # noqa: E402
+from trl_lite.trainer.engines.vllm_client import WEIGHT_TRANSFER_PROTOCOL as PROTOCOL  # noqa: E402
 
 
 @dataclass
@@ -172,7 +193,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser = argparse.ArgumentParser(
         prog="python -m trl_lite.vllm_server",
         description="Serve a model with vLLM for trl_lite's vllm_mode='server' (generation + weight pushes over HTTP).",
-        epilog="Arguments after -- go to `vllm serve` unchanged.",
+        epilog="Arguments after -- go to `vllm serve` unchanged. Defaults worth knowing: on a GPU the engine takes "
+        "vLLM's --gpu-memory-utilization 0.92 of the device (pass a smaller fraction after -- when it shares the "
+        "GPU); --max-model-len is the model's full context, which must fit the KV cache (pass -- --max-model-len N, "
+        "or -1 for the longest that fits); --enforce-eager is on (fast start, no CUDA graphs).",
     )
     parser.add_argument("--model", required=True, help="transformers model directory or hub id")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
@@ -183,11 +207,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     )  # fmt: skip
     parser.add_argument(
         "--kv-cache-gb", type=int, default=None,
-        help="KV-cache GiB on CPU (VLLM_CPU_KVCACHE_SPACE; default: that variable, else 2)",
+        help="KV-cache GiB on CPU (VLLM_CPU_KVCACHE_SPACE; default: that variable, else 2); on a GPU the "
+        "cache is what --gpu-memory-utilization leaves (pass it after --)",
     )  # fmt: skip
     parser.add_argument(
         "--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-        help="run without CUDA graphs / torch.compile (faster start; default on)",
+        help="run without CUDA graphs / torch.compile (start in seconds, somewhat slower decoding; default on)",
     )  # fmt: skip
     args = parser.parse_args(own)
     if args.kv_cache_gb is not None and args.kv_cache_gb < 1:

@@ -8,11 +8,16 @@ than the padded layout costs. Flash attention's varlen kernels skip those blocks
 GPUs without flash attention, :func:`packed_sdpa_attention_forward` does the same by running
 causal sdpa on each row's slice of the queries, keys and values.
 
-It is registered with transformers under :data:`PACKED_SDPA`, with sdpa's mask function, and
-:func:`attend_per_row` switches models to it for a block of passes. The row lengths reach it as
-the forward keyword :data:`ROW_LENGTHS` (host ints: no device sync per layer). Without that keyword
-(a padded pass, or a model whose layers drop unknown keywords) it is plain sdpa with the mask it
-is given: for packed rows the block-diagonal one, slower but the same result.
+It is registered with transformers under :data:`PACKED_SDPA`, and :func:`attend_per_row` switches
+models to it for a block of passes. The row lengths reach it as the forward keyword
+:data:`ROW_LENGTHS` (host ints: no device sync per layer). Without that keyword (a padded pass, or
+a model whose layers drop unknown keywords) it is plain sdpa with the mask it is given: for packed
+rows the block-diagonal one, slower but the same result.
+
+The mask function registered beside it (:func:`packed_sdpa_mask`) does not build the
+block-diagonal ``(1, 1, N, N)`` mask of a packed pass, which the per-row attention never reads
+(1 GiB of booleans at N = 32k tokens, and more while it is built): it hands the layers a
+:class:`DeferredMask` holding the recipe, built only if an attention runs without the row lengths.
 """
 
 from __future__ import annotations
@@ -29,6 +34,31 @@ PACKED_SDPA = "trl_lite_packed_sdpa"
 ROW_LENGTHS = "packed_row_lengths"
 
 
+class DeferredMask:
+    """The sdpa mask of one sequence without padding, built on first :meth:`build` (then kept for the
+    other layers of the pass): ``(1, 1, q_length, kv_length)`` booleans or None, as :func:`sdpa_mask` gives."""
+
+    def __init__(self, mask_kwargs: dict):
+        self._mask_kwargs = mask_kwargs
+        self._built = False
+        self._mask = None
+
+    def build(self) -> torch.Tensor | None:
+        if not self._built:
+            self._mask, self._built = sdpa_mask(**self._mask_kwargs), True
+        return self._mask
+
+
+def packed_sdpa_mask(batch_size: int, q_length: int, kv_length: int, attention_mask=None, **kwargs):
+    """transformers' mask function for :data:`PACKED_SDPA`: :func:`sdpa_mask`'s result, deferred
+    (:class:`DeferredMask`) for one sequence without a padding mask - the layout of a packed pass."""
+    mask_kwargs = dict(kwargs, batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                       attention_mask=attention_mask)  # fmt: skip
+    if batch_size == 1 and attention_mask is None:
+        return DeferredMask(mask_kwargs)
+    return sdpa_mask(**mask_kwargs)
+
+
 def packed_sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs):
     """sdpa over each packed row alone when ``kwargs[ROW_LENGTHS]`` is given, else plain sdpa.
 
@@ -43,6 +73,8 @@ def packed_sdpa_attention_forward(module, query, key, value, attention_mask, **k
         and getattr(module, "is_causal", True)
     )
     if not packed:
+        if isinstance(attention_mask, DeferredMask):
+            attention_mask = attention_mask.build()
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kwargs["is_causal"] = True
     pieces = zip(query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2))
@@ -51,7 +83,7 @@ def packed_sdpa_attention_forward(module, query, key, value, attention_mask, **k
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention_forward)
-AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
+AttentionMaskInterface.register(PACKED_SDPA, packed_sdpa_mask)
 
 
 def takes_row_lengths(transformers_model) -> bool:

@@ -22,6 +22,7 @@ from .engines import (
     WeightVersion,
     build_vllm_backend,
     check_vllm_can_load,
+    engine_placement,
     named_policy_weights,
     require_vllm,
 )
@@ -53,16 +54,44 @@ class RolloutGeneration:
         self.push = engine.load_weights if push is None else push
         self.version = version
         self._held_version = None
-        if engine.needs_weight_sync:
+        if engine.sleeps:
+            # It holds nothing worth keeping yet: the first generate wakes it and pushes the weights.
+            engine.sleep()
+        elif engine.needs_weight_sync:
             # The engine starts without the policy's weights; this first push is not a rollout phase.
             self._push()
 
     def sync_weights(self) -> None:
-        """Push the policy's weights to the engine if it holds older ones (a collective under ZeRO-3)."""
-        if not self.engine.needs_weight_sync or self._held_version == self.version.version:
+        """Push the policy's weights to the engine if it holds older ones (a collective under ZeRO-3).
+
+        A sleeping engine takes none: :meth:`generate` pushes them each time it wakes the engine.
+        """
+        if not self.engine.needs_weight_sync or self.engine.sleeps or self._held_version == self.version.version:
             return
         with self.timer("rollout/weight_sync"):
             self._push()
+
+    @contextmanager
+    def _engine_awake(self):
+        """Around a rollout: the lazy push; for an engine that sleeps, wake its weights, push them (its
+        sleep dropped them), wake its KV cache, and put it back to sleep after, so that the engine's
+        memory is free while ``step()`` runs. Waking the cache after the push keeps it out of the
+        push's peak (a ZeRO-3 gather)."""
+        if not self.engine.sleeps:
+            self.sync_weights()
+            yield
+            return
+        with self.timer("rollout/weight_sync"):
+            self.engine.wake_up(("weights",))
+            self._push()
+        try:
+            with self.timer("rollout/generate"):
+                self.engine.wake_up(("kv_cache",))
+            yield
+        finally:
+            self._held_version = None
+            with self.timer("rollout/generate"):
+                self.engine.sleep()
 
     @torch.no_grad()  # merged LoRA weights are computed for the push, not for a backward pass
     def _push(self) -> None:
@@ -90,8 +119,7 @@ class RolloutGeneration:
             )
         elif return_logprobs:
             raise ValueError("return_logprobs=True needs a list of queries; pass [query_tensor].")
-        self.sync_weights()
-        with self.timer("rollout/generate"):
+        with self._engine_awake(), self.timer("rollout/generate"):
             if not isinstance(query_tensor, (list, tuple)):
                 if length_sampler is not None:
                     generation_kwargs["max_new_tokens"] = length_sampler()
@@ -146,12 +174,20 @@ def build_generation(config, *, model, unwrapped, accelerator, tokenizer, pad_to
     if not model_config.architectures:
         model_config.architectures = [type(transformers_model).__name__]
     check_vllm_can_load(model_config, is_encoder_decoder)
+    placement = None
     if config.vllm_mode == "colocate":
-        # Every process runs its own engine on its own queries: different seeds, or ranks would sample alike.
-        config = copy.copy(config)
-        config.seed = config.seed + accelerator.process_index
-    policy_dtype = next(transformers_model.parameters()).dtype
-    backend = build_vllm_backend(config, model_config, getattr(transformers_model, "generation_config", None), policy_dtype)
+        # Every process's engine on the process's own device; engines differ in seed, or they would sample alike.
+        device = accelerator.device
+        on_cuda = device.type == "cuda" and device.index is not None
+        local_rank = device.index if on_cuda else accelerator.local_process_index
+        placement = engine_placement(
+            accelerator.process_index, local_rank, accelerator.num_processes, config.vllm_tensor_parallel_size
+        )
+    backend = build_vllm_backend(
+        config, model_config, getattr(transformers_model, "generation_config", None),
+        policy_dtype=next(transformers_model.parameters()).dtype, mixed_precision=accelerator.mixed_precision,
+        placement=placement,
+    )  # fmt: skip
     eos = tokenizer.eos_token_id if tokenizer is not None else getattr(model_config, "eos_token_id", None)
     engine = VLLMEngine(backend, eos, pad_token_id, getattr(transformers_model, "generation_config", None))
     push = None

@@ -189,14 +189,30 @@ class PPOConfig:
                   "None: 2 GiB."},
     )
     vllm_dtype: str = field(
-        default="auto", metadata={"help": "Engine dtype: 'auto' (the policy's), 'float32', 'bfloat16' or 'float16'."}
+        default="auto",
+        metadata={"help": "Engine dtype: 'float32', 'bfloat16', 'float16' or 'auto': the policy's parameter dtype; "
+                  "under mixed precision the first 16-bit dtype of the policy's parameters and config, else the "
+                  "autocast dtype (never float32)."},
     )
     vllm_max_model_len: int | None = field(
-        default=None, metadata={"help": "Longest prompt + response the engine accepts. None: the model's."}
+        default=None,
+        metadata={"help": "Longest prompt + response of the colocated engine. None: the model's context if one "
+                  "sequence fits the KV cache, else the longest that fits; a longer rollout raises ValueError."},
     )
-    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "Tensor-parallel size of a colocated engine."})
+    vllm_tensor_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Processes per colocated engine: consecutive ranks share one engine, one shard each; "
+                  "must divide the number of processes."},
+    )
     vllm_enforce_eager: bool = field(
         default=True, metadata={"help": "Run the engine without CUDA graphs / compilation (faster start)."}
+    )
+    vllm_enable_sleep_mode: bool | None = field(
+        default=None,
+        metadata={"help": "Colocated engine: release its weights and KV cache (vLLM sleep level 2) after each "
+                  "generate; the next generate wakes it and pushes the weights again, so step() runs without the "
+                  "engine's memory. None: on wherever vLLM has sleep mode (CUDA, ROCm, XPU), off on CPU; True where "
+                  "vLLM has none raises ValueError."},
     )
     # Logging
     log_completions_every: int | None = field(
@@ -401,6 +417,13 @@ class PPOConfig:
         if self.vllm_max_model_len is not None:
             _check_positive_int("vllm_max_model_len", self.vllm_max_model_len)
         _check_positive_int("vllm_tensor_parallel_size", self.vllm_tensor_parallel_size)
+        if self.vllm_enable_sleep_mode not in (None, True, False):
+            raise TypeError(f"vllm_enable_sleep_mode must be None, True or False, got {self.vllm_enable_sleep_mode!r}.")
+        if self.vllm_enable_sleep_mode and self.vllm_mode == "server":
+            raise ValueError(
+                "vllm_enable_sleep_mode=True applies to colocated engines (vllm_mode='colocate'); a vLLM server "
+                "manages its own memory (see python -m trl_lite.vllm_server --help)."
+            )
 
     @property
     def critic_free(self) -> bool:

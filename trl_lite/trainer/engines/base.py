@@ -46,6 +46,18 @@ class GenerationEngine(ABC):
     def generate_one(self, query: torch.Tensor, generation_kwargs: dict, return_prompt: bool) -> torch.Tensor:
         """The classic single-query output: a ``(k, S)`` tensor of token ids, rows padded with the pad id."""
 
+    @property
+    def sleeps(self) -> bool:
+        """Whether the engine releases its memory between rollouts: it then holds no weights while
+        asleep, and the caller wakes it (:meth:`wake_up`), pushes the weights and puts it back to sleep."""
+        return False
+
+    def sleep(self) -> None:
+        """Release the weights and the cache (an engine that :attr:`sleeps`); nothing by default."""
+
+    def wake_up(self, tags: tuple[str, ...]) -> None:
+        """Allocate again, empty, what ``tags`` name (``'weights'``, ``'kv_cache'``); nothing by default."""
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take new weights (the transformers model's ``state_dict`` names); engines without a copy ignore it."""
         raise NotImplementedError(f"{type(self).__name__} generates with the trained model itself: it takes no weights.")

@@ -8,7 +8,10 @@ here, or the server client of :mod:`.vllm_client`):
   prompt (``n`` completions; ``logprobs=0`` asks for the sampled tokens' log-probs); returns per prompt
   its ``n`` completions as ``(token ids, log-probs of exactly those tokens or None)``;
 - ``load_weights(named_tensors)``: replace the engine's weights (transformers ``state_dict`` names);
-- ``close()``.
+- ``close()``;
+
+and, where it has them, ``max_model_len`` (the longest prompt + response it takes: longer rollouts
+are refused before they are cut short) and ``sleep_mode`` with ``sleep()`` / ``wake_up(tags)``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,14 @@ import numpy as np
 import torch
 
 from .base import GenerationEngine
+from .vllm_logging import configure_vllm_logging
+from .vllm_options import (
+    EnginePlacement,
+    colocated_llm_options,
+    engine_dtype,
+    engine_placement,
+    resolve_sleep_mode,
+)
 
 # transformers generate() arguments that change nothing here: padding is the caller's business, and
 # vLLM always caches keys and values.
@@ -154,6 +165,7 @@ class VLLMEngine(GenerationEngine):
             for p in params:
                 p["max_tokens"] = int(length_sampler())
                 p["min_tokens"] = min(p["min_tokens"], p["max_tokens"])
+        self._check_lengths(lengths, params)
         completions = self.backend.generate([[int(t) for t in q.tolist()] for q in queries], params)
         rows, logprobs = [], [] if return_logprobs else None
         for query, answers in zip(queries, completions):
@@ -171,6 +183,32 @@ class VLLMEngine(GenerationEngine):
         rows = [row.to(device) for row in rows]
         return rows, ([lp.to(device) for lp in logprobs] if return_logprobs else None)
 
+    def _check_lengths(self, lengths: list[int], params: list[dict]) -> None:
+        """Refuse a rollout longer than the engine's ``max_model_len``, which vLLM would cut short silently."""
+        limit = getattr(self.backend, "max_model_len", None)
+        for i, (length, p) in enumerate(zip(lengths, params)):
+            new = p["max_tokens"]
+            if limit is not None and length + new > limit:
+                raise ValueError(
+                    f"query {i} has {length} tokens and asks for up to {new} new ones, {length + new} "
+                    f"in all; the colocated vLLM engine holds at most max_model_len={limit} per sequence "
+                    "(vllm_max_model_len, or with None the longest its KV cache fits). Set vllm_max_model_len to at "
+                    "least the longest prompt + max_new_tokens of the rollouts (with the memory for it: "
+                    "vllm_gpu_memory_utilization, vllm_kv_cache_gb), or shorten them."
+                )
+
+    @property
+    def sleeps(self) -> bool:
+        return bool(getattr(self.backend, "sleep_mode", False))
+
+    def sleep(self) -> None:
+        if self.sleeps:
+            self.backend.sleep()
+
+    def wake_up(self, tags):
+        if self.sleeps:
+            self.backend.wake_up(tags)
+
     def generate_one(self, query, generation_kwargs, return_prompt):
         rows, _ = self.generate([query], generation_kwargs, None, 1, return_prompt, False, False)
         return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=self.pad_token_id)
@@ -184,6 +222,7 @@ class VLLMEngine(GenerationEngine):
 
 def require_vllm():
     """Import vLLM, or say what to install."""
+    configure_vllm_logging()  # before the import, which logs too
     try:
         import vllm
     except ImportError as error:
@@ -224,35 +263,52 @@ class ColocatedVLLM:
     trainer's side. On CPU its key/value cache is ``kv_cache_gb`` GiB rounded up to a whole number
     (``VLLM_CPU_KVCACHE_SPACE``; 2 GiB when None); on GPU it takes ``gpu_memory_utilization`` of the memory.
     ``dtype``: a torch dtype name; vLLM's own ``'auto'`` would run a float32 model in bfloat16 on CPU,
-    so :func:`build_vllm_backend` resolves ``'auto'`` to the policy's dtype.
+    so :func:`build_vllm_backend` resolves ``'auto'`` (:func:`~.vllm_options.engine_dtype`).
+
+    Under several training processes ``placement`` says which device and which tensor-parallel group
+    the engine has (:mod:`.vllm_options`); the processes of a group then answer the union of their
+    prompts together, each keeping its own rows, and each pushes the full weights into its shard.
+    With ``enable_sleep_mode`` the engine can release its memory between rollouts (:meth:`sleep`,
+    :meth:`wake_up`).
 
     Args:
         model_config: the policy's transformers config (``architectures`` must name a vLLM model).
         generation_config: saved beside it (vLLM reads generation defaults from it).
-        dtype, max_model_len, tensor_parallel_size, enforce_eager, gpu_memory_utilization, kv_cache_gb:
-            the ``PPOConfig.vllm_*`` fields; ``seed``: the engine's sampling seed.
+        dtype, max_model_len, enforce_eager, gpu_memory_utilization, kv_cache_gb, enable_sleep_mode:
+            the ``PPOConfig.vllm_*`` fields; ``seed``: the run's seed (see
+            :func:`~.vllm_options.colocated_llm_options`); ``placement``: default one process alone.
     """
 
     def __init__(self, model_config, generation_config, *, dtype: str = "auto", max_model_len: int | None = None,
-                 tensor_parallel_size: int = 1, enforce_eager: bool = True, gpu_memory_utilization: float = 0.3,
-                 kv_cache_gb: float | None = None, seed: int = 0):  # fmt: skip
+                 enforce_eager: bool = True, gpu_memory_utilization: float = 0.3, kv_cache_gb: float | None = None,
+                 seed: int = 0, placement: EnginePlacement | None = None, enable_sleep_mode: bool = False):  # fmt: skip
         vllm = require_vllm()
+        placement = engine_placement(0, 0, 1, 1) if placement is None else placement
         # The trainer reaches the model runner to push weights: the engine core must live in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.update(placement.env)
         if not torch.cuda.is_available():
             # Unset, vLLM's CPU backend takes most of the machine's free memory for its cache.
             gib = _DEFAULT_CPU_KV_CACHE_GB if kv_cache_gb is None else kv_cache_gb
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(math.ceil(gib))  # vLLM reads whole GiB
+        self.placement = placement
+        self.sleep_mode = enable_sleep_mode
+        # The processes of one engine exchange their prompts over a host (gloo) group of their own;
+        # creating it is a collective of the whole world, like starting the engines.
+        self._group = None
+        if placement.tensor_parallel_size > 1:
+            self._group, _ = torch.distributed.new_subgroups_by_enumeration(
+                [list(group) for group in placement.groups], backend="gloo"
+            )
         self._dir = tempfile.mkdtemp(prefix="trl_lite_vllm_")
         model_config.save_pretrained(self._dir)
         if generation_config is not None:
             generation_config.save_pretrained(self._dir)
-        options = dict(
-            model=self._dir, skip_tokenizer_init=True, load_format="dummy", dtype=dtype, enforce_eager=enforce_eager,
-            seed=seed, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+        options = colocated_llm_options(
+            self._dir, placement, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_sleep_mode=enable_sleep_mode,
+            on_gpu=torch.cuda.is_available(),
         )  # fmt: skip
-        if torch.cuda.is_available():
-            options["gpu_memory_utilization"] = gpu_memory_utilization
         self._shares_process_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         threads = torch.get_num_threads()
         # An in-process vLLM seeds the global random generators; the trainer's seeded state must survive it.
@@ -271,6 +327,8 @@ class ColocatedVLLM:
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)
         self._sampling_params = vllm.SamplingParams
+        # The longest prompt + response it takes: vllm_max_model_len, or what vLLM fitted for -1.
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
         # Shut down before the interpreter's own clean-up, which may already have torn down what
         # vLLM's finalizer expects (it then fails with "Invalid process group specified").
         atexit.register(self.close)
@@ -288,6 +346,18 @@ class ColocatedVLLM:
             )
 
     def generate(self, prompts: list[list[int]], sampling_params: list[dict]):
+        """Completions of ``prompts``; with a tensor-parallel group, a collective of the group's
+        processes, which generate for all their prompts at once (same requests, same seed: same
+        tokens on every shard) and each return their own."""
+        if self._group is None:
+            return self._generate(prompts, sampling_params)
+        everyone = [None] * self.placement.tensor_parallel_size
+        torch.distributed.all_gather_object(everyone, (prompts, sampling_params), group=self._group)
+        outputs = self._generate([p for ps, _ in everyone for p in ps], [s for _, ss in everyone for s in ss])
+        start = sum(len(ps) for ps, _ in everyone[: self.placement.rank_in_group])
+        return outputs[start : start + len(prompts)]
+
+    def _generate(self, prompts: list[list[int]], sampling_params: list[dict]):
         requests = [{"prompt_token_ids": prompt} for prompt in prompts]
         params = [self._sampling_params(**p) for p in sampling_params]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
@@ -295,6 +365,15 @@ class ColocatedVLLM:
             [(list(c.token_ids), _sampled_logprobs(c.token_ids, c.logprobs)) for c in output.outputs]
             for output in outputs
         ]
+
+    def sleep(self) -> None:
+        """Release the weights and the KV cache (vLLM's sleep level 2; the model's buffers are kept):
+        the engine needs a weight push after :meth:`wake_up` before it generates again."""
+        self.llm.sleep(level=2)
+
+    def wake_up(self, tags: tuple[str, ...]) -> None:
+        """Allocate again what ``tags`` (``'weights'``, ``'kv_cache'``) name, empty."""
+        self.llm.wake_up(tags=list(tags))
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace the weights in place through the model runner (the model's own ``load_weights``
@@ -333,20 +412,32 @@ def _sampled_logprobs(token_ids, logprobs) -> list[float] | None:
     return [step[token].logprob for token, step in zip(token_ids, logprobs)]
 
 
-def build_vllm_backend(config, model_config, generation_config, policy_dtype: torch.dtype = torch.float32):
+def build_vllm_backend(config, model_config, generation_config, *, policy_dtype: torch.dtype = torch.float32,
+                       mixed_precision: str | None = None, placement: EnginePlacement | None = None):  # fmt: skip
     """The backend ``config.vllm_mode`` names: a colocated engine, or the client of a running server.
 
-    ``vllm_dtype='auto'`` means ``policy_dtype``: the engine samples from the model being trained.
-    A server's engine settings (dtype, KV cache, lengths, parallelism) are those it was launched with
+    Colocated: ``vllm_dtype='auto'`` resolves against ``policy_dtype`` and accelerate's
+    ``mixed_precision`` (:func:`~.vllm_options.engine_dtype`); ``placement``: this process's place
+    among the engines (default: alone, :func:`~.vllm_options.engine_placement`); sleep mode as
+    ``vllm_enable_sleep_mode`` says, where vLLM has it (:func:`~.vllm_options.resolve_sleep_mode`).
+    A server's engine settings (dtype, KV cache, lengths, parallelism, sleep) are those it was launched with
     (``python -m trl_lite.vllm_server``); the trainer only needs ``vllm_server_url`` and ``vllm_server_timeout``.
     """
     if config.vllm_mode == "server":
         from .vllm_client import VLLMServerClient
 
         return VLLMServerClient(config.vllm_server_url, config.vllm_server_timeout)
+    from vllm.platforms import current_platform
+
+    if placement is None:
+        placement = engine_placement(0, 0, 1, config.vllm_tensor_parallel_size)
+    sleep = resolve_sleep_mode(
+        config.vllm_enable_sleep_mode, current_platform.is_sleep_mode_available(),
+        current_platform.device_type,
+    )  # fmt: skip
+    dtype = engine_dtype(config.vllm_dtype, policy_dtype, mixed_precision, getattr(model_config, "dtype", None))
     return ColocatedVLLM(
-        model_config, generation_config, max_model_len=config.vllm_max_model_len,
-        tensor_parallel_size=config.vllm_tensor_parallel_size, enforce_eager=config.vllm_enforce_eager,
-        gpu_memory_utilization=config.vllm_gpu_memory_utilization, kv_cache_gb=config.vllm_kv_cache_gb,
-        seed=config.seed, dtype=str(policy_dtype).removeprefix("torch.") if config.vllm_dtype == "auto" else config.vllm_dtype,
+        model_config, generation_config, dtype=dtype, max_model_len=config.vllm_max_model_len,
+        enforce_eager=config.vllm_enforce_eager, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+        kv_cache_gb=config.vllm_kv_cache_gb, seed=config.seed, placement=placement, enable_sleep_mode=sleep,
     )  # fmt: skip

@@ -1,0 +1,101 @@
+"""vLLM's own log output while trl_lite runs an engine: errors, and the warnings that change results.
+
+vLLM logs through the ``vllm`` logger at ``VLLM_LOGGING_LEVEL`` (INFO unless set): some forty lines per
+engine start, and a traceback from a chat-template warm-up that an engine without a tokenizer cannot
+do. :func:`configure_vllm_logging`, called before trl_lite first imports vLLM for an engine (the colocated
+engine, the server launcher and the engine processes it spawns), sets that level to WARNING and drops the
+warnings of :data:`NOT_ACTIONABLE`: vLLM 0.32's notes on its own set-up, which change nothing that
+trl_lite's use of the engine computes. A ``VLLM_LOGGING_LEVEL`` set by the user is left alone, and then
+vLLM prints everything at that level (``VLLM_LOGGING_LEVEL=INFO`` shows the engine's set-up again).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import NamedTuple
+
+# The level trl_lite chose, kept beside VLLM_LOGGING_LEVEL so that the processes vLLM spawns (which
+# inherit both) tell it from a level the user set.
+_CHOSEN_LEVEL = "TRL_LITE_VLLM_LOGGING_LEVEL"
+DEFAULT_LEVEL = "WARNING"
+
+
+class Unactionable(NamedTuple):
+    """A vLLM warning that needs nothing from the user: the ``logger`` it comes from, how its message
+    (the format string) starts, and for a warning with a traceback, text its exception must contain."""
+
+    logger: str
+    message: str
+    reason: str
+    exception: str | None = None
+
+
+NOT_ACTIONABLE = (
+    Unactionable("vllm.engine.arg_utils", "The global random seed is set to",
+                 "the colocated engine puts the trainer's random state back after it starts"),
+    Unactionable("vllm.config.vllm", "Enforce eager set", "eager mode is vllm_enforce_eager's default"),
+    Unactionable("vllm.config.vllm", "Inductor compilation was disabled by user settings", "follows from eager mode"),
+    Unactionable("vllm.config.vllm", "Model Runner V2 requires Triton", "vLLM runs its V1 model runner instead"),
+    Unactionable("vllm.triton_utils.importing", "Triton is installed, but doesn't include CPU backend",
+                 "vLLM's CPU kernels do not need Triton"),
+    Unactionable("vllm.platforms.cpu", "Triton is not installed. triton-cpu is expected",
+                 "vLLM's CPU kernels do not need Triton"),
+    Unactionable("vllm.platforms.cpu", "Reset SSM cache type to float32", "concerns state-space models only"),
+    Unactionable("vllm.v1.worker.cpu_worker", "%s is not found in LD_PRELOAD",
+                 "speed advice for serving (vLLM's CPU install guide); VLLM_LOGGING_LEVEL=WARNING shows it"),
+    Unactionable("vllm.v1.worker.cpu_worker", "CPU backend doesn't allow to use",
+                 "vLLM's CPU worker keeps its thread binding; the thread count stays what it was"),
+    Unactionable("vllm.renderers.base", "Using None for EOS token id because tokenizer is not initialized",
+                 "trl_lite sends its stop tokens with every request"),
+    Unactionable("vllm.renderers.base", "Using None for BOS token id because tokenizer is not initialized",
+                 "trl_lite sends token ids, BOS included"),
+    Unactionable("vllm.entrypoints.anthropic.serving", "The chat template requires system-first ordering",
+                 "concerns the server's /v1/messages chat endpoint, which trl_lite does not use"),
+    # vLLM 0.32 warms the chat template up at every start and has no switch to skip it; without a
+    # tokenizer (trl_lite's engines send token ids) there is nothing to warm up.
+    Unactionable("vllm.renderers.base", "Chat template warmup failed", "no tokenizer, no chat template",
+                 exception="skip_tokenizer_init"),
+)
+
+
+class _DropUnactionable(logging.Filter):
+    """Drops the records of one logger that match an entry of :data:`NOT_ACTIONABLE`."""
+
+    def __init__(self, entries: list[Unactionable]):
+        super().__init__()
+        self.entries = entries
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        error = str(record.exc_info[1]) if record.exc_info and record.exc_info[1] is not None else ""
+        return not any(
+            message.startswith(entry.message) and (entry.exception is None or entry.exception in error)
+            for entry in self.entries
+        )
+
+
+def configure_vllm_logging() -> None:
+    """Keep vLLM's logging to what a user must act on, unless the user set ``VLLM_LOGGING_LEVEL``.
+
+    Call it before vLLM is imported (its import logs too); calling it again changes nothing.
+    """
+    level = os.environ.get("VLLM_LOGGING_LEVEL")
+    if level is not None and level != os.environ.get(_CHOSEN_LEVEL):
+        return
+    # Read by vLLM at import and at every engine start, here and in the processes it spawns.
+    os.environ["VLLM_LOGGING_LEVEL"] = os.environ[_CHOSEN_LEVEL] = DEFAULT_LEVEL
+    logging.getLogger("vllm").setLevel(DEFAULT_LEVEL)  # in case vLLM was imported (and configured) already
+    by_logger: dict[str, list[Unactionable]] = {}
+    for entry in NOT_ACTIONABLE:
+        by_logger.setdefault(entry.logger, []).append(entry)
+    for name, entries in by_logger.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropUnactionable) for f in logger.filters):
+            logger.addFilter(_DropUnactionable(entries))
+    # vLLM's kernel registry reads every attribute of torch.distributed, a deprecated one included.
+    warnings.filterwarnings(
+        "ignore", message=r"`torch\.distributed\.reduce_op` is deprecated", category=FutureWarning,
+        module=r"vllm\.triton_utils",
+    )  # fmt: skip
