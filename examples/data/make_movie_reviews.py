@@ -7,6 +7,7 @@ sequel last night and ...") and reveal their sentiment later, so that a short pr
 start of a review leaves the sentiment to the continuation, as with the classic IMDB prompts.
 """
 
+import argparse
 import json
 import random
 from pathlib import Path
@@ -125,6 +126,7 @@ def make_reviews(per_label: int = 320, seed: int = 0) -> list[dict]:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     path = Path(__file__).with_name("movie_reviews.jsonl")
     with path.open("w") as f:
         for review in make_reviews():

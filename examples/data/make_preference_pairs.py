@@ -9,6 +9,7 @@ and it was great .", "rejected": "last night and it was dull ."}` (the prompt en
 joins it to either answer). Reproducible: `python examples/data/make_preference_pairs.py`.
 """
 
+import argparse
 import json
 import random
 import sys
@@ -64,6 +65,7 @@ def make_pairs(count: int = 800, seed: int = 0) -> list[dict]:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     path = Path(__file__).with_name("preference_pairs.jsonl")
     with path.open("w") as f:
         for pair in make_pairs():

@@ -6,8 +6,8 @@ written by hand below, is the share of "yes" among the words it generates.
     python examples/scripts/custom_rollout_loop.py --use_vllm   # generation on a colocated vLLM engine
 """
 
+import argparse
 import random
-import sys
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -65,4 +65,6 @@ def main(steps: int = 30, batch_size: int = 16, use_vllm: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(use_vllm="--use_vllm" in sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--use_vllm", action="store_true", help="generate on a colocated vLLM engine")
+    main(use_vllm=parser.parse_args().use_vllm)

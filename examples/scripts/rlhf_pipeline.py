@@ -238,10 +238,11 @@ def mean_reward(model_dir: Path, reward_dir: Path, prompts: list[str], args: Pip
     set_seed(args.seed)
     texts = []
     for prompt in prompts:
-        query = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        query = tokenizer(prompt, return_tensors="pt")
         out = model.generate(
-            query.repeat(args.samples_per_prompt, 1), max_new_tokens=args.max_new_tokens, do_sample=True, top_k=0,
-            top_p=1.0, pad_token_id=tokenizer.eos_token_id,
+            query["input_ids"].repeat(args.samples_per_prompt, 1),
+            attention_mask=query["attention_mask"].repeat(args.samples_per_prompt, 1),
+            max_new_tokens=args.max_new_tokens, do_sample=True, top_k=0, top_p=1.0, pad_token_id=tokenizer.eos_token_id,
         )  # fmt: skip
         texts += tokenizer.batch_decode(out, skip_special_tokens=True)
     return float(np.mean([float(r) for r in rewards_of(texts)]))

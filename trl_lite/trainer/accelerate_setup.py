@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import logging
 import os
 
 import torch
@@ -16,6 +17,19 @@ from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
 
 from .ppo_config import PPOConfig
+
+
+class _NoGPUNotice(logging.Filter):
+    """Drops DeepSpeed's "Setting accelerator to CPU ... we were unable to detect it": accelerate and
+    transformers import DeepSpeed, when installed, in runs that never use it, and on a machine without a
+    GPU it logs that notice at import."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Setting accelerator to CPU.")
+
+
+# At import: the first DeepSpeed import may come before any trainer (transformers' Trainer, a pipeline).
+logging.getLogger("DeepSpeed").addFilter(_NoGPUNotice())
 
 
 def build_accelerator(config, sync_with_dataloader: bool = False, **defaults) -> Accelerator:

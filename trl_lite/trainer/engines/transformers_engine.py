@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager
 
@@ -9,6 +10,27 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from .base import GenerationEngine, trim_rows
+
+_NO_MASK_WARNING = "We strongly recommend passing in an `attention_mask`"
+
+
+class _MaskIsPassed(logging.Filter):
+    """Drops transformers' missing-mask warning while the engine generates: ``generate()`` drops an
+    all-ones ``attention_mask`` itself (nothing is padded), and the model's forward then warns about the
+    pad tokens that ``generate()`` appends to rows that have ended. Every call here passes the mask."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_NO_MASK_WARNING)
+
+
+@contextmanager
+def _mask_is_passed():
+    logger, drop = logging.getLogger("transformers.modeling_utils"), _MaskIsPassed()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 @contextmanager
@@ -97,7 +119,7 @@ class TransformersEngine(GenerationEngine):
         logprobs = [None] * len(outputs) if return_logprobs else None
         order = sorted(range(len(queries)), key=lambda i: len(queries[i]))
         starts = range(0, len(queries), batch_size)
-        with self._generation_model() as gen_model:
+        with self._generation_model() as gen_model, _mask_is_passed():
             for _ in range(self._missing_generate_calls(len(starts))):
                 # Under ZeRO-3 every forward pass is a collective, so a process with fewer chunks
                 # than another joins the extra calls with a one-row stand-in whose output is dropped.

@@ -320,7 +320,10 @@ class ColocatedVLLM:
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
         finally:
-            torch.set_num_threads(threads)  # vLLM lowers torch's threads for serving; training wants them back
+            if torch.get_num_threads() != threads:
+                # vLLM may lower torch's threads for serving; training wants them back. (On CPU its worker
+                # replaces torch.set_num_threads with a logging no-op, and the count is found unchanged.)
+                torch.set_num_threads(threads)
             random.setstate(rng[0])
             np.random.set_state(rng[1])
             torch.set_rng_state(rng[2])
