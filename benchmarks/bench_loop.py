@@ -23,9 +23,16 @@ colocated vLLM engine, the policy's weights pushed into it before each iteration
 (`time/rollout/weight_sync`), and the ratios are to the transformers path. The `grpo` loop (GRPO,
 8 samples per query) runs only there: the plain loop has no critic-free step.
 
+With `--async` the loop is `AsyncRollouts` (trl_lite.rollouts) on a vLLM server pinned to core 1, the
+trainer pinned to core 0, for each `--staleness` (`max_staleness`, 0 being the synchronous loop), in one
+run: see `async_loop.py`. Its default workload, `async`, makes the server's generation and the step take
+about as long.
+
 Usage:
     python benchmarks/bench_loop.py [--workload tiny|small|grpo] [--backend transformers|vllm]
         [--iterations 3] [--warmup 1] [--threads N] [--greedy] [--output benchmarks/RESULTS.md]
+    python benchmarks/bench_loop.py --async [--workload async] [--staleness 0 1 2] [--rounds 3]
+        [--iterations N] [--warmup N]           # measured with --iterations 8 --warmup 2
 
 With `--greedy` both loops decode greedily to a fixed length (the sampler's mean): they then
 generate the same tokens and step on the same batch, so the ratios show overhead alone.
@@ -73,6 +80,13 @@ LOOPS = {
     "grpo": LoopWorkload(
         "loop-grpo", dataclasses.replace(bench_step.W1, name="loop-grpo", batch_size=64, mini_batch_size=16),
         samples_per_query=8,
+    ),  # fmt: skip
+    # For --async: the w1 model, batch 12, one optimizer step per PPO step, 48-token responses: on one core
+    # each, the server's generation with its weight push and the trainer's step take about as long.
+    "async": LoopWorkload(
+        "loop-async",
+        dataclasses.replace(bench_step.W1, name="loop-async", batch_size=12, mini_batch_size=12, ppo_epochs=1),
+        new_tokens=(48, 49),
     ),  # fmt: skip
 }
 
@@ -136,10 +150,11 @@ def length_sampler(loop: LoopWorkload, greedy: bool):
 
 
 class TrlLoop:
-    """The loop on trl_lite, as a user writes it; ``backend='vllm'``: generation on a colocated vLLM engine."""
+    """The loop on trl_lite, as a user writes it; ``backend='vllm'``: generation on a colocated vLLM engine
+    (or a server: ``config_options`` are further PPOConfig fields)."""
 
     def __init__(self, loop: LoopWorkload, device: str, dtype: torch.dtype, greedy: bool = False,
-                 backend: str = "transformers"):  # fmt: skip
+                 backend: str = "transformers", **config_options):  # fmt: skip
         from transformers import PreTrainedTokenizerFast
         from tokenizers import Tokenizer, models
 
@@ -157,6 +172,7 @@ class TrlLoop:
         config = PPOConfig(
             batch_size=w.batch_size, mini_batch_size=w.mini_batch_size, ppo_epochs=w.ppo_epochs,
             learning_rate=bench_step.LEARNING_RATE, seed=w.seed, use_vllm=backend == "vllm", **critic_free,
+            **config_options,
         )  # fmt: skip
         self.trainer = PPOTrainer(config, model, tokenizer=tokenizer)
         self.sampler = length_sampler(loop, greedy)
@@ -287,9 +303,17 @@ def main(argv=None) -> None:
         help="greedy decoding of a fixed length (the sampler's mean): both loops do exactly the same work",
     )  # fmt: skip
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "benchmarks" / "RESULTS.md")
+    parser.add_argument(
+        "--async", dest="async_rollouts", action="store_true",
+        help="AsyncRollouts on a vLLM server pinned to core 1, the trainer on core 0, for each --staleness",
+    )  # fmt: skip
+    parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2], help="--async: the max_staleness values")
+    parser.add_argument("--rounds", type=int, default=3, help="--async: runs of each max_staleness, in rotated order")
     args = parser.parse_args(argv)
     if args.iterations < 1 or args.warmup < 0:
         parser.error(f"--iterations must be >= 1 and --warmup >= 0, got {args.iterations} and {args.warmup}")
+    if args.async_rollouts:
+        return main_async(args, parser)
     loop = LOOPS[args.workload]
     if loop.samples_per_query > 1 and (args.backend != "vllm" or args.greedy):
         parser.error(f"--workload {args.workload} (GRPO, sampled) runs with --backend vllm and without --greedy")
@@ -321,6 +345,39 @@ def main(argv=None) -> None:
     heading = f"{args.device} {args.dtype}: loop {args.workload}" + (", greedy" if args.greedy else "")
     heading += ", vLLM against transformers" if args.backend == "vllm" else ""
     heading += f", torch threads {args.threads}" if args.threads else ""
+    bench_step.write_results(args.output, heading, f"Machine: {machine}\n\n{setting}\n\n{table}")
+    print(f"written to {args.output}")
+
+
+def main_async(args, parser) -> None:
+    """``--async``: loop throughput per ``max_staleness`` on a pinned vLLM server (see ``async_loop.py``)."""
+    import async_loop
+
+    if sorted(set(args.staleness)) != args.staleness or args.staleness[0] != 0 or args.rounds < 1:
+        parser.error(f"--staleness must be increasing from 0 and --rounds >= 1, got {args.staleness} and {args.rounds}")
+    if args.device != "cpu" or args.greedy or args.threads is not None:
+        parser.error("--async runs on the CPU, sampled, one torch thread per core (no --device cuda, --greedy, --threads)")
+    workload = "async" if args.workload == "tiny" else args.workload  # the default workload of --async
+    loop = LOOPS[workload]
+    dtype = bench_step.DTYPES[args.dtype or "fp32"]
+    async_loop.pin_trainer(core=0)
+    machine = bench_step.machine_description(args.device)
+    print(f"machine: {machine}", flush=True)
+    results = async_loop.run(loop, args.staleness, args.iterations, args.warmup, args.rounds, dtype)
+    table = async_loop.format_table(loop.name, results)
+    print(table)
+    w = loop.model
+    setting = (
+        f"{args.rounds} rounds of {args.iterations} timed iterations after {args.warmup} warm-up per max_staleness; "
+        "load average at end " + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f"; {time.strftime('%Y-%m-%d')}\n\n"
+        f"- `{loop.name}`: GPT-2 {w.n_layer} x {w.n_embd}, vocabulary {w.vocab_size}, batch {w.batch_size} (queries "
+        f"{w.query_len[0]}-{w.query_len[1]} tokens, {sum(loop.new_tokens) // 2} sampled new tokens each), mini-batch "
+        f"{w.mini_batch_size}, {w.ppo_epochs} PPO epoch(s); generation on a vLLM server (`taskset -c 1`), the trainer "
+        "(with AsyncRollouts' producer thread) on core 0, one torch thread each; the weights pushed over HTTP before "
+        "each batch on a new version; iterations/s over the timed iterations, medians over rounds; phase seconds are "
+        "medians per step of the trainer's statistics (generate and weight push are the producer's)"
+    )  # fmt: skip
+    heading = f"cpu {args.dtype or 'fp32'}: loop {workload}, AsyncRollouts on a pinned vLLM server"
     bench_step.write_results(args.output, heading, f"Machine: {machine}\n\n{setting}\n\n{table}")
     print(f"written to {args.output}")
 

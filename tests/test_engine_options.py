@@ -38,6 +38,7 @@ def test_one_process_on_cpu_starts_the_engine_as_before():
     assert _options(placement) == {
         "model": "/engine", "skip_tokenizer_init": True, "load_format": "dummy", "dtype": "float32",
         "enforce_eager": True, "seed": 7, "max_model_len": 64, "tensor_parallel_size": 1,
+        "enable_prefix_caching": True,  # vLLM 0.32's default, made explicit for multi-turn episodes
     }  # fmt: skip
     # Unset, the length is vLLM's -1: the model's context if one sequence of it fits, else the longest that does.
     assert _options(placement, max_model_len=None)["max_model_len"] == -1
@@ -203,6 +204,17 @@ def test_the_engine_goes_back_to_sleep_when_a_rollout_fails():
     with pytest.raises(RuntimeError, match="engine failure"):
         generation.generate([torch.tensor([5])], max_new_tokens=2)
     assert calls == ["sleep", "wake:weights", "push:w", "wake:kv_cache", "generate", "sleep"]
+
+
+def test_awake_holds_a_sleeping_engine_awake_across_the_rollouts_inside_it():
+    generation, calls, _ = _generation(sleeps=True)
+    query = [torch.tensor([5, 6])]
+    with generation.awake():  # e.g. the turns of trl_lite.agents.run_episodes
+        generation.generate(query, max_new_tokens=2)
+        generation.generate(query, max_new_tokens=2)
+    assert calls == ["sleep", "wake:weights", "push:w", "wake:kv_cache", "generate", "generate", "sleep"]
+    generation.generate(query, max_new_tokens=2)  # outside: woken and put back to sleep again
+    assert calls[7:] == ["wake:weights", "push:w", "wake:kv_cache", "generate", "sleep"]
 
 
 def test_an_engine_that_does_not_sleep_is_pushed_once_per_policy_change():

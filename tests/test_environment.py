@@ -10,7 +10,7 @@ import torch
 from tiny_models import make_gpt2, make_tokenizer
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from trl_lite import AutoModelForCausalLMWithValueHead, TextEnvironment, TextHistory
+from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer, TextEnvironment, TextHistory
 from trl_lite.environment import StringStoppingCriteria
 
 TAGS = ["<request>", "<call>", "<response>", "<submit>", "<Echo>", "<Count>", "<Boom>", "<Nope>"]
@@ -262,3 +262,38 @@ def test_bad_arguments(model, tokenizer):
     env = make_env(model, tokenizer, {"the movie": "good<submit>"}, reward_fn=lambda texts: [1.0])
     with pytest.raises(ValueError, match="one reward per episode: got 1 for 2"):
         env.run(["movie", "movie"])
+
+
+# ----------------------------------------------------------------------------------------------
+# On the trainer's generation engine
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["trainer", "engine"])
+def test_on_the_trainers_engine_the_classic_results(model, tokenizer, target):
+    """TextEnvironment(trainer) (or a bare engine) generates on the engine and cuts each turn after its stop
+    string: the same queries, responses, masks, rewards and histories as on the model itself."""
+    transcripts = {
+        "the movie": "<request><Echo>good film<call>good film<response>it was good<submit>",
+        "the plot": "so <request><Count>a b c<call>very very very<response>bad<submit>",
+        "the end": "great<submit>",
+        "the story": "<request><Echo>" + "good " * 10,  # cut by max_new_tokens: the turn never ends
+    }
+    tasks = ["movie", "plot", "end", "story"]
+    classic = make_env(model, tokenizer, transcripts, max_turns=3).run(tasks)
+    trainer = PPOTrainer(PPOConfig(batch_size=4, mini_batch_size=4), model, tokenizer=tokenizer)
+    env = make_env(trainer if target == "trainer" else trainer.generation.engine, tokenizer, transcripts, max_turns=3)
+    assert env.is_encoder_decoder is False and env.current_device == trainer.accelerator.device
+    engine, calls = trainer.generation.engine, []
+    original = engine.generate
+    engine.generate = lambda *args: calls.append(len(args[0])) or original(*args)
+    model.train()
+    on_engine = env.run(tasks)
+    assert model.training
+    for expected, got in zip(classic[:3], on_engine[:3]):
+        assert [t.tolist() for t in got] == [t.tolist() for t in expected]
+    assert on_engine[3] == classic[3]
+    assert [h.text for h in on_engine[4]] == [h.text for h in classic[4]]
+    assert [(h.completed, h.truncated) for h in on_engine[4]] == [(h.completed, h.truncated) for h in classic[4]]
+    assert on_engine[1][0].tolist() == tokenizer(transcripts["the movie"]).input_ids  # the scripts did run
+    assert calls == [4, 2]  # a turn for all four tasks, then for the two that called a tool

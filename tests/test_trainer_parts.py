@@ -163,3 +163,25 @@ def test_ema_is_saved_and_restored_by_its_one_owner(tmp_path):
     got = fresh._ema.state_dict()
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], v) for k, v in want.items())
     assert np.isfinite(fresh.step(*random_batch(4, seed=1))["ppo/loss/total"])
+
+
+def test_a_loaded_dataloader_position_is_saved_again_before_it_is_iterated():
+    from trl_lite.trainer.resumable_loader import ResumableLoader
+
+    def loader():
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.DataLoader(list(range(12)), batch_size=3, shuffle=True, generator=g)
+        return ResumableLoader(data, g)
+
+    first = loader()
+    batches = iter(first)
+    seen = [next(batches), next(batches)]
+    state = first.state_dict()
+    assert state["served"] == 2
+    resumed = loader()
+    resumed.load_state_dict(state)
+    # Saved again before the next batch is drawn (a checkpoint right after a resume): the same position.
+    assert resumed.state_dict() == state
+    rest = list(resumed)
+    straight = list(loader())
+    assert all(torch.equal(a, b) for a, b in zip(seen + rest, straight)) and len(rest) == 2

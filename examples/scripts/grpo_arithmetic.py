@@ -14,6 +14,7 @@
 
     python examples/scripts/grpo_arithmetic.py                       # a few minutes on two CPU cores
     python examples/scripts/grpo_arithmetic.py --use_vllm            # generation with vLLM when installed
+    python examples/scripts/grpo_arithmetic.py --async_rollouts      # the next batches generated during step()
     python examples/scripts/grpo_arithmetic.py --sft_steps 20 --steps 2 --num_heldout 64   # a smoke test
 
 Every PPOConfig field is a flag too (--learning_rate, --cliprange_high, --loss_type, ...). Written to
@@ -22,12 +23,15 @@ grpo_arithmetic.png (reward, held-out accuracy, response length and KL against s
 tuned policy and its tokenizer) and sft_model/.
 """
 
+import itertools
 import json
-import os
 import random
 import re
 import tempfile
 import time
+import warnings
+from collections import deque
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +58,7 @@ from transformers.utils import logging as transformers_logging  # noqa: E402
 
 from trl_lite import PPOConfig, PPOTrainer, set_seed  # noqa: E402
 from trl_lite.extras import DynamicSampler  # noqa: E402
+from trl_lite.rollouts import AsyncRollouts  # noqa: E402
 
 PAD, EOS = "<pad>", "<eos>"
 VOCAB = [PAD, EOS, *"0123456789", "+", "="]
@@ -77,6 +82,15 @@ class ScriptArguments:
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of the GRPO rollouts."})
     max_tries: int = field(default=8, metadata={"help": "Dynamic sampling: generate-and-score calls per step at most."})
     eval_every: int = field(default=25, metadata={"help": "Held-out greedy accuracy every this many GRPO steps."})
+    async_rollouts: bool = field(
+        default=False,
+        metadata={
+            "help": "Fill the next batches on a producer thread while step() trains (trl_lite.rollouts.AsyncRollouts)."
+        },
+    )
+    max_staleness: int = field(
+        default=1, metadata={"help": "With --async_rollouts: steps a batch's policy may lag behind (0: synchronous)."}
+    )
 
     def __post_init__(self):
         for name in ("num_sft", "num_grpo", "num_heldout", "sft_steps", "sft_batch_size", "max_tries", "eval_every"):
@@ -84,6 +98,8 @@ class ScriptArguments:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)}.")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be a float > 0, got {self.temperature}.")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be an int >= 0, got {self.max_staleness}.")
         if self.num_sft + self.num_grpo + self.num_heldout > len(unordered_pairs()):
             raise ValueError(
                 f"num_sft + num_grpo + num_heldout must not exceed the {len(unordered_pairs())} unordered operand "
@@ -150,7 +166,10 @@ def build_model(args: ScriptArguments, tokenizer: PreTrainedTokenizerFast) -> GP
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
-    return GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(config)
+    # transformers 5 finds the loss by the class name, which names none for GPT-2 (it warns, then uses this one).
+    model.loss_type = "ForCausalLM"
+    return model
 
 
 def sft_rows(problems: list[tuple[int, int]], tokenizer: PreTrainedTokenizerFast) -> Dataset:
@@ -211,9 +230,10 @@ def heldout_accuracy(trainer: PPOTrainer, problems: list[tuple[int, int]], max_n
 
 
 def rollout_function(trainer: PPOTrainer, problems, args: ScriptArguments, seed: int, tally: dict):
-    """The `generate_and_score(num_groups)` of DynamicSampler: draws GRPO prompts (shuffled passes over
-    `problems`), samples k responses to each and scores them. Every generated row is counted in `tally`
-    ("rows", "correct", "eos"), the groups dynamic sampling drops included.
+    """The `generate_and_score(num_groups, generate=None)` of DynamicSampler: draws GRPO prompts (shuffled
+    passes over `problems`), samples k responses to each with `generate` (default `trainer.generate`;
+    AsyncRollouts' handle on its producer thread) and scores them. Every generated row is counted in
+    `tally` ("rows", "correct", "eos"), the groups dynamic sampling drops included.
 
     As in DAPO, a call answers at least a whole batch of prompts even when fewer groups are missing:
     once most groups are all right (or all wrong), asking for just the missing ones would take many
@@ -227,7 +247,11 @@ def rollout_function(trainer: PPOTrainer, problems, args: ScriptArguments, seed:
         "max_new_tokens": config.max_response_length, "num_return_sequences": k,
     }  # fmt: skip
 
-    def generate_and_score(num_groups: int) -> dict:
+    # On vLLM (and with --async_rollouts) the engine's log-probs of its samples go to step() too
+    # (rollout/logprob_diff/*; the importance weights of batches from older policies).
+    engine_logprobs = config.use_vllm or args.async_rollouts
+
+    def generate_and_score(num_groups: int, generate=None) -> dict:
         nonlocal order
         num_groups = max(num_groups, config.batch_size // k)
         while len(order) < num_groups:
@@ -236,11 +260,10 @@ def rollout_function(trainer: PPOTrainer, problems, args: ScriptArguments, seed:
             order += fresh
         chosen, order = [problems[i] for i in order[:num_groups]], order[num_groups:]
         queries = encode_prompts(tokenizer, chosen)
-        # On vLLM the engine's log-probs of its samples go to step() too (rollout/logprob_diff/*).
-        generated = trainer.generate(
-            queries, return_prompt=False, batch_size=len(queries), return_logprobs=config.use_vllm, **gen_kwargs
+        generated = (generate or trainer.generate)(
+            queries, return_prompt=False, batch_size=len(queries), return_logprobs=engine_logprobs, **gen_kwargs
         )
-        responses, engine_logprobs = generated if config.use_vllm else (generated, None)
+        responses, logprobs = generated if engine_logprobs else (generated, None)
         prompts = [prompt_of(p) for p in chosen for _ in range(k)]  # rows of a prompt are adjacent
         completions = tokenizer.batch_decode(responses)
         rewards = [exact_match_reward(p, c) for p, c in zip(prompts, completions)]
@@ -252,8 +275,8 @@ def rollout_function(trainer: PPOTrainer, problems, args: ScriptArguments, seed:
             "responses": responses,
             "scores": [torch.tensor(r) for r in rewards],
         }
-        if engine_logprobs is not None:
-            batch["generation_logprobs"] = engine_logprobs
+        if logprobs is not None:
+            batch["generation_logprobs"] = logprobs
         return batch
 
     return generate_and_score
@@ -295,6 +318,28 @@ def plot_curves(records: list[dict], evaluations: list[dict], path: Path) -> Non
     plt.close(fig)
 
 
+@contextmanager
+def filled_batches(trainer: PPOTrainer, fill, args: ScriptArguments):
+    """``(batches, paused)``: endless ``(SampledBatch, its tally, policy version)`` triples from ``fill(generate)``,
+    and the context to hold generation in while the loop uses ``trainer.generate`` (the evaluation).
+
+    Synchronous by default (version None); with --async_rollouts ``fill`` runs on AsyncRollouts'
+    producer thread, up to --max_staleness steps ahead of the loop."""
+    if not args.async_rollouts:
+        yield (fill(None) + (None,) for _ in itertools.count()), nullcontext
+        return
+    filled = deque()  # the producer appends, the loop takes, in order
+
+    def rollout_fn(_, generate):
+        batch, tally = fill(generate)
+        filled.append((batch, tally))
+        arguments = {"queries": batch.queries, "responses": batch.responses, "scores": batch.scores}
+        return {**arguments, "generation_logprobs": batch.extras["generation_logprobs"]}
+
+    with AsyncRollouts(trainer, range(trainer.config.steps), rollout_fn, max_staleness=args.max_staleness) as rollouts:
+        yield ((*filled.popleft(), arguments["policy_version"]) for arguments in rollouts), rollouts.paused
+
+
 def train(trainer: PPOTrainer, problems, args: ScriptArguments, evaluations: list[dict]) -> list[dict]:
     """`config.steps` GRPO steps, each on a batch that dynamic sampling filled; one record per step."""
     config = trainer.config
@@ -302,28 +347,36 @@ def train(trainer: PPOTrainer, problems, args: ScriptArguments, evaluations: lis
     generate_and_score = rollout_function(trainer, problems["grpo"], args, config.seed, tally)
     k = config.num_samples_per_query
     sampler = DynamicSampler(batch_size=config.batch_size, group_size=k, max_tries=args.max_tries)
+
+    def fill(generate) -> tuple:
+        """A batch filled by dynamic sampling, with the tally of every row generated for it."""
+        tally.update(rows=0, correct=0.0, eos=0)
+        batch = sampler(lambda num_groups: generate_and_score(num_groups, generate))
+        return batch, dict(tally)
+
     records = []
     progress = tqdm(range(1, config.steps + 1), desc="GRPO")
-    for step in progress:
-        tally.update(rows=0, correct=0.0, eos=0)
-        batch = sampler(generate_and_score)
-        stats = trainer.step(
-            batch.queries, batch.responses, batch.scores, generation_logprobs=batch.extras.get("generation_logprobs")
-        )
-        record = {"step": step, "dynamic_sampling/tries": batch.tries}
-        record["dynamic_sampling/dropped_groups"] = batch.dropped_groups
-        record["dynamic_sampling/filled_with_zero_std"] = batch.filled_with_zero_std
-        record["rollout/accuracy"] = tally["correct"] / tally["rows"]
-        record["rollout/eos_fraction"] = tally["eos"] / tally["rows"]
-        record["env/reward_mean"] = float(torch.stack(batch.scores).float().mean())
-        record.update({key: float(value) for key, value in stats.items() if np.ndim(value) == 0})
-        records.append(record)
-        if step % args.eval_every == 0 or step == config.steps:
-            accuracy = heldout_accuracy(trainer, problems["heldout"], config.max_response_length)
-            evaluations.append({"step": step, "heldout_accuracy": accuracy})
-        progress.set_postfix(
-            sampled=f"{record['rollout/accuracy']:.2f}", heldout=f"{evaluations[-1]['heldout_accuracy']:.2f}"
-        )
+    with filled_batches(trainer, fill, args) as (batches, paused):
+        for step, (batch, batch_tally, policy_version) in zip(progress, batches):
+            stats = trainer.step(
+                batch.queries, batch.responses, batch.scores,
+                generation_logprobs=batch.extras.get("generation_logprobs"), policy_version=policy_version,
+            )  # fmt: skip
+            record = {"step": step, "dynamic_sampling/tries": batch.tries}
+            record["dynamic_sampling/dropped_groups"] = batch.dropped_groups
+            record["dynamic_sampling/filled_with_zero_std"] = batch.filled_with_zero_std
+            record["rollout/accuracy"] = batch_tally["correct"] / batch_tally["rows"]
+            record["rollout/eos_fraction"] = batch_tally["eos"] / batch_tally["rows"]
+            record["env/reward_mean"] = float(torch.stack(batch.scores).float().mean())
+            record.update({key: float(value) for key, value in stats.items() if np.ndim(value) == 0})
+            records.append(record)
+            if step % args.eval_every == 0 or step == config.steps:
+                with paused():
+                    accuracy = heldout_accuracy(trainer, problems["heldout"], config.max_response_length)
+                evaluations.append({"step": step, "heldout_accuracy": accuracy})
+            progress.set_postfix(
+                sampled=f"{record['rollout/accuracy']:.2f}", heldout=f"{evaluations[-1]['heldout_accuracy']:.2f}"
+            )
     return records
 
 
@@ -337,9 +390,6 @@ def run(args: ScriptArguments, config: PPOConfig) -> dict:
     if not torch.cuda.is_available():
         # Matrices of a 128-wide model are too small for a second thread to pay off.
         torch.set_num_threads(1)
-    if config.use_vllm:
-        # vLLM logs two INFO lines per weight sync, i.e. per GRPO step; it reads this when first imported.
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     set_seed(config.seed)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -353,7 +403,10 @@ def run(args: ScriptArguments, config: PPOConfig) -> dict:
     model.save_pretrained(output_dir / "sft_model")
     tokenizer.save_pretrained(output_dir / "sft_model")
 
-    trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
+    with warnings.catch_warnings():
+        # Its reminder that step() takes batches of batch_size rows: DynamicSampler's batches are.
+        warnings.filterwarnings("ignore", message="PPOTrainer got no dataset", category=UserWarning)
+        trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
     before = heldout_accuracy(trainer, problems["heldout"], config.max_response_length)
     print(
         f"SFT: {args.sft_steps} steps in {sft_seconds:.0f} s, last loss {sft_loss:.3f}; "
@@ -370,7 +423,8 @@ def run(args: ScriptArguments, config: PPOConfig) -> dict:
         "heldout_accuracy_before": before, "heldout_accuracy_after": after, "num_heldout": len(problems["heldout"]),
         "sft_steps": args.sft_steps, "sft_seconds": sft_seconds, "sft_final_loss": sft_loss,
         "grpo_steps": config.steps, "grpo_seconds": grpo_seconds, "total_seconds": time.perf_counter() - start_time,
-        "use_vllm": config.use_vllm, "evaluations": evaluations, "records": records,
+        "use_vllm": config.use_vllm, "max_staleness": args.max_staleness if args.async_rollouts else None,
+        "evaluations": evaluations, "records": records,
     }  # fmt: skip
     (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
     print(

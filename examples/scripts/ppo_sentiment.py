@@ -18,6 +18,8 @@ transformers `pipeline` (the reward is the classifier's positive logit), and tra
     python examples/scripts/ppo_sentiment.py --use_vllm
     # ... on a vLLM server started with `python -m trl_lite.vllm_server --model <dir>`
     python examples/scripts/ppo_sentiment.py --use_vllm --vllm_mode server --model_name <dir> ...
+    # the next batches generated and scored on a producer thread while step() trains (trl_lite.rollouts)
+    python examples/scripts/ppo_sentiment.py --async_rollouts --max_staleness 1
     # several processes (only the main one prints and writes files)
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml --num_processes 2 \
         examples/scripts/ppo_sentiment.py
@@ -56,6 +58,7 @@ from trl_lite import (  # noqa: E402
     ValueModel,
     set_seed,
 )
+from trl_lite.rollouts import AsyncRollouts  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_sentiment import OfflineModels, build_offline_models, load_reviews  # noqa: E402
@@ -92,8 +95,18 @@ class ScriptArguments:
         },
     )
 
+    async_rollouts: bool = field(
+        default=False,
+        metadata={"help": "Generate and score the next batches on a producer thread while step() trains "
+                  "(trl_lite.rollouts.AsyncRollouts)."},
+    )  # fmt: skip
+    max_staleness: int = field(
+        default=1, metadata={"help": "With --async_rollouts: steps a batch's policy may lag behind (0: synchronous)."}
+    )
+
     def __post_init__(self):
-        for name, minimum in (("plot_every", 1), ("num_samples", 1), ("save_every", 0), ("sft_steps", 1)):
+        minimums = (("plot_every", 1), ("num_samples", 1), ("save_every", 0), ("sft_steps", 1), ("max_staleness", 0))
+        for name, minimum in minimums:
             if getattr(self, name) < minimum:
                 raise ValueError(f"{name} must be an int >= {minimum}, got {getattr(self, name)}.")
         if self.reward_model_steps < 1:
@@ -273,27 +286,68 @@ def offline_stages(args: ScriptArguments, config: PPOConfig, main: bool) -> Offl
     return offline
 
 
-def rollout_and_step(trainer: PPOTrainer, batch: dict, rewards_of, length_sampler, gen_kwargs: dict, chunk: int):
-    """One classic PPO iteration on a batch of prompts: generate, score, `step()`, `log_stats()`.
+def rollout(generate, tokenizer, batch: dict, rewards_of, length_sampler, gen_kwargs: dict, chunk: int,
+            engine_logprobs: bool) -> dict:  # fmt: skip
+    """`step()`'s arguments for a batch of prompts: continuations from `generate` (`trainer.generate`, or
+    AsyncRollouts' handle on its producer thread) and their rewards (one 0-d tensor per prompt).
 
-    On a vLLM engine (`--use_vllm`) the engine's log-probs of the sampled tokens go to `step()`,
-    which reports their gap to the policy's (`rollout/logprob_diff/*`) and, with
-    `--importance_sampling_correction tis`, corrects for it. Returns the step's statistics and the
-    rewards (one 0-d tensor per prompt).
+    With `engine_logprobs` (`--use_vllm`, `--async_rollouts`) the engine's log-probs of the sampled
+    tokens go to `step()`, which reports their gap to the policy's (`rollout/logprob_diff/*`) and, with
+    `importance_sampling_correction="tis"`, corrects for it.
     """
-    tokenizer = trainer.tokenizer
     query_tensors = batch["input_ids"]
-    engine_logprobs = trainer.config.use_vllm
-    generated = trainer.generate(
+    generated = generate(
         query_tensors, return_prompt=False, length_sampler=length_sampler, batch_size=chunk,
         return_logprobs=engine_logprobs, **gen_kwargs,
     )  # fmt: skip
     response_tensors, logprobs = generated if engine_logprobs else (generated, None)
-    batch["response"] = tokenizer.batch_decode(response_tensors, skip_special_tokens=True)
     rewards = rewards_of(decode_pairs(tokenizer, query_tensors, response_tensors))
-    stats = trainer.step(query_tensors, response_tensors, rewards, generation_logprobs=logprobs)
-    trainer.log_stats(stats, batch, rewards)
-    return stats, rewards
+    return {"queries": query_tensors, "responses": response_tensors, "scores": rewards, "generation_logprobs": logprobs}
+
+
+def step_and_log(trainer: PPOTrainer, arguments: dict) -> tuple:
+    """`step(**arguments)` and `log_stats()` with the decoded prompts and continuations; returns the
+    step's statistics and the rewards."""
+    stats = trainer.step(**arguments)
+    decode = trainer.tokenizer.batch_decode
+    texts = {"query": decode(arguments["queries"], skip_special_tokens=True)}
+    texts["response"] = decode(arguments["responses"], skip_special_tokens=True)
+    trainer.log_stats(stats, texts, arguments["scores"])
+    return stats, arguments["scores"]
+
+
+def ppo_iterations(trainer: PPOTrainer, rewards_of, args: ScriptArguments, length_sampler, gen_kwargs: dict):
+    """The classic PPO iterations up to `config.steps`: generate, score, `step()`, `log_stats()`; yields each
+    step's statistics and rewards.
+
+    Synchronous by default, over `trainer.dataloader` (which continues where a loaded checkpoint left
+    off, mid-epoch included). With --async_rollouts the next batches are generated and scored on
+    AsyncRollouts' producer thread while `step()` trains, at most --max_staleness steps behind the
+    policy; a checkpoint then records the position of the last batch `step()` took.
+    """
+    config = trainer.config
+
+    def rollout_fn(batch, generate) -> dict:
+        return rollout(
+            generate, trainer.tokenizer, batch, rewards_of, length_sampler, gen_kwargs, args.generation_batch_size,
+            engine_logprobs=config.use_vllm or args.async_rollouts,
+        )  # fmt: skip
+
+    if not args.async_rollouts:
+        while trainer.current_step < config.steps:
+            for batch in trainer.dataloader:
+                yield step_and_log(trainer, rollout_fn(batch, trainer.generate))
+                if trainer.current_step >= config.steps:
+                    return
+        return
+    if trainer.current_step >= config.steps:
+        return
+    staleness = args.max_staleness
+    with AsyncRollouts(trainer, trainer.dataloader, rollout_fn, max_staleness=staleness, num_epochs=None) as rollouts:
+        for arguments in rollouts:
+            yield step_and_log(trainer, arguments)
+            if trainer.current_step >= config.steps:
+                return
 
 
 def train(trainer: PPOTrainer, rewards_of, args: ScriptArguments, gen_kwargs: dict, main: bool) -> list[dict]:
@@ -311,25 +365,18 @@ def train(trainer: PPOTrainer, rewards_of, args: ScriptArguments, gen_kwargs: di
     length_sampler = LengthSampler(args.output_min_length, args.output_max_length)
     kl_target = config.target if config.adap_kl_ctrl else None
     progress = tqdm(total=config.steps, initial=trainer.current_step, desc="PPO", disable=not main)
-    while trainer.current_step < config.steps:
-        # trainer.dataloader continues where a loaded checkpoint left off, mid-epoch included.
-        for batch in trainer.dataloader:
-            stats, rewards = rollout_and_step(
-                trainer, batch, rewards_of, length_sampler, gen_kwargs, args.generation_batch_size
-            )
-            record = step_record(trainer, stats, rewards)
-            records.append(record)
-            if main:
-                with metrics_path.open("a") as f:
-                    f.write(json.dumps(record) + "\n")
-                if trainer.current_step % args.plot_every == 0 or trainer.current_step == config.steps:
-                    plot_curves(records, curves_path, kl_target)
-                progress.update(1)
-                progress.set_postfix(reward=f"{record['env/reward_mean']:+.2f}", kl=f"{record['objective/kl']:.2f}")
-            if args.save_every and trainer.current_step % args.save_every == 0:
-                trainer.save_checkpoint(str(output_dir / "checkpoint"))
-            if trainer.current_step >= config.steps:
-                break
+    for stats, rewards in ppo_iterations(trainer, rewards_of, args, length_sampler, gen_kwargs):
+        record = step_record(trainer, stats, rewards)
+        records.append(record)
+        if main:
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            if trainer.current_step % args.plot_every == 0 or trainer.current_step == config.steps:
+                plot_curves(records, curves_path, kl_target)
+            progress.update(1)
+            progress.set_postfix(reward=f"{record['env/reward_mean']:+.2f}", kl=f"{record['objective/kl']:.2f}")
+        if args.save_every and trainer.current_step % args.save_every == 0:
+            trainer.save_checkpoint(str(output_dir / "checkpoint"))
     progress.close()
     return records
 

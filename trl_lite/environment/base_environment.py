@@ -5,6 +5,11 @@ An episode starts from ``prompt + task``. Each turn the model generates until it
 appended with ``<response>``. The :class:`TextHistory` of an episode gives what ``PPOTrainer.step``
 takes: the query tokens, the response tokens, and a response mask that is 1 on model tokens and 0
 on tool output, so the tool's text is not trained on.
+
+Given a ``PPOTrainer`` (or a generation engine) instead of a model, the turns are generated on the
+trainer's engine - transformers or vLLM - after its weight push, and each turn is cut after the
+token that completed ``<call>`` or ``<submit>``: with greedy decoding the episodes are those of the
+model itself. For chat models with tools and environments see :mod:`trl_lite.agents`.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from accelerate.utils import extract_model_from_parallel
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.utils import is_rich_available
 
-from ..trainer.generation import eval_mode
+from ..trainer.engines import GenerationEngine
+from ..trainer.generation import RolloutGeneration, eval_mode
 
 
 class StringStoppingCriteria(StoppingCriteria):
@@ -181,7 +187,8 @@ class TextEnvironment:
     """Runs a model on tasks, turn by turn, letting it call tools, and scores the episodes.
 
     Args:
-        model: a value-head wrapper (or the model ``PPOTrainer`` prepared), used for ``generate``.
+        model: a value-head wrapper (or the model ``PPOTrainer`` prepared), used for ``generate``; or a
+            ``PPOTrainer``, whose engine generates (vLLM with ``use_vllm=True``); or a ``GenerationEngine``.
         tokenizer: its tokenizer.
         tools: ``{name: callable}`` or a list of callables (named by ``__name__``, or class name for
             callable objects); each maps the request text to a response text (``str -> str``).
@@ -190,7 +197,9 @@ class TextEnvironment:
         max_turns: model turns per episode at most.
         max_tool_response: tool responses longer than this many characters are cut and end in ``...``.
         max_length: an episode whose tokens exceed this many ends, marked truncated.
-        generation_kwargs: passed to ``generate``; a ``stopping_criteria`` in it is replaced.
+        generation_kwargs: passed to ``generate``; a ``stopping_criteria`` in it is replaced (on a
+            model). On an engine they go to the engine (which refuses what it cannot map) and
+            ``max_new_tokens`` bounds each turn.
         max_tool_reponse: classic's spelling of ``max_tool_response``, accepted as a keyword.
     """
 
@@ -236,9 +245,24 @@ class TextEnvironment:
         self.call_token = "<call>"
         self.response_token = "<response>"
         self.submit_token = "<submit>"
-        unwrapped = extract_model_from_parallel(model)
-        self.is_encoder_decoder = bool(getattr(unwrapped, "is_encoder_decoder", False))
-        self.current_device = next(unwrapped.parameters()).device
+        if isinstance(getattr(model, "generation", None), RolloutGeneration):  # a PPOTrainer
+            self._engine_generate = lambda queries, batch_size: model.generate(
+                queries, batch_size=batch_size, return_prompt=False, **self.generation_kwargs
+            )
+            self.is_encoder_decoder = model.is_encoder_decoder
+            self.current_device = model.accelerator.device
+        elif isinstance(model, GenerationEngine):
+            self._engine_generate = lambda queries, batch_size: model.generate(
+                queries, dict(self.generation_kwargs), None, batch_size, False, True, False
+            )[0]
+            self.is_encoder_decoder = bool(getattr(model, "is_encoder_decoder", False))
+            accelerator = getattr(model, "accelerator", None)
+            self.current_device = accelerator.device if accelerator is not None else torch.device("cpu")
+        else:
+            self._engine_generate = None
+            unwrapped = extract_model_from_parallel(model)
+            self.is_encoder_decoder = bool(getattr(unwrapped, "is_encoder_decoder", False))
+            self.current_device = next(unwrapped.parameters()).device
 
     def _encode(self, text: str, add_special_tokens: bool = True) -> torch.Tensor:
         ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=add_special_tokens).input_ids[0]
@@ -347,6 +371,8 @@ class TextEnvironment:
         (every submodule's mode is restored after). Tokens after an end-of-sequence token are padding and
         are dropped.
         """
+        if self._engine_generate is not None:
+            return self._generate_on_engine(query_tensors, batch_size)
         model = extract_model_from_parallel(self.model)
         eos_id = self.tokenizer.eos_token_id
         padding_side = self.tokenizer.padding_side
@@ -374,3 +400,16 @@ class TextEnvironment:
         finally:
             self.tokenizer.padding_side = padding_side
         return outputs
+
+    def _generate_on_engine(self, query_tensors: list[torch.Tensor], batch_size: int) -> list[torch.Tensor]:
+        """:meth:`_generate_batched` on the engine: every query's tokens up to its first EOS, cut after the
+        token whose text completed ``<call>`` or ``<submit>`` (where the stopping criteria would have stopped)."""
+        responses = self._engine_generate(list(query_tensors), batch_size)
+        return [response[: self._stop_length(response)] for response in responses]
+
+    def _stop_length(self, tokens: torch.Tensor) -> int:
+        """Tokens up to and including the one after which the decoded text first holds a stop string."""
+        stops = (self.call_token, self.submit_token)
+        if not any(stop in self.tokenizer.decode(tokens) for stop in stops):
+            return len(tokens)
+        return next(n for n in range(1, len(tokens) + 1) if any(stop in self.tokenizer.decode(tokens[:n]) for stop in stops))

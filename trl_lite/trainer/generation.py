@@ -54,6 +54,7 @@ class RolloutGeneration:
         self.push = engine.load_weights if push is None else push
         self.version = version
         self._held_version = None
+        self._awake_depth = 0  # nesting of awake()
         if engine.sleeps:
             # It holds nothing worth keeping yet: the first generate wakes it and pushes the weights.
             engine.sleep()
@@ -72,11 +73,28 @@ class RolloutGeneration:
             self._push()
 
     @contextmanager
-    def _engine_awake(self):
+    def awake(self):
         """Around a rollout: the lazy push; for an engine that sleeps, wake its weights, push them (its
         sleep dropped them), wake its KV cache, and put it back to sleep after, so that the engine's
         memory is free while ``step()`` runs. Waking the cache after the push keeps it out of the
-        push's peak (a ZeRO-3 gather)."""
+        push's peak (a ZeRO-3 gather). Re-entrant: a multi-turn rollout holds the engine awake across
+        its turns (``trl_lite.agents.run_episodes``), and the ``generate`` calls inside wake nothing."""
+        if self._awake_depth:
+            self._awake_depth += 1
+            try:
+                yield
+            finally:
+                self._awake_depth -= 1
+            return
+        self._awake_depth = 1
+        try:
+            with self._wake():
+                yield
+        finally:
+            self._awake_depth = 0
+
+    @contextmanager
+    def _wake(self):
         if not self.engine.sleeps:
             self.sync_weights()
             yield
@@ -119,7 +137,7 @@ class RolloutGeneration:
             )
         elif return_logprobs:
             raise ValueError("return_logprobs=True needs a list of queries; pass [query_tensor].")
-        with self._engine_awake(), self.timer("rollout/generate"):
+        with self.awake(), self.timer("rollout/generate"):
             if not isinstance(query_tensor, (list, tuple)):
                 if length_sampler is not None:
                     generation_kwargs["max_new_tokens"] = length_sampler()

@@ -41,7 +41,9 @@ class ResumableLoader:
         self._epoch_start_state = self.generator.get_state()
 
     def state_dict(self) -> dict:
-        return {"epoch_start_state": self._epoch_start_state.tolist(), "served": self._served}
+        # Loaded but not iterated yet: the position is the loaded one, still to be skipped.
+        served = self._skip if self._skip else self._served
+        return {"epoch_start_state": self._epoch_start_state.tolist(), "served": served}
 
     def load_state_dict(self, state: dict) -> None:
         self._epoch_start_state = torch.tensor(state["epoch_start_state"], dtype=torch.uint8)

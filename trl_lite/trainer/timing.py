@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 
@@ -18,6 +19,8 @@ class PhaseTimer:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self._pending: dict[str, float] = {}
+        # A producer thread (trl_lite.rollouts) times its phases while step() pops them on the trainer's.
+        self._lock = threading.Lock()
 
     @contextmanager
     def __call__(self, name: str):
@@ -29,12 +32,14 @@ class PhaseTimer:
             yield
         finally:
             self._sync()
-            key = f"time/{name}"
-            self._pending[key] = self._pending.get(key, 0.0) + time.perf_counter() - start
+            key, seconds = f"time/{name}", time.perf_counter() - start
+            with self._lock:
+                self._pending[key] = self._pending.get(key, 0.0) + seconds
 
     def pop(self) -> dict[str, float]:
         """The phases timed since the last call, and start afresh."""
-        pending, self._pending = self._pending, {}
+        with self._lock:
+            pending, self._pending = self._pending, {}
         return pending
 
     def _sync(self) -> None:

@@ -104,6 +104,8 @@ def colocated_llm_options(model_dir: str, placement: EnginePlacement, *, dtype: 
         model=model_dir, skip_tokenizer_init=True, load_format="dummy", dtype=dtype, enforce_eager=enforce_eager,
         seed=seed + placement.group_index, max_model_len=-1 if max_model_len is None else max_model_len,
         tensor_parallel_size=placement.tensor_parallel_size,
+        # The prompts of multi-turn episodes grow by a turn each call: their shared prefixes are cached.
+        enable_prefix_caching=True,
     )  # fmt: skip
     if on_gpu:
         options["gpu_memory_utilization"] = gpu_memory_utilization

@@ -1,0 +1,452 @@
+"""``run_episodes``: multi-turn episodes on the trainer's generation engine (docs/algorithm.md section 16).
+
+Each turn, every live episode's whole sequence so far (query + response) goes to the engine in one
+batched ``generate`` call (episodes whose remaining room is smaller than ``max_new_tokens`` in one
+call per room size); finished episodes drop out. vLLM's prefix caching then serves the growing,
+shared prefixes. The model's tokens are kept as sampled, with the engine's log-probs; tool and
+environment messages are appended as the chat template's tokens for them (:class:`.ChatFormat`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import requests
+import torch
+from accelerate.utils import gather_object
+
+from ..trainer.engines import GenerationEngine, TransformersEngine
+from ..trainer.generation import RolloutGeneration
+from .chat import ChatFormat, parse_tool_calls
+from .environments import (
+    STEP,
+    TOOLS,
+    environment_kind,
+    environment_reward,
+    environment_step,
+    prompt_label,
+    read_prompt,
+    reset_environment,
+)
+from .episodes import Episode
+from .tools import environment_tools, run_tool_call, tool_schema
+
+# Keyword arguments of generate() that run_episodes sets itself.
+_OWN_KWARGS = {
+    "num_return_sequences": "num_generations",
+    "max_length": "max_new_tokens (per turn) and max_episode_tokens",
+    "return_logprobs": "nothing: episodes always carry the engine's log-probs",
+}
+_next_group_id = 0  # group ids are unique across calls, so episodes of two calls never share a group
+
+
+@dataclass
+class _Engine:
+    """The engine and what comes with it: the trainer's weight push, timers and processes, or none for a bare engine.
+
+    ``collective``: every process must make the same ``generate`` calls (the transformers engine
+    under ZeRO-3, a vLLM engine shared by a tensor-parallel group), so the processes agree on them.
+    """
+
+    engine: GenerationEngine
+    tokenizer: object
+    generate: Callable  # (queries, generation kwargs, batch size) -> (responses, log-probs)
+    environment_timer: Callable
+    context_length: int | None
+    accelerator: object | None
+    collective: bool
+    awake: Callable = nullcontext  # holds a sleeping engine awake across the turns of one call
+
+
+@dataclass
+class _Live:
+    """An episode being played: its sequence so far and what it has seen."""
+
+    index: int
+    label: str
+    environment: object | None
+    messages: list[dict]
+    rendered: str  # the text the next model turn continues: the conversation with its generation prompt
+    query: list[int]
+    response: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    reward: float | None = None
+    num_turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    truncated: bool = False
+    done: bool = False
+
+
+def run_episodes(
+    trainer,
+    prompts: list,
+    tools: list[Callable] | None = None,
+    environment_factory: Callable | None = None,
+    max_turns: int = 4,
+    max_episode_tokens: int | None = None,
+    num_generations: int = 1,
+    *,
+    tokenizer=None,
+    batch_size: int | None = None,
+    **generation_kwargs,
+) -> list[Episode]:
+    """Play ``num_generations`` multi-turn episodes per prompt on the trainer's engine; one :class:`Episode` each.
+
+    Args:
+        trainer: a ``PPOTrainer`` (generation on its engine - transformers, colocated vLLM or a vLLM
+            server - after the same weight push as ``trainer.generate``), or a bare ``GenerationEngine``
+            (then pass ``tokenizer``).
+        prompts: per prompt, a list of chat messages, or a dict whose ``"prompt"`` holds them and whose
+            other keys go to the environment's ``reset`` (as TRL passes dataset columns).
+        tools: plain functions the model may call; each needs type hints and a Google-style docstring
+            (its schema is transformers' ``get_json_schema``). They reach the model through the chat
+            template (``apply_chat_template(..., tools=...)``); the model calls them Hermes-style,
+            ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+        environment_factory: called once per episode (no arguments); see :mod:`.environments` for TRL's
+            protocol (tool methods, ``get_reward``) and step environments (``step(text)``).
+        max_turns: model turns per episode at most; an episode still going after its last turn ends
+            ``truncated`` (the tool calls of that turn run, their messages join ``messages`` but not
+            the tokens: the model never reads them).
+        max_episode_tokens: response tokens (model, tool and template tokens) per episode at most;
+            None: only the engine's context length bounds the query and response together.
+        num_generations: episodes per prompt, consecutive in the result: a group for ``'rloo'``/``'grpo'``.
+            The environments of a group must give the same query (``reset`` depending only on the prompt).
+        tokenizer: the tokenizer with the chat template; default the trainer's (or the engine's).
+        batch_size: queries per ``generate`` chunk on the transformers engine; default all at once.
+        generation_kwargs: ``generate`` keyword arguments of every turn; ``max_new_tokens`` (tokens of
+            one model turn) is required. A turn stops at the template's end-of-turn token (and the
+            tokenizer's EOS, and any ``eos_token_id`` given); a turn that ends at EOS ends the episode.
+
+    A model turn without a tool call ends an episode with tools; a step environment's ``done`` ends
+    one; without tools and environment an episode is one turn. Episode ``reward``: ``get_reward()``
+    after the episode, or the sum of ``step`` rewards, else None. Tool failures (unknown tool,
+    malformed call, arguments not matching the schema, an exception) are sent back as the tool
+    message and counted in ``tool_errors``; an environment's exception fails the call (RuntimeError
+    naming the episode and its prompt).
+    """
+    engine = _resolve_engine(trainer, tokenizer)
+    _check_arguments(max_turns, max_episode_tokens, num_generations, batch_size)
+    kwargs = _turn_kwargs(generation_kwargs, num_generations)
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts must be a non-empty list of chat prompts, got {prompts!r:.80}.")
+    read = [read_prompt(i, prompt) for i, prompt in enumerate(prompts)]
+    functions, schemas = _function_tools(tools)
+    if environment_factory is not None and not callable(environment_factory):
+        raise TypeError(f"environment_factory must be callable (a class or a function), got {environment_factory!r:.80}.")
+    chat_probe = ChatFormat(engine.tokenizer)  # a tokenizer without a usable template fails before any environment exists
+
+    environments, kind = _make_environments(environment_factory, len(read) * num_generations)
+    if kind == STEP and functions:
+        raise ValueError("tools cannot be combined with a step environment (one with step(text)); give tools to a "
+                         "TRL-style environment as methods, or pass them without environment_factory.")  # fmt: skip
+    if kind == TOOLS:
+        for name, method in environment_tools(environments[0]).items():
+            if name in schemas:
+                raise ValueError(f"the environment's method {name!r} has the name of one of tools; rename one of them.")
+            schemas[name] = tool_schema(method, f"environment_factory's method {name!r}")
+    chat = ChatFormat(engine.tokenizer, list(schemas.values())) if schemas else chat_probe
+    stops = _stop_ids(chat, engine.tokenizer, kwargs)
+    kwargs["eos_token_id"] = sorted(stops)
+
+    live = _start_episodes(read, num_generations, environments, kind, chat, engine)
+    with engine.awake():  # a sleeping engine is woken (and its weights pushed) once for all turns
+        for _ in range(max_turns):
+            playing = [episode for episode in live if not episode.done]
+            if not _any_process(engine, bool(playing)):
+                break
+            turns = _generate_turns(engine, playing, kwargs, max_episode_tokens, batch_size)
+            with engine.environment_timer():
+                for episode, (tokens, logprobs) in zip(playing, turns):
+                    _take_turn(episode, tokens, logprobs, chat, stops, kind, functions, schemas, max_turns,
+                               max_episode_tokens, engine.context_length)  # fmt: skip
+    if kind == TOOLS:
+        for episode in live:
+            episode.reward = environment_reward(episode.environment, episode.label)
+    first_group = _reserve_group_ids(len(read))
+    return [_episode(e, num_generations, first_group) for e in live]
+
+
+def _resolve_engine(trainer, tokenizer) -> _Engine:
+    generation = getattr(trainer, "generation", None)
+    if isinstance(generation, RolloutGeneration):
+        tokenizer = tokenizer if tokenizer is not None else trainer.tokenizer
+        engine, accelerator = generation.engine, trainer.accelerator
+
+        def generate(queries, kwargs, batch_size):
+            """``trainer.generate``: the weight push (and a sleeping engine's waking) first, timed."""
+            return trainer.generate(queries, batch_size=batch_size, return_prompt=False, return_logprobs=True, **kwargs)
+
+        environment_timer = lambda: trainer.timed("rollout/environment")  # noqa: E731
+    elif isinstance(trainer, GenerationEngine):
+        engine, accelerator = trainer, getattr(trainer, "accelerator", None)
+        tokenizer = tokenizer if tokenizer is not None else getattr(engine, "tokenizer", None)
+        environment_timer = nullcontext
+
+        def generate(queries, kwargs, batch_size):
+            return engine.generate(queries, kwargs, None, batch_size, False, True, True)
+
+    else:
+        raise TypeError(
+            f"trainer must be a PPOTrainer or a GenerationEngine (trl_lite.trainer.engines), got {type(trainer).__name__}."
+        )
+    if tokenizer is None:
+        raise ValueError("run_episodes needs a tokenizer with a chat template: the trainer has none; pass tokenizer=.")
+    if getattr(engine, "is_encoder_decoder", False):
+        raise ValueError("run_episodes needs a decoder-only model: a chat conversation grows as one token sequence.")
+    placement = getattr(getattr(engine, "backend", None), "placement", None)
+    collective = accelerator is not None and accelerator.num_processes > 1 and (
+        (isinstance(engine, TransformersEngine) and engine.is_zero3)
+        or (placement is not None and placement.tensor_parallel_size > 1)
+    )  # fmt: skip
+    awake = generation.awake if isinstance(generation, RolloutGeneration) else nullcontext
+    return _Engine(engine, tokenizer, generate, environment_timer, _context_length(engine), accelerator, collective, awake)
+
+
+def _context_length(engine: GenerationEngine) -> int | None:
+    """The most tokens (prompt and generated) the engine's model takes, when it can be known."""
+    if isinstance(engine, TransformersEngine):
+        with engine.model_context() as model:
+            unwrapped = engine.accelerator.unwrap_model(model)
+        config = getattr(unwrapped, "pretrained_model", unwrapped).config
+        for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+            if isinstance(getattr(config, name, None), int):
+                return getattr(config, name)
+        return None
+    backend = getattr(engine, "backend", None)
+    if getattr(backend, "max_model_len", None) is not None:  # a colocated vLLM
+        return int(backend.max_model_len)
+    if hasattr(backend, "base_url"):  # a vLLM server: its OpenAI model card says
+        cards = requests.get(f"{backend.base_url}/v1/models", timeout=backend.timeout).json()["data"]
+        return int(cards[0]["max_model_len"])
+    return None
+
+
+def _check_arguments(max_turns, max_episode_tokens, num_generations, batch_size) -> None:
+    for name, value, allow_none in (
+        ("max_turns", max_turns, False), ("max_episode_tokens", max_episode_tokens, True),
+        ("num_generations", num_generations, False), ("batch_size", batch_size, True),
+    ):  # fmt: skip
+        if value is None and allow_none:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}.")
+
+
+def _turn_kwargs(generation_kwargs: dict, num_generations: int) -> dict:
+    kwargs = dict(generation_kwargs)
+    for name, instead in _OWN_KWARGS.items():
+        if name in kwargs:
+            raise ValueError(f"run_episodes sets {name} itself; drop it from the generation kwargs (use {instead}).")
+    max_new = kwargs.get("max_new_tokens")
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+        raise ValueError(
+            f"run_episodes needs max_new_tokens (the most tokens of one model turn) as an int >= 1, got {max_new!r}."
+        )
+    if num_generations > 1 and not kwargs.get("do_sample"):
+        raise ValueError(
+            f"num_generations={num_generations} with greedy decoding would play {num_generations} equal episodes per "
+            "prompt; pass do_sample=True."
+        )
+    return kwargs
+
+
+def _function_tools(tools) -> tuple[dict[str, Callable], dict[str, dict]]:
+    if tools is None:
+        return {}, {}
+    if not isinstance(tools, (list, tuple)):
+        raise TypeError(f"tools must be a list of functions, got {type(tools).__name__}.")
+    functions, schemas = {}, {}
+    for i, function in enumerate(tools):
+        if not callable(function):
+            raise TypeError(f"tools[{i}] must be a function, got {type(function).__name__}.")
+        schema = tool_schema(function, f"tools[{i}] ({getattr(function, '__name__', type(function).__name__)})")
+        name = schema["function"]["name"]
+        if name in functions:
+            raise ValueError(f"tools[{i}] is named {name!r} like an earlier tool; tool names must be unique.")
+        functions[name], schemas[name] = function, schema
+    return functions, schemas
+
+
+def _make_environments(factory, count: int) -> tuple[list, str | None]:
+    if factory is None:
+        return [None] * count, None
+    environments = [factory() for _ in range(count)]
+    kinds = {environment_kind(env, f"environment_factory() #{i}") for i, env in enumerate(environments)}
+    if len(kinds) > 1:
+        raise TypeError("environment_factory made step environments and TRL-style ones in one call; make one kind.")
+    return environments, kinds.pop()
+
+
+def _stop_ids(chat: ChatFormat, tokenizer, kwargs: dict) -> set[int]:
+    """The end-of-turn token, the tokenizer's EOS and any ``eos_token_id`` given: a model turn stops at each."""
+    stops = {chat.end_of_turn_id}
+    if tokenizer.eos_token_id is not None:
+        stops.add(int(tokenizer.eos_token_id))
+    extra = kwargs.get("eos_token_id")
+    if extra is not None:
+        stops.update(int(t) for t in (extra if isinstance(extra, (list, tuple)) else [extra]))
+    return stops
+
+
+def _start_episodes(read, k: int, environments, kind, chat: ChatFormat, engine: _Engine) -> list[_Live]:
+    """Reset the environments and render the queries; the ``k`` episodes of a prompt must get one query."""
+    live = []
+    for p, (messages, fields) in enumerate(read):
+        for g in range(k):
+            index = p * k + g
+            label = f"episode {index} of {prompt_label(p, messages)}"
+            own = [dict(m) for m in messages]
+            environment = environments[index]
+            if environment is not None:
+                reset_environment(environment, label, own, fields)
+            query, rendered = chat.query(own)
+            if g and query != live[-1].query:
+                raise ValueError(
+                    f"{label}: its environment's reset() gave another query than episode {index - 1}'s; the "
+                    f"num_generations={k} episodes of a prompt form one group and must start alike (make reset "
+                    "depend only on the prompt's fields)."
+                )
+            if engine.context_length is not None and len(query) >= engine.context_length:
+                raise ValueError(
+                    f"{prompt_label(p, messages)} renders to {len(query)} tokens; the engine's context length is "
+                    f"{engine.context_length}, which leaves no room for a response."
+                )
+            live.append(_Live(index, label, environment, own, rendered, query, reward=0.0 if kind == STEP else None))
+    return live
+
+
+def _any_process(engine: _Engine, playing: bool) -> bool:
+    """Whether this process - or, for a collective engine, any process - still plays an episode."""
+    if not engine.collective:
+        return playing
+    accelerator = engine.accelerator
+    flags = accelerator.gather(torch.tensor([float(playing)], device=accelerator.device))
+    return bool(flags.max() > 0)
+
+
+def _room(episode: _Live, max_episode_tokens: int | None, context_length: int | None) -> int:
+    """Tokens the episode may still add (model and template tokens together)."""
+    room = []
+    if max_episode_tokens is not None:
+        room.append(max_episode_tokens - len(episode.response))
+    if context_length is not None:
+        room.append(context_length - len(episode.query) - len(episode.response))
+    return min(room) if room else 1 << 62
+
+
+def _generate_turns(engine: _Engine, playing: list[_Live], kwargs: dict, max_episode_tokens, batch_size):
+    """Each playing episode's next model turn: ``(token ids, log-probs)`` of what the engine sampled, cut
+    after the first stop token. One ``generate`` call per distinct ``max_new_tokens`` (the turn's
+    limit, lowered where the episode's room is smaller); every process makes the same calls when the
+    engine's calls are collective."""
+    budgets = [min(kwargs["max_new_tokens"], _room(e, max_episode_tokens, engine.context_length)) for e in playing]
+    sizes = set(budgets)
+    if engine.collective:
+        sizes = set(gather_object(sorted(sizes)))
+    stops = set(kwargs["eos_token_id"])
+    turns = [None] * len(playing)
+    device = engine.accelerator.device if engine.accelerator is not None else torch.device("cpu")
+    for size in sorted(sizes):
+        rows = [i for i, budget in enumerate(budgets) if budget == size]
+        if not rows and not engine.collective:
+            continue
+        queries = [torch.tensor(playing[i].query + playing[i].response, device=device) for i in rows]
+        responses, logprobs = engine.generate(queries, {**kwargs, "max_new_tokens": size}, batch_size or max(len(queries), 1))
+        for i, tokens, lps in zip(rows, responses, logprobs):
+            tokens = tokens.tolist()
+            end = next((t + 1 for t, token in enumerate(tokens) if token in stops), len(tokens))
+            turns[i] = (tokens[:end], lps[:end].tolist())
+    return turns
+
+
+def _take_turn(episode: _Live, tokens, logprobs, chat: ChatFormat, stops, kind, functions, schemas, max_turns,
+               max_episode_tokens, context_length) -> None:  # fmt: skip
+    """Append a model turn; answer it (tools or the step environment); append the template's tokens for
+    the answer and the next generation prompt, unless the episode ends here."""
+    episode.response += tokens
+    episode.mask += [1] * len(tokens)
+    episode.logprobs += logprobs
+    episode.num_turns += 1
+    ended = bool(tokens) and tokens[-1] in stops
+    text = chat.decode(tokens[:-1] if ended else tokens)
+    episode.messages.append({"role": "assistant", "content": text})
+    if not ended:  # cut at max_new_tokens or the episode's room: the turn is unfinished
+        episode.truncated = episode.done = True
+        return
+    if tokens[-1] != chat.end_of_turn_id:  # EOS: the model ended the conversation
+        episode.done = True
+        return
+    answer = _answer(episode, text, kind, functions, schemas)
+    if answer is None:
+        episode.done = True
+        return
+    if episode.num_turns == max_turns:
+        episode.messages += answer
+        episode.truncated = episode.done = True
+        return
+    ids, rendered = chat.continuation(episode.rendered, episode.messages, answer)
+    episode.messages += answer
+    # Room for the added tokens and at least one more model token.
+    if _room(episode, max_episode_tokens, context_length) < len(ids) + 1:
+        episode.truncated = episode.done = True
+        return
+    episode.response += ids
+    episode.mask += [0] * len(ids)
+    episode.logprobs += [0.0] * len(ids)
+    episode.rendered = rendered
+
+
+def _answer(episode: _Live, text: str, kind, functions, schemas) -> list[dict] | None:
+    """The messages that answer a model turn, or None when the episode ends with it."""
+    if kind == STEP:
+        observation, reward, done = environment_step(episode.environment, episode.label, text)
+        episode.reward += reward
+        if done:
+            if observation:
+                episode.messages.append({"role": "user", "content": observation})
+            return None
+        return [{"role": "user", "content": observation}]
+    if not schemas:
+        return None
+    calls = parse_tool_calls(text)
+    if not calls:
+        return None
+    available = dict(functions)
+    if kind == TOOLS:
+        available.update(environment_tools(episode.environment))
+    answer = []
+    for call in calls:
+        content, failed = run_tool_call(call, schemas, available)
+        episode.tool_calls += 1
+        episode.tool_errors += failed
+        answer.append({"role": "tool", "name": call.name or "unknown", "content": content})
+    return answer
+
+
+def _reserve_group_ids(count: int) -> int:
+    """The first of ``count`` group ids no earlier call used."""
+    global _next_group_id
+    first, _next_group_id = _next_group_id, _next_group_id + count
+    return first
+
+
+def _episode(live: _Live, k: int, first_group: int) -> Episode:
+    return Episode(
+        query=torch.tensor(live.query, dtype=torch.long),
+        response=torch.tensor(live.response, dtype=torch.long),
+        response_mask=torch.tensor(live.mask, dtype=torch.long),
+        logprobs=torch.tensor(live.logprobs, dtype=torch.float32),
+        reward=live.reward,
+        num_turns=live.num_turns,
+        tool_calls=live.tool_calls,
+        tool_errors=live.tool_errors,
+        truncated=live.truncated,
+        messages=live.messages,
+        prompt_index=live.index // k,
+        group_id=first_group + live.index // k,
+        environment=live.environment,
+    )
