@@ -33,6 +33,9 @@ def run_example(name: str, *args: str) -> str:
     env = example_env()
     env.pop("VLLM_LOGGING_LEVEL", None)  # a level set by an earlier test's engine in this process
     env.pop("TRL_LITE_VLLM_LOGGING_LEVEL", None)
+    # vLLM's CPU worker writes this into os.environ of a process that built an engine (an earlier test's);
+    # a child's vLLM then warns about an unknown variable. A user's fresh shell has none.
+    env.pop("VLLM_DIST_IDENT", None)
     result = subprocess.run(
         [sys.executable, str(SCRIPTS / name), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
