@@ -239,7 +239,9 @@ class Learner:
 
         False when it was skipped (counted in ``skipped_minibatches``, with a warning) - before the backward
         (no action token, a non-finite loss, a mean ratio over ``ratio_threshold``) or after it (non-finite
-        gradients).
+        gradients). Under gradient accumulation a mini-batch skipped before the last of its backward batch
+        drops only its own part; one skipped at the boundary drops the whole backward batch (its gradients
+        are zeroed): under DDP the boundary's backward is the one that synchronises them, and no process ran it.
         """
         reason = self.skip_reason(stats["loss/total"], stats["policy/ratio"], mask)
         if reason is not None:
