@@ -8,14 +8,7 @@ head size of at least 32); one colocated engine serves every test, its weights s
 trainer's own push (``generation.weights_changed()``).
 """
 
-import os
-import signal
-import subprocess
-import sys
-import time
-
 import pytest
-import requests
 import torch
 from test_agents import (
     CALLS,
@@ -30,7 +23,7 @@ from test_agents import (
     token,
     turn,
 )
-from test_vllm_server import STARTUP_LIMIT_S, free_port
+from test_vllm_server import launched_server
 from transformers import GPT2LMHeadModel
 from transformers.utils import get_json_schema
 
@@ -180,38 +173,11 @@ def test_text_environment_on_vllm_gives_the_classic_results(trainer):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """``python -m trl_lite.vllm_server`` on a saved successor model, in its own session; yields its URL."""
+    """``python -m trl_lite.vllm_server`` on a saved successor model; yields its URL."""
     model_dir = tmp_path_factory.mktemp("agent_model")
     successor_model(GUESS_MODEL).save_pretrained(model_dir)  # not the weights the tests use: they are pushed
-    port = free_port()
-    log = tmp_path_factory.mktemp("server_log") / "server.log"
-    command = [sys.executable, "-m", "trl_lite.vllm_server", "--model", str(model_dir), "--port", str(port),
-               "--kv-cache-gb", "1", "--", "--max-model-len", str(N_POSITIONS)]  # fmt: skip
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_LIMIT_S
-    try:
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"the launcher exited with {process.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                if requests.get(f"{url}/health", timeout=2).ok:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"the launcher did not come up in {STARTUP_LIMIT_S} s:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
+    with launched_server(model_dir, tmp_path_factory.mktemp("server_log") / "server.log", N_POSITIONS) as (url, _):
         yield url
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
 
 
 def test_episodes_on_a_server_equal_the_transformers_engines(server):

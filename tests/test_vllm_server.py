@@ -9,6 +9,7 @@ Not covered here (needs GPUs): vLLM's NCCL weight transfer, which the trainer do
 go over HTTP on every machine), and a server on a GPU.
 """
 
+import contextlib
 import os
 import signal
 import socket
@@ -48,13 +49,13 @@ def model_dir(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    """The launcher in its own session (its engine processes die with it); yields (url, process)."""
+@contextlib.contextmanager
+def launched_server(model_dir, log, max_model_len: int):
+    """``python -m trl_lite.vllm_server`` on ``model_dir`` in its own session (its engine processes die with it),
+    its output in ``log``; yields ``(url, process)`` once it answers ``/health``, and stops it after."""
     port = free_port()
-    log = tmp_path_factory.mktemp("server_log") / "server.log"
     command = [sys.executable, "-m", "trl_lite.vllm_server", "--model", str(model_dir), "--port", str(port),
-               "--kv-cache-gb", "1", "--", "--max-model-len", "64"]  # fmt: skip
+               "--kv-cache-gb", "1", "--", "--max-model-len", str(max_model_len)]  # fmt: skip
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -80,6 +81,13 @@ def server(model_dir, tmp_path_factory):
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """The launcher on the saved model; yields (url, process)."""
+    with launched_server(model_dir, tmp_path_factory.mktemp("server_log") / "server.log", 64) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
