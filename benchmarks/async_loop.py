@@ -25,7 +25,7 @@ import time
 import requests
 import torch
 
-from bench_loop import SAMPLING, LoopWorkload, TrlLoop, reward_fn, sample_queries
+from loop_workloads import SAMPLING, LoopWorkload, TrlLoop, reward_fn, sample_queries
 
 SERVER_START_LIMIT_S = 900  # a fresh server on one busy core
 

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_lite import PPOConfig, PPOTrainer
 from trl_lite.agents import ChatFormat, run_episodes
-from trl_lite.trainer.engines import GenerationEngine
+from trl_lite.engines import GenerationEngine
 
 
 def load(name: str):

@@ -27,7 +27,7 @@ from tiny_models import VOCAB_SIZE, make_gpt2, make_tokenizer
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 from trl_lite.rollouts import AsyncRollouts
-from trl_lite.trainer.engines import named_policy_weights
+from trl_lite.engines import named_policy_weights
 
 # The vLLM tests run in one worker, in file order: an engine (one per process at a time), then a server
 # that the last test kills.

@@ -1,4 +1,4 @@
-"""What each process's colocated vLLM engine is started with (trl_lite.trainer.engines.vllm_options),
+"""What each process's colocated vLLM engine is started with (trl_lite.engines.vllm_options),
 without starting vLLM: the options rank r of N builds for several (rank, local rank, world, tensor
 parallel) places, against vLLM's own layout of its tensor-parallel groups; the refusals; when the
 engine sleeps; its dtype under mixed precision; and, with recording stand-ins, the order in which
@@ -12,7 +12,7 @@ import torch
 from tiny_models import make_gpt2, make_tokenizer
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
-from trl_lite.trainer.engines import (
+from trl_lite.engines import (
     GenerationEngine,
     VLLMEngine,
     colocated_llm_options,
@@ -20,7 +20,7 @@ from trl_lite.trainer.engines import (
     engine_placement,
     resolve_sleep_mode,
 )
-from trl_lite.trainer.generation import RolloutGeneration
+from trl_lite.engines.generation import RolloutGeneration
 from trl_lite.trainer.timing import PhaseTimer
 
 

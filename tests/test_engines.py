@@ -14,7 +14,7 @@ from tiny_models import make_gpt2, make_t5, make_tokenizer
 from transformers import GenerationConfig
 
 from trl_lite import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOConfig, PPOTrainer
-from trl_lite.trainer.engines import WeightVersion, check_vllm_can_load, named_policy_weights, sampling_params
+from trl_lite.engines import WeightVersion, check_vllm_can_load, named_policy_weights, sampling_params
 
 QUERIES = [torch.tensor(q) for q in ([5, 6, 7, 8, 9], [10], [11, 12, 13], [14, 15], [16, 17, 18, 19])]
 

@@ -15,7 +15,7 @@ from engine_checks import assert_sampled_rows_and_logprobs
 from tiny_models import make_gpt2, make_tokenizer
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
-from trl_lite.trainer.engines import ColocatedVLLM
+from trl_lite.engines import ColocatedVLLM
 
 import vllm  # noqa: F401  (a test dependency: without it this module fails, it is not skipped)
 

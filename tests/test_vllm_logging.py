@@ -1,4 +1,4 @@
-"""trl_lite.trainer.engines.vllm_logging: vLLM's level, the warnings it drops and keeps, the user's own level."""
+"""trl_lite.engines.vllm_logging: vLLM's level, the warnings it drops and keeps, the user's own level."""
 
 import importlib.util
 import logging
@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from trl_lite.trainer.engines import vllm_logging
-from trl_lite.trainer.engines.vllm_logging import NOT_ACTIONABLE, configure_vllm_logging
+from trl_lite.engines import vllm_logging
+from trl_lite.engines.vllm_logging import NOT_ACTIONABLE, configure_vllm_logging
 
 FILTERED = sorted({entry.logger for entry in NOT_ACTIONABLE})
 LOGGERS = ["vllm", *FILTERED]

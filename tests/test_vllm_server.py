@@ -24,8 +24,8 @@ from engine_checks import assert_sampled_rows_and_logprobs
 from tiny_models import make_gpt2, make_tokenizer
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
-from trl_lite.trainer.engines import VLLMEngine, named_policy_weights
-from trl_lite.trainer.engines.vllm_client import VLLMServerClient
+from trl_lite.engines import VLLMEngine, named_policy_weights
+from trl_lite.engines.vllm_client import VLLMServerClient
 from trl_lite.vllm_server import parse_args, vllm_serve_args
 
 # One worker runs the module in file order: one server, started once, lost in the last test.

@@ -28,7 +28,7 @@ config, float32 when none; unlike vLLM's own ``auto``, a float32 model is not se
 ``--kv-cache-gb`` (KV cache on CPU, ``VLLM_CPU_KVCACHE_SPACE``), ``--no-enforce-eager``; everything
 after ``--`` goes to ``vllm serve`` unchanged (``--tensor-parallel-size``, ``--max-model-len``,
 ``--gpu-memory-utilization``, ``--seed``, ...). vLLM logs its errors and the warnings that need the user
-(:mod:`trl_lite.trainer.engines.vllm_logging`); ``VLLM_LOGGING_LEVEL=INFO`` shows all of its start-up.
+(:mod:`trl_lite.engines.vllm_logging`); ``VLLM_LOGGING_LEVEL=INFO`` shows all of its start-up.
 
 Memory and start-up defaults. On CPU the KV cache is ``--kv-cache-gb`` GiB (default 2, or
 ``VLLM_CPU_KVCACHE_SPACE`` when set). On a GPU the engine takes vLLM's own default share,
@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
 
-from trl_lite.trainer.engines.vllm_logging import configure_vllm_logging
+from trl_lite.engines.vllm_logging import configure_vllm_logging
 
 # Before vLLM's import, which logs; at import, so that the engine processes vLLM spawns (they import
 # this module again) log as this one.
@@ -75,8 +75,8 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # noqa: E402
 
-from trl_lite.trainer.engines.vllm_client import WEIGHT_TRANSFER_BACKEND as BACKEND  # noqa: E402
-from trl_lite.trainer.engines.vllm_client import WEIGHT_TRANSFER_PROTOCOL as PROTOCOL  # noqa: E402
+from trl_lite.engines.vllm_client import WEIGHT_TRANSFER_BACKEND as BACKEND  # noqa: E402
+from trl_lite.engines.vllm_client import WEIGHT_TRANSFER_PROTOCOL as PROTOCOL  # noqa: E402
 
 
 @dataclass

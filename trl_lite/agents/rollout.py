@@ -17,8 +17,8 @@ import requests
 import torch
 from accelerate.utils import gather_object
 
-from ..trainer.engines import GenerationEngine, TransformersEngine
-from ..trainer.generation import RolloutGeneration
+from ..engines import GenerationEngine, TransformersEngine
+from ..engines.generation import RolloutGeneration
 from .chat import ChatFormat, parse_tool_calls
 from .environments import (
     STEP,
@@ -191,7 +191,7 @@ def _resolve_engine(trainer, tokenizer) -> _Engine:
 
     else:
         raise TypeError(
-            f"trainer must be a PPOTrainer or a GenerationEngine (trl_lite.trainer.engines), got {type(trainer).__name__}."
+            f"trainer must be a PPOTrainer or a GenerationEngine (trl_lite.engines), got {type(trainer).__name__}."
         )
     if tokenizer is None:
         raise ValueError("run_episodes needs a tokenizer with a chat template: the trainer has none; pass tokenizer=.")

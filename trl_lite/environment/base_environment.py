@@ -23,8 +23,8 @@ from accelerate.utils import extract_model_from_parallel
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.utils import is_rich_available
 
-from ..trainer.engines import GenerationEngine
-from ..trainer.generation import RolloutGeneration, eval_mode
+from ..engines import GenerationEngine
+from ..engines.generation import RolloutGeneration, eval_mode
 
 
 class StringStoppingCriteria(StoppingCriteria):

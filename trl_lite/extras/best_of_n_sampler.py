@@ -11,7 +11,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from ..core import set_seed
 from ..models import PreTrainedModelWrapper
-from ..trainer.generation import eval_mode
+from ..engines.generation import eval_mode
 
 
 def _as_query_list(tokenized_query) -> list[torch.Tensor]:

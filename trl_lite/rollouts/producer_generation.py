@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..trainer.engines import TransformersEngine, named_policy_weights
-from ..trainer.generation import RolloutGeneration
+from ..engines import TransformersEngine, named_policy_weights
+from ..engines.generation import RolloutGeneration
 
 __all__ = ["LiveGeneration", "PolicySnapshot", "SnapshotGeneration"]
 

@@ -1,9 +1,7 @@
 from .kl_controllers import AdaptiveKLController, FixedKLController
 from .ppo_config import PPOConfig
 from .ppo_trainer import PPOTrainer
-from .reward_config import RewardConfig
-from .reward_data import RewardDataCollatorWithPadding
-from .reward_trainer import RewardTrainer
+from .reward import RewardConfig, RewardDataCollatorWithPadding, RewardTrainer
 from .running_moments import RunningMoments
 
 __all__ = [

@@ -8,7 +8,7 @@ The trainer is a facade over parts, each built here from explicit inputs:
 - :class:`~.learner.Learner` - ``train(experience) -> stats``: the PPO epochs (sections 6, 9-11, 13);
 - :class:`~.statistics.StepStatistics` - the statistics, reduced over processes, and their logging;
 - :class:`~.checkpointing.Checkpointer` - atomic checkpoints for exact resume;
-- :class:`~.generation.RolloutGeneration` - ``generate`` on the configured engine.
+- :class:`~trl_lite.engines.generation.RolloutGeneration` - ``generate`` on the configured engine.
 
 ``step()`` reads: check the inputs, make the experience, train on it, reduce the statistics, update
 the KL controller. The classic helpers (``batched_forward_pass``, ``compute_rewards``, ``loss``, ...)
@@ -48,7 +48,7 @@ from .ema import PolicyEMA
 from .experience import StepBatch
 from .experience_maker import ExperienceMaker
 from .forward import ForwardPass, packing_unsupported, reference_context
-from .generation import build_generation
+from ..engines.generation import build_generation
 from .kl_controllers import AdaptiveKLController, FixedKLController
 from .learner import Learner
 from .objective import PolicyObjective
@@ -353,7 +353,7 @@ class PPOTrainer(ClassicHelpersMixin):
         ``generate`` equally often; query counts and lengths may differ). The vLLM engine
         (``use_vllm=True``) sends all queries at once, draws ``length_sampler`` once per query, maps the
         generation kwargs to vLLM's sampling parameters and refuses any it cannot map (see
-        :func:`~trl_lite.trainer.engines.sampling_params`); after the policy changed, it first receives
+        :func:`~trl_lite.engines.sampling_params`); after the policy changed, it first receives
         the new weights (``time/rollout/weight_sync``; a collective under ZeRO-3).
 
         The call's wall-clock time counts in ``time/rollout/generate`` of the next ``step()``'s statistics.

@@ -15,18 +15,11 @@ from contextlib import contextmanager
 
 import torch
 
-from .engines import (
-    GenerationEngine,
-    TransformersEngine,
-    VLLMEngine,
-    WeightVersion,
-    build_vllm_backend,
-    check_vllm_can_load,
-    engine_placement,
-    named_policy_weights,
-    require_vllm,
-)
-from .engines.transformers_engine import eval_mode
+from .base import GenerationEngine
+from .transformers_engine import TransformersEngine, eval_mode
+from .vllm_engine import VLLMEngine, build_vllm_backend, check_vllm_can_load, require_vllm
+from .vllm_options import engine_placement
+from .weight_sync import WeightVersion, named_policy_weights
 
 __all__ = ["RolloutGeneration", "build_generation", "eval_mode"]
 
@@ -37,7 +30,7 @@ class RolloutGeneration:
     Args:
         engine: generates the policy's responses.
         reference_engine: generates the reference's responses (``generate_ref_response=True``).
-        timer: the trainer's :class:`~.timing.PhaseTimer` (``rollout/generate``, ``rollout/weight_sync``).
+        timer: the trainer's :class:`~trl_lite.trainer.timing.PhaseTimer` (``rollout/generate``, ``rollout/weight_sync``).
         policy_weights: called for each push; yields the policy's ``(name, tensor)`` pairs.
         version: counts policy updates; None for an engine that needs no pushes.
         push: takes ``policy_weights()`` to the engine; default ``engine.load_weights`` (see
