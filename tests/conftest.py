@@ -49,7 +49,17 @@ def skip_reason(package: str) -> str:
             f"`make setup` installs it and its tests run)")  # fmt: skip
 
 
-MISSING = missing_optional_packages()
+# TRL_LITE_PRETEND_GPU_WITHOUT="vllm,..." pretends to be a GPU machine without those packages: how
+# tests/test_gpu_check.py checks this rule on a CPU machine.
+_PRETEND = os.environ.get("TRL_LITE_PRETEND_GPU_WITHOUT")
+MISSING = set(_PRETEND.split(",")) & set(OPTIONAL_PACKAGES) if _PRETEND else missing_optional_packages()
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "requires(package): needs an optional package (vllm, nbformat); skipped only where it is "
+        "missing and a GPU is visible",
+    )  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):
