@@ -112,3 +112,31 @@ def test_text_environment_on_a_trainer_generates_on_the_accelerators_device(monk
         with inputs_reaching(trainer.model, "generate") as seen, pytest.raises(ReachedTheModel):
             env.run(["movie", "plot"])
     assert_all_on(seen, ["input_ids", "attention_mask"])
+
+
+def test_async_rollouts_generate_on_the_policy_copy_on_the_accelerators_device(monkeypatch):
+    """AsyncRollouts with max_staleness > 0 generates on a copy of the policy (SnapshotGeneration's
+    PolicyCopyEngine): CPU queries reach the copy on the accelerator's device too."""
+    from trl_lite.rollouts.producer_generation import SnapshotGeneration
+
+    trainer = make_trainer()
+    generation = SnapshotGeneration(trainer)
+    copy = generation.rollout_generation.engine.model
+    assert copy is not trainer.model.pretrained_model
+    with accelerator_device(monkeypatch), inputs_reaching(copy, "generate") as seen, pytest.raises(ReachedTheModel):
+        generation.generate(QUERIES, batch_size=2, return_prompt=False, max_new_tokens=3)
+    assert_all_on(seen, ["input_ids", "attention_mask"])
+
+
+def test_run_episodes_generates_on_the_accelerators_device(monkeypatch):
+    """run_episodes builds each turn's queries on the CPU; the engine moves each chunk to the device."""
+    from test_agents import CALLS, USER, add, successor_model, turn
+    from test_agents import make_trainer as make_agent_trainer
+
+    from trl_lite.agents import run_episodes
+
+    trainer = make_agent_trainer(successor_model(turn("<tool_call>", CALLS["add"], "</tool_call>")))
+    with accelerator_device(monkeypatch):
+        with inputs_reaching(trainer.model, "generate") as seen, pytest.raises(ReachedTheModel):
+            run_episodes(trainer, [USER], tools=[add], max_turns=1, max_new_tokens=4)
+    assert_all_on(seen, ["input_ids", "attention_mask"])

@@ -144,7 +144,8 @@ def test_under_the_trainer_reference_is_the_base_model_and_reward_stays_frozen(d
     plain = GPT2LMHeadModel.from_pretrained(base_dir).eval()
     input_ids, attention_mask = padded_batch()
     with torch.no_grad(), model.pretrained_model.disable_adapter():
-        logits = model.eval()(input_ids, attention_mask=attention_mask)[0]
+        device = trainer.accelerator.device  # the model's forward takes inputs on its device (as transformers')
+        logits = model.eval()(input_ids.to(device), attention_mask=attention_mask.to(device))[0]
     assert_close(logits, plain(input_ids, attention_mask=attention_mask).logits, rtol=0, atol=1e-5)
     # And scoring still gives the reward model's scores.
     want, _ = reward_model_scores(load_reward_model(base_dir, reward_dir), input_ids, attention_mask)
