@@ -11,6 +11,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from devices import assert_close, equal, on_cpu
 from plain_ppo import PlainPPO
 from test_step_reference import (
     BASE_CONFIG,
@@ -28,7 +29,6 @@ from tiny_models import VOCAB_SIZE, make_gpt2, make_gpt2_critic, make_tokenizer,
 from transformers import GPT2ForSequenceClassification
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer, ValueModel
-
 
 # The KL statistics are per-row sums of up to 7 differences of log-probs of magnitude ~4, which are
 # themselves compared at rtol 1e-5: their absolute error is bounded by the sum of the log-probs'
@@ -80,10 +80,10 @@ def make_trio(
 def assert_close_by_name(got: dict, want: dict) -> None:
     assert sorted(got) == sorted(want)
     for name, value in want.items():
-        got_value, value = got[name].double(), value.double()
+        got_value, value = on_cpu(got[name]).double(), on_cpu(value).double()
         error = (got_value - value).norm() / value.norm().clamp(min=1e-12)
         assert error <= WEIGHTS_REL_L2, f"{name}: relative L2 error {error:.2e}"
-        torch.testing.assert_close(got_value, value, rtol=0, atol=WEIGHTS_ATOL, msg=lambda m, n=name: f"{n}: {m}")
+        assert_close(got_value, value, rtol=0, atol=WEIGHTS_ATOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 # Without PTX the separate critic's policy learns from the clipped surrogate alone, whose gradients
@@ -165,7 +165,7 @@ def test_each_loss_reaches_only_its_own_model(monkeypatch):
     trainer.step(queries, responses, scores, ptx_inputs=ptx_batch(0))
     assert len(seen) == trainer.config.ppo_epochs * BATCH_SIZE // trainer.config.mini_batch_size
     for key, value in trainer.model.v_head.state_dict().items():
-        assert torch.equal(value, v_head[key])
+        assert equal(value, v_head[key])
     in_policy_optimizer = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
     in_critic_optimizer = {id(p) for group in trainer.critic_optimizer.param_groups for p in group["params"]}
     assert not in_policy_optimizer & in_critic_optimizer
@@ -191,7 +191,7 @@ def test_save_pretrained_writes_policy_critic_and_ema(tmp_path):
     critic = GPT2ForSequenceClassification.from_pretrained(str(tmp_path / "policy" / "value_model"))
     want = trainer.accelerator.unwrap_model(trainer.critic).pretrained_model.state_dict()
     for key, value in critic.state_dict().items():
-        assert torch.equal(value, want[key]), key
+        assert equal(value, want[key]), key
     assert ValueModel.from_pretrained(str(tmp_path / "policy" / "value_model")).config.num_labels == 1
 
     policy = AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path / "policy")).state_dict()
@@ -199,11 +199,11 @@ def test_save_pretrained_writes_policy_critic_and_ema(tmp_path):
     live = trainer.accelerator.unwrap_model(trainer.model).state_dict()
     averaged = trainer.ema_model.state_dict()
     name = "transformer.h.1.attn.c_attn.weight"
-    assert torch.equal(policy[name], live[name])
-    assert torch.equal(ema[name], averaged[name]) and not torch.equal(ema[name], live[name])
+    assert equal(policy[name], live[name])
+    assert equal(ema[name], averaged[name]) and not equal(ema[name], live[name])
     # GPT-2 ties its LM head to the embeddings: the saved average keeps them tied.
-    assert torch.equal(ema["lm_head.weight"], averaged["transformer.wte.weight"])
-    assert not torch.equal(ema["transformer.wte.weight"], live["transformer.wte.weight"])
+    assert equal(ema["lm_head.weight"], averaged["transformer.wte.weight"])
+    assert not equal(ema["transformer.wte.weight"], live["transformer.wte.weight"])
 
 
 def _resumable_trainer():
@@ -246,7 +246,7 @@ def test_exact_resume_with_critic_and_ema(tmp_path):
     assert sorted(got_state) == sorted(want_state)
     assert any(k.startswith("critic_adam.") for k in got_state)
     for key, value in want_state.items():
-        assert torch.equal(got_state[key], value), key
+        assert equal(got_state[key], value), key
 
 
 def test_peft_critic_trains_only_its_adapter_and_head(tmp_path):
@@ -262,7 +262,7 @@ def test_peft_critic_trains_only_its_adapter_and_head(tmp_path):
     queries, responses, scores, _ = make_batch(0)
     stats = trainer.step(queries, responses, scores)
     assert np.isfinite(stats["ppo/loss/value"])
-    changed = {k for k, v in trainer.critic.state_dict().items() if not torch.equal(v, before[k])}
+    changed = {k for k, v in trainer.critic.state_dict().items() if not equal(v, before[k])}
     assert changed and all("lora_" in k or "score" in k for k in changed), sorted(changed)
     trainer.save_pretrained(str(tmp_path / "out"), save_value_model=True)
     assert (tmp_path / "out" / "value_model" / "adapter_config.json").exists()
@@ -315,7 +315,7 @@ def test_bad_ptx_inputs_are_rejected_before_any_state_changes(ptx, config, match
     with pytest.raises((ValueError, TypeError), match=match):
         trainer.step(queries, responses, scores, ptx_inputs=ptx())
     assert trainer.current_step == 0
-    assert all(torch.equal(v, weights[k]) for k, v in trainer.critic.state_dict().items())
+    assert all(equal(v, weights[k]) for k, v in trainer.critic.state_dict().items())
 
 
 def test_ema_requests_without_ema_decay_are_rejected(tmp_path):

@@ -20,18 +20,20 @@ import warnings
 
 import pytest
 import requests
-from peft import LoraConfig
 import torch
 from datasets import Dataset
+from devices import equal, on_cpu
+from peft import LoraConfig
 from tiny_models import VOCAB_SIZE, make_gpt2, make_tokenizer
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
-from trl_lite.rollouts import AsyncRollouts
 from trl_lite.engines import named_policy_weights
+from trl_lite.rollouts import AsyncRollouts
 
 # The vLLM tests run in one worker, in file order: an engine (one per process at a time), then a server
 # that the last test kills.
 ON_VLLM = pytest.mark.xdist_group("async_rollouts_vllm")
+NEEDS_VLLM = pytest.mark.requires("vllm")
 
 ROWS = 24  # 6 batches of 4 per pass
 EOS = 1
@@ -90,7 +92,8 @@ def lm_weights(trainer) -> dict:
 
 def float64_logprobs(lm, weights: dict, query, response) -> torch.Tensor:
     """Log-probs of ``response``'s tokens after ``query`` under ``lm``'s architecture (its base model's for
-    PEFT) with ``weights``, in float64."""
+    PEFT) with ``weights``, in float64, on the CPU."""
+    query, response = on_cpu((query, response))
     base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
     lm64 = type(base)(base.config).double().eval()
     lm64.load_state_dict({k: v.double() for k, v in weights.items()})
@@ -108,7 +111,7 @@ def check_versions(trainer, log, versions: dict, taken_at: list) -> None:
         gap = 0.0
         for query, response, engine_lp in zip(queries, responses, logprobs):
             own = float64_logprobs(lm, versions[version], query, response)
-            assert torch.allclose(engine_lp.double(), own, atol=1e-4), (version, engine_lp, own)
+            assert torch.allclose(on_cpu(engine_lp).double(), own, atol=1e-4), (version, engine_lp, own)
             gap = max(gap, (float64_logprobs(lm, versions[step], query, response) - own).abs().max().item())
         assert (gap > 1e-3) == (step != version)  # the check tells the versions apart
 
@@ -191,10 +194,10 @@ def test_max_staleness_0_gives_the_tokens_and_weights_of_the_plain_loop():
     for (_, queries, responses, logprobs), (_, plain_queries, plain_responses, plain_logprobs) in zip(log, plain_log):
         assert [q.tolist() for q in queries] == [q.tolist() for q in plain_queries]
         assert [r.tolist() for r in responses] == [r.tolist() for r in plain_responses]
-        assert all(torch.equal(a, b) for a, b in zip(logprobs, plain_logprobs))
+        assert all(equal(a, b) for a, b in zip(logprobs, plain_logprobs))
     expected = plain.accelerator.unwrap_model(plain.model).state_dict()
     for name, tensor in trainer.accelerator.unwrap_model(trainer.model).state_dict().items():
-        assert torch.equal(tensor, expected[name]), name
+        assert equal(tensor, expected[name]), name
 
 
 def test_a_loop_that_skips_a_step_goes_on_and_one_that_steps_twice_is_stopped():
@@ -368,7 +371,7 @@ def test_a_checkpoint_saved_during_the_run_resumes_from_the_last_batch_taken(tmp
         assert [r.tolist() for r in responses] == [r.tolist() for r in expected_responses]
     expected = straight.accelerator.unwrap_model(straight.model).state_dict()
     for name, tensor in resumed.accelerator.unwrap_model(resumed.model).state_dict().items():
-        assert torch.equal(tensor, expected[name]), name
+        assert equal(tensor, expected[name]), name
 
 
 def test_with_batches_in_flight_the_checkpoint_records_the_position_of_the_last_batch_taken(tmp_path):
@@ -394,7 +397,8 @@ def test_with_batches_in_flight_the_checkpoint_records_the_position_of_the_last_
 
 def test_run_episodes_plays_multi_turn_episodes_on_the_batchs_version():
     """``run_episodes(generate, ...)`` inside a rollout_fn: the handle stands in for the trainer."""
-    from test_agents import CALLS, USER, add, make_trainer as agents_trainer, successor_model, turn
+    from test_agents import CALLS, USER, add, successor_model, turn
+    from test_agents import make_trainer as agents_trainer
 
     from trl_lite.agents import run_episodes, step_inputs
 
@@ -472,6 +476,7 @@ def vllm_trainer(**overrides) -> PPOTrainer:
 
 
 @ON_VLLM
+@NEEDS_VLLM
 def test_colocated_vllm_generates_each_batch_on_the_snapshot_of_its_version_and_pauses_for_trainer_generate():
     trainer = vllm_trainer()
     try:
@@ -540,6 +545,7 @@ def server(tmp_path_factory):
 
 
 @ON_VLLM
+@NEEDS_VLLM
 def test_server_mode_generates_each_batch_on_the_weights_of_its_version(server):
     url, _ = server
     trainer = vllm_trainer(vllm_mode="server", vllm_server_url=url, vllm_server_timeout=60)
@@ -561,6 +567,7 @@ def test_server_mode_generates_each_batch_on_the_weights_of_its_version(server):
 
 
 @ON_VLLM
+@NEEDS_VLLM
 def test_a_killed_server_ends_the_loop_with_the_clients_error_not_a_hang(server):
     """Last: kills the module's server."""
     url, process = server
@@ -583,6 +590,7 @@ def test_a_killed_server_ends_the_loop_with_the_clients_error_not_a_hang(server)
 # The examples -------------------------------------------------------------------------------------
 
 
+@pytest.mark.requires("nbformat")
 def test_the_sentiment_example_trains_saves_and_resumes_with_async_rollouts(tmp_path):
     from test_examples import SMALL_RUN, read_metrics, run_script
 
@@ -598,6 +606,7 @@ def test_the_sentiment_example_trains_saves_and_resumes_with_async_rollouts(tmp_
     assert all("rollout/is_weight/mean" in r and "time/rollout/wait" in r for r in records)
 
 
+@pytest.mark.requires("nbformat")
 def test_the_arithmetic_example_trains_and_evaluates_with_async_rollouts(tmp_path):
     from test_examples import run_script
 

@@ -247,6 +247,7 @@ def test_a_rollout_longer_than_the_engine_holds_is_refused_instead_of_cut_short(
         engine.generate(queries, {"max_new_tokens": 12, "do_sample": False}, None, 2, False, True, False)
 
 
+@pytest.mark.requires("vllm")
 def test_the_server_launcher_documents_vllms_memory_and_eager_defaults(capsys):
     import dataclasses
 

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from devices import equal, on_cpu
 from peft import LoraConfig, get_peft_model
 from tiny_models import make_gpt2, make_t5, make_tokenizer
 from transformers import GenerationConfig
@@ -70,7 +71,7 @@ def make_trainer(**config):
 def test_transformers_engine_logprobs_match_a_float64_recomputation_in_every_layout():
     trainer = make_trainer()
     lm = trainer.model.pretrained_model
-    lm64 = copy.deepcopy(lm).double().eval()
+    lm64 = copy.deepcopy(lm).double().cpu().eval()  # the float64 recomputation runs on the CPU
     torch.manual_seed(0)
     for return_prompt in (True, False):
         rows, ref_rows, logprobs = trainer.generate(
@@ -78,7 +79,7 @@ def test_transformers_engine_logprobs_match_a_float64_recomputation_in_every_lay
             do_sample=True, top_k=0, temperature=1.5, max_new_tokens=6, num_return_sequences=2,
         )  # fmt: skip
         assert len(rows) == len(ref_rows) == len(logprobs) == 2 * len(QUERIES)
-        for index, (row, row_logprobs) in enumerate(zip(rows, logprobs)):
+        for index, (row, row_logprobs) in enumerate(zip(on_cpu(rows), on_cpu(logprobs))):
             query = QUERIES[index // 2]
             response = row[len(query) :] if return_prompt else row
             assert row_logprobs.shape == (len(response),)
@@ -103,7 +104,7 @@ def test_pushed_weights_are_the_transformers_state_dict_and_peft_weights_are_mer
     pushed = dict(named_policy_weights(model.pretrained_model))
     state = model.pretrained_model.state_dict()
     assert sorted(pushed) == sorted(state) and "v_head.summary.weight" not in pushed
-    assert all(torch.equal(pushed[k], state[k]) for k in state)
+    assert all(equal(pushed[k], state[k]) for k in state)
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], task_type="CAUSAL_LM", fan_in_fan_out=True)
     peft_model = get_peft_model(make_gpt2(seed=5), lora)
@@ -115,7 +116,7 @@ def test_pushed_weights_are_the_transformers_state_dict_and_peft_weights_are_mer
     reference = copy.deepcopy(peft_model).merge_and_unload().state_dict()  # peft's own merge, on a copy
     assert sorted(merged) == sorted(reference)
     assert max(float((merged[k] - reference[k]).abs().max()) for k in reference) < 1e-6
-    assert not torch.equal(merged["transformer.h.0.attn.c_attn.weight"],
+    assert not equal(merged["transformer.h.0.attn.c_attn.weight"],
                            peft_model.get_base_model().transformer.h[0].attn.c_attn.base_layer.weight)  # fmt: skip
     assert not any(getattr(m, "merged", False) for m in peft_model.modules())  # the adapter stays unmerged
 
@@ -135,6 +136,7 @@ def test_weight_version_counts_optimizer_steps_through_wrappers_and_pushes_only_
     assert "ppo/loss/policy" in stats
 
 
+@pytest.mark.requires("vllm")
 def test_vllm_trainers_refuse_encoder_decoders_unknown_architectures_and_a_missing_vllm(monkeypatch):
     config = PPOConfig(batch_size=2, mini_batch_size=1, use_vllm=True)
     t5 = AutoModelForSeq2SeqLMWithValueHead.from_pretrained(make_t5())

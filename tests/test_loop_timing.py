@@ -3,6 +3,7 @@
 
 import pytest
 import torch
+from devices import equal
 from tiny_models import make_gpt2, make_tokenizer, random_batch
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
@@ -19,11 +20,11 @@ def test_batched_generation_answers_each_query_in_the_given_order():
     responses = trainer.generate(queries, batch_size=2, return_prompt=False, max_new_tokens=4, do_sample=False)
     lm = trainer.model.pretrained_model.eval()
     for query, response in zip(queries, responses):
-        alone = lm.generate(input_ids=query[None], attention_mask=torch.ones(1, len(query), dtype=torch.long),
+        alone = lm.generate(input_ids=query[None].to(lm.device), attention_mask=torch.ones(1, len(query), dtype=torch.long, device=lm.device),
                             max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(query):]
         eos = (alone == 1).nonzero()
         expected = alone[: int(eos[0]) + 1] if len(eos) else alone
-        assert torch.equal(response, expected)
+        assert equal(response, expected)
 
 
 def test_trim_generations_cuts_padding_prompt_and_after_the_first_eos():

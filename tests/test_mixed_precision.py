@@ -84,7 +84,8 @@ def test_the_fused_lm_head_runs_in_the_autocast_dtype(monkeypatch):
     real = logprobs_module._lm_head_logits
 
     def recording(hidden, weight, bias, buffer_rows, out=None):
-        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), hidden.dtype))
+        device = hidden.device.type  # autocast is per device type: "cuda" where the trainer runs on a GPU
+        seen.append((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), hidden.dtype))
         return real(hidden, weight, bias, buffer_rows, out)
 
     monkeypatch.setattr(logprobs_module, "_lm_head_logits", recording)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from devices import assert_close, equal
 from peft import LoraConfig, PeftModel, get_peft_model
 from tiny_models import VOCAB_SIZE, make_gpt2, make_tokenizer, random_batch
 from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
@@ -88,9 +89,9 @@ def test_compute_reward_score_equals_the_reward_model(dirs):
     scores = model.compute_reward_score(input_ids, attention_mask=attention_mask)
     want_scores, want_pooled = reward_model_scores(reward_model, input_ids, attention_mask)
     assert scores.shape == (3, 7, 1) and scores.dtype == torch.float64 and not scores.requires_grad
-    torch.testing.assert_close(scores, want_scores, rtol=0, atol=1e-12)
+    assert_close(scores, want_scores, rtol=0, atol=1e-12)
     last = attention_mask.sum(1) - 1
-    torch.testing.assert_close(scores[torch.arange(3), last], want_pooled, rtol=0, atol=1e-12)
+    assert_close(scores[torch.arange(3), last], want_pooled, rtol=0, atol=1e-12)
     # The policy adapter was not applied: on its hidden states the score head gives other numbers.
     with torch.no_grad():
         policy_hidden = model.pretrained_model(input_ids, attention_mask=attention_mask, output_hidden_states=True)
@@ -107,7 +108,7 @@ def test_policy_outputs_mode_and_grads_unchanged_after_scoring(dirs, training):
         before = model(input_ids, attention_mask=attention_mask)
         model.compute_reward_score(input_ids, attention_mask=attention_mask)
         after = model(input_ids, attention_mask=attention_mask)
-    assert torch.equal(before[0], after[0]) and torch.equal(before[2], after[2])
+    assert equal(before[0], after[0]) and equal(before[2], after[2])
     assert model.training is training and all(m.training is training for m in model.modules())
     assert model.pretrained_model.active_adapter == "default"
     assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
@@ -137,18 +138,19 @@ def test_under_the_trainer_reference_is_the_base_model_and_reward_stays_frozen(d
     # The first rollout compares the policy (fresh adapter) with the reference (no adapter at all):
     # zero KL shows neither the reward adapter nor the policy adapter ran in the reference pass.
     assert abs(stats["objective/kl"]) < 1e-6
-    assert all(torch.equal(p, reward_before[n]) for n, p in model.named_parameters() if n in reward_before)
+    assert all(equal(p, reward_before[n]) for n, p in model.named_parameters() if n in reward_before)
     assert any(p.abs().max() > 0 for n, p in model.named_parameters() if "lora_B.default" in n)
     # With every adapter disabled the model is the plain base model, after training as before it.
     plain = GPT2LMHeadModel.from_pretrained(base_dir).eval()
     input_ids, attention_mask = padded_batch()
     with torch.no_grad(), model.pretrained_model.disable_adapter():
-        logits = model.eval()(input_ids, attention_mask=attention_mask)[0]
-    torch.testing.assert_close(logits, plain(input_ids, attention_mask=attention_mask).logits, rtol=0, atol=1e-5)
+        device = trainer.accelerator.device  # the model's forward takes inputs on its device (as transformers')
+        logits = model.eval()(input_ids.to(device), attention_mask=attention_mask.to(device))[0]
+    assert_close(logits, plain(input_ids, attention_mask=attention_mask).logits, rtol=0, atol=1e-5)
     # And scoring still gives the reward model's scores.
     want, _ = reward_model_scores(load_reward_model(base_dir, reward_dir), input_ids, attention_mask)
     scores = model.compute_reward_score(input_ids, attention_mask=attention_mask)
-    torch.testing.assert_close(scores.double(), want, rtol=0, atol=1e-5)
+    assert_close(scores.double(), want, rtol=0, atol=1e-5)
 
 
 def test_score_head_bias_is_read_from_the_head_only(dirs, tmp_path):
@@ -159,7 +161,7 @@ def test_score_head_bias_is_read_from_the_head_only(dirs, tmp_path):
     assert model.score.bias is None
     input_ids, attention_mask = padded_batch()
     want, _ = reward_model_scores(load_reward_model(base_dir, reward_dir), input_ids, attention_mask)
-    torch.testing.assert_close(model.compute_reward_score(input_ids, attention_mask), want, rtol=0, atol=1e-12)
+    assert_close(model.compute_reward_score(input_ids, attention_mask), want, rtol=0, atol=1e-12)
 
 
 def test_save_pretrained_keeps_the_policy_and_leaves_the_score_head_out(dirs, tmp_path):
@@ -174,8 +176,8 @@ def test_save_pretrained_keeps_the_policy_and_leaves_the_score_head_out(dirs, tm
     with torch.no_grad():
         for got, want in zip(loaded(input_ids, attention_mask=attention_mask), model(input_ids, attention_mask=attention_mask)):
             if want is not None:
-                torch.testing.assert_close(got, want, rtol=0, atol=0)
-    torch.testing.assert_close(
+                assert_close(got, want, rtol=0, atol=0)
+    assert_close(
         loaded.compute_reward_score(input_ids, attention_mask), model.compute_reward_score(input_ids, attention_mask)
     )
 

@@ -14,6 +14,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from devices import assert_close, equal, on_cpu
 from plain_objectives import PlainObjectivesPPO
 from test_step_reference import BATCH_SIZE, make_batch, perturbed_copy
 from tiny_models import make_gpt2, make_tokenizer, random_batch
@@ -146,7 +147,7 @@ def test_entropy_of_the_log_prob_kernels_is_differentiable(fused):
     want, got = grads[:3], grads[3:]
     for want_set, got_set in zip(want, got):
         for w, x in zip(want_set, got_set):
-            torch.testing.assert_close(x, w, rtol=1e-10, atol=1e-12)
+            assert_close(x, w, rtol=1e-10, atol=1e-12)
 
 
 def test_entropy_gradient_survives_underflowing_probabilities():
@@ -157,7 +158,7 @@ def test_entropy_gradient_survives_underflowing_probabilities():
     p = torch.softmax(logits.detach().double(), -1)
     h = -(p * torch.log(p.clamp(min=1e-300))).sum()
     want = -p * (torch.log(p.clamp(min=1e-300)) + h)
-    torch.testing.assert_close(logits.grad.double(), want, rtol=1e-5, atol=1e-7)
+    assert_close(logits.grad.double(), want, rtol=1e-5, atol=1e-7)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -262,9 +263,9 @@ def test_two_steps_match_the_float64_reference(name):
             seen[key] = max(seen[key], float(want[key]))
 
     # Weights: the trainer's SGD updates equal the reference's to float32 rounding.
-    got_weights = trainer.accelerator.unwrap_model(trainer.model).state_dict()
+    got_weights = on_cpu(trainer.accelerator.unwrap_model(trainer.model).state_dict())
     if critic_free:
-        got_weights = trainer.model.pretrained_model.state_dict()
+        got_weights = on_cpu(trainer.model.pretrained_model.state_dict())
     moved = 0.0
     for key, want_value in plain.model.state_dict().items():
         update = want_value - initial[key]
@@ -297,7 +298,7 @@ def _one_update(loss_type: str, mini_batch_size: int, gradient_accumulation_step
     assert len({len(r) for r in responses}) > 3  # rows of very different lengths
     torch.manual_seed(0)
     trainer.step(queries, responses, scores)
-    return {k: v.detach().clone() for k, v in trainer.model.pretrained_model.state_dict().items()}
+    return {k: on_cpu(v).clone() for k, v in trainer.model.pretrained_model.state_dict().items()}
 
 
 def test_global_token_mean_update_is_independent_of_mini_batch_size_and_accumulation():
@@ -345,7 +346,7 @@ def test_options_on_a_peft_policy_match_the_float64_reference():
         want = plain.step(queries, responses, scores)
         for key in COMPARED + ("ppo/policy/entropy_loss", "ppo/policy/kl_loss"):
             np.testing.assert_allclose(got[key], float(want[key]), rtol=2e-5, atol=2e-6, err_msg=key)
-    got_params = dict(trainer.accelerator.unwrap_model(trainer.model).pretrained_model.named_parameters())
+    got_params = on_cpu(dict(trainer.accelerator.unwrap_model(trainer.model).pretrained_model.named_parameters()))
     assert initial and all("lora_" in k for k in initial)
     for key, start in initial.items():
         want_value = dict(plain.model.named_parameters())[key].detach()
@@ -369,7 +370,7 @@ def test_options_with_a_separate_critic_train_both_models():
         assert np.isfinite(stats[key]), key
     assert stats["ppo/policy/clipfrac_high"] > 0
     for model, start in zip((policy, critic), before):
-        assert any(not torch.equal(v, model.state_dict()[k]) for k, v in start.items())
+        assert any(not equal(v, model.state_dict()[k]) for k, v in start.items())
 
 
 @pytest.mark.parametrize(
@@ -404,7 +405,7 @@ def test_bad_generation_logprobs_are_rejected_before_any_state_changes(bad, erro
     with pytest.raises(error, match=match):
         trainer.step(queries, responses, scores, generation_logprobs=lps)
     assert trainer.current_step == 0
-    assert all(torch.equal(v, trainer.model.state_dict()[k]) for k, v in weights.items())
+    assert all(equal(v, trainer.model.state_dict()[k]) for k, v in weights.items())
 
 
 def test_classic_train_minibatch_takes_every_loss_type():
@@ -421,9 +422,9 @@ def test_classic_train_minibatch_takes_every_loss_type():
         mask = rows.action_mask
         logits, _, vpreds = trainer.model(**trainer.prepare_model_inputs(queries, responses))
         logits, vpreds = logits[:, 2:6], vpreds[:, 2:6]  # the positions predicting response tokens 0..3
-        targets = torch.stack([torch.cat((r, r.new_zeros(4 - len(r)))) for r in responses])
+        targets = torch.stack([torch.cat((r, r.new_zeros(4 - len(r)))) for r in responses]).to(logits.device)
         logprobs = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
-        advantages = torch.tensor([[1.0, -2.0, 0.5, 1.5], [-1.0, 2.0, 0.0, 0.0]]) * mask
+        advantages = torch.tensor([[1.0, -2.0, 0.5, 1.5], [-1.0, 2.0, 0.0, 0.0]], device=mask.device) * mask
         stats = trainer.train_minibatch(old, values, logprobs, logits, vpreds, mask, advantages, values + advantages)
         losses[loss_type] = float(stats["loss/policy"])
     assert losses["global_token_mean"] == pytest.approx(losses["token_mean"], rel=1e-6)

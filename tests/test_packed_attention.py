@@ -12,6 +12,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from devices import assert_close, equal, on_cpu
 from test_packing import _assert_same_steps, _steps
 from tiny_models import VOCAB_SIZE, make_gpt2, make_gpt2_critic, make_tokenizer, random_batch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -61,12 +62,12 @@ def test_each_row_attends_to_itself_alone(heads, kv_heads):
     assert weights is None and out.shape == (1, sum(LENGTHS), heads, 8)
     leaves = [t.detach().double().requires_grad_() for t in (query, key, value)]
     expected = _reference_attention(*leaves, LENGTHS, scale=0.3)
-    torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5)
+    assert_close(out.double(), expected, rtol=0, atol=1e-5)
     upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     grads = torch.autograd.grad((out * upstream).sum(), (query, key, value))
     expected_grads = torch.autograd.grad((expected * upstream.double()).sum(), leaves)
     for grad, expected_grad in zip(grads, expected_grads):
-        torch.testing.assert_close(grad.double(), expected_grad, rtol=0, atol=1e-5)
+        assert_close(grad.double(), expected_grad, rtol=0, atol=1e-5)
 
 
 def test_without_row_lengths_it_is_sdpa_with_the_given_mask():
@@ -77,7 +78,7 @@ def test_without_row_lengths_it_is_sdpa_with_the_given_mask():
     block_causal = (row[:, None] == row[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
     out, _ = packed_sdpa_attention_forward(module, query, key, value, block_causal[None, None], scaling=0.3)
     expected = _reference_attention(query, key, value, LENGTHS, scale=0.3)
-    torch.testing.assert_close(out.double(), expected, rtol=0, atol=1e-5)
+    assert_close(out.double(), expected, rtol=0, atol=1e-5)
     # Unmasked and without lengths, every token attends to all earlier tokens of the packed sequence.
     crossing, _ = packed_sdpa_attention_forward(module, query, key, value, None, scaling=0.3)
     assert not torch.allclose(crossing.double(), expected, atol=1e-3)
@@ -150,7 +151,7 @@ def test_critic_values_match_between_packed_and_padded_passes():
         trainer = PPOTrainer(config, policy, tokenizer=make_tokenizer("left"), value_model=critic)
         assert trainer._pack is padding_free
         queries, responses, _ = random_batch(8, seed=1, query_len=(1, 7), response_len=(1, 9))
-        values.append(trainer.experience_maker.passes(trainer.forward.make_rows(queries, responses, None))[2])
+        values.append(on_cpu(trainer.experience_maker.passes(trainer.forward.make_rows(queries, responses, None))[2]))
     assert values[0].abs().sum() > 0
     np.testing.assert_allclose(values[0].numpy(), values[1].numpy(), rtol=0, atol=1e-5)
 
@@ -191,8 +192,8 @@ def test_packed_passes_build_no_block_diagonal_mask_yet_attend_within_rows(monke
         # Without the row lengths the layers build the deferred mask, once for the pass, and use it.
         masked = lm(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
     assert built == [(sum(LENGTHS), sum(LENGTHS))]
-    torch.testing.assert_close(per_row[0], expected.detach(), rtol=0, atol=1e-5)
-    torch.testing.assert_close(masked[0], expected.detach(), rtol=0, atol=1e-5)
+    assert_close(per_row[0], expected.detach(), rtol=0, atol=1e-5)
+    assert_close(masked[0], expected.detach(), rtol=0, atol=1e-5)
 
 
 def test_a_packed_step_defers_every_mask_and_builds_none(monkeypatch):
@@ -217,7 +218,11 @@ def test_a_packed_step_defers_every_mask_and_builds_none(monkeypatch):
 
 
 def test_the_deferred_mask_is_the_block_diagonal_causal_mask():
-    from transformers.masking_utils import and_masks, causal_mask_function, packed_sequence_mask_function
+    from transformers.masking_utils import (
+        and_masks,
+        causal_mask_function,
+        packed_sequence_mask_function,
+    )
 
     n = sum(LENGTHS)
     row = torch.repeat_interleave(torch.arange(len(LENGTHS)), torch.tensor(LENGTHS))
@@ -226,7 +231,7 @@ def test_the_deferred_mask_is_the_block_diagonal_causal_mask():
                                 allow_is_causal_skip=False)  # fmt: skip
     assert isinstance(deferred, DeferredMask)
     block_causal = (row[:, None] == row[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
-    assert torch.equal(deferred.build(), block_causal[None, None]) and deferred.build() is deferred.build()
+    assert equal(deferred.build(), block_causal[None, None]) and deferred.build() is deferred.build()
     # Padded batches (several rows, a padding mask) get their mask at once, as from sdpa_mask.
     padding = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
     padded = packed_sdpa_mask(batch_size=2, q_length=3, kv_length=3, attention_mask=padding)

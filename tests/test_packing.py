@@ -10,6 +10,7 @@ test_distributed_packing.py.
 import numpy as np
 import pytest
 import torch
+from devices import assert_close, equal, on_cpu
 from tiny_models import make_gpt2, make_t5, make_tokenizer, random_batch
 
 from trl_lite import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOConfig, PPOTrainer
@@ -25,17 +26,18 @@ def make_trainer(padding_free, padding_side="right", model=None, **config_kwargs
 
 
 def _row_alone_reference(wrapper, query, response):
-    """Log-probs of `response` and values at its action positions, the row run alone in float64."""
+    """Log-probs of `response` and values at its action positions, the row run alone in float64 (on the
+    model's device; returned on the CPU)."""
     model = wrapper.pretrained_model.double()
     head = wrapper.v_head.double()
-    ids = torch.cat((query, response)).unsqueeze(0)
+    ids = torch.cat((query, response)).unsqueeze(0).to(model.device)
     with torch.no_grad():
         out = model(input_ids=ids, output_hidden_states=True)
     logp = torch.log_softmax(out.logits[0], -1)
     actions = torch.arange(len(query) - 1, len(ids[0]) - 1)
     values = head(out.hidden_states[-1])[0]
     wrapper.float()
-    return logp[actions, ids[0, actions + 1]], values[actions]
+    return on_cpu((logp[actions, ids[0, actions + 1]], values[actions]))
 
 
 @pytest.mark.parametrize("padding_side", ["left", "right"])
@@ -56,9 +58,9 @@ def test_packed_rows_give_each_row_its_own_logprobs_and_values(padding_side):
     for b, (query, response) in enumerate(zip(queries, responses)):
         expected_lp, expected_values = _row_alone_reference(trainer.model, query, response)
         n = len(response)
-        torch.testing.assert_close(logprobs[b, :n].double(), expected_lp, rtol=0, atol=2e-5)
-        torch.testing.assert_close(ref_logprobs[b, :n].double(), expected_lp, rtol=0, atol=2e-5)
-        torch.testing.assert_close(values[b, :n].double(), expected_values, rtol=0, atol=2e-5)
+        assert_close(logprobs[b, :n].double(), expected_lp, rtol=0, atol=2e-5)
+        assert_close(ref_logprobs[b, :n].double(), expected_lp, rtol=0, atol=2e-5)
+        assert_close(values[b, :n].double(), expected_values, rtol=0, atol=2e-5)
         assert not logprobs[b, n:].any() and not values[b, n:].any()
 
 
@@ -90,8 +92,8 @@ def _assert_same_steps(packed, padded):
     # atol: the key part of an attention bias has a zero gradient up to rounding, which Adam scales
     # to steps of size lr (1e-3), so those entries differ by a few 1e-6 between any two layouts.
     for name, weight in padded_weights.items():
-        torch.testing.assert_close(packed_weights[name], weight, rtol=1e-5, atol=2e-5, msg=name)
-    changed = [n for n, w in padded_weights.items() if not torch.equal(w, padded_before[n])]
+        assert_close(packed_weights[name], weight, rtol=1e-5, atol=2e-5, msg=name)
+    changed = [n for n, w in padded_weights.items() if not equal(w, padded_before[n])]
     assert changed, "the steps did not train"
 
 

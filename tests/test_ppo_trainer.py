@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from devices import assert_close, equal, on_cpu
 from tiny_models import make_gpt2, make_t5, make_tokenizer, random_batch
 
 from trl_lite import (
@@ -40,11 +41,11 @@ def test_step_moves_policy_and_value_head_but_not_the_reference():
     policy_before = snapshot(trainer.model)
     ref_before = snapshot(trainer.ref_model)
     stats = trainer.step(*random_batch(4))
-    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, policy_before[n])]
+    changed = [n for n, p in trainer.model.named_parameters() if not equal(p, policy_before[n])]
     assert any(n.startswith("v_head.") for n in changed)
     assert any(n.startswith("pretrained_model.") for n in changed)
     for name, p in trainer.ref_model.named_parameters():
-        assert torch.equal(p, ref_before[name]), name
+        assert equal(p, ref_before[name]), name
         assert not p.requires_grad
     assert trainer.current_step == 1
     for key in ("objective/kl", "ppo/loss/total", "ppo/val/var_explained", "time/ppo/total"):
@@ -209,7 +210,7 @@ def test_encoder_decoder_step_trains():
     stats = trainer.step(queries, responses, scores)
     assert stats["objective/kl"] == 0.0
     assert math.isfinite(stats["ppo/loss/total"])
-    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    assert any(not equal(p, before[n]) for n, p in trainer.model.named_parameters())
     # Actions are decoder positions 1 .. len - 2 (predicting tokens 2 .. len - 1).
     assert stats["objective/logprobs"].shape == (sum(len(r) - 2 for r in responses),)
 
@@ -226,11 +227,11 @@ def test_peft_lora_step_moves_only_adapter_and_value_head_and_uses_the_disabled_
     stats = trainer.step(*batch)
     assert stats["objective/kl"] == 0.0  # LoRA starts as the identity: policy == reference
     for name, p in trainer.model.named_parameters():
-        moved = not torch.equal(p, before[name])
+        moved = not equal(p, before[name])
         if "lora_" in name or name.startswith("v_head."):
             continue
         assert not moved, f"{name} is not an adapter or head weight but changed"
-    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters() if "lora_B" in n)
+    assert any(not equal(p, before[n]) for n, p in trainer.model.named_parameters() if "lora_B" in n)
     stats = trainer.step(*batch)
     assert stats["objective/kl"] != 0.0
 
@@ -241,6 +242,7 @@ def test_peft_lora_step_moves_only_adapter_and_value_head_and_uses_the_disabled_
     with torch.no_grad():
         with trainer.model.pretrained_model.disable_adapter():
             lp_ref, _, _, mask = trainer.batched_forward_pass(trainer.model, queries, responses, inputs)
+        inputs, lp_ref, mask = on_cpu((inputs, lp_ref, mask))  # the reference runs on the CPU
         logits = base(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
     expected = torch.log_softmax(logits[:, :-1].double(), -1).gather(-1, inputs["input_ids"][:, 1:, None]).squeeze(-1)
     assert torch.allclose(lp_ref[mask.bool()].double(), expected[mask.bool()], atol=1e-5)
@@ -255,14 +257,14 @@ def test_generate_strips_padding_and_the_prompt():
     torch.manual_seed(0)
     without = trainer.generate(queries, batch_size=2, return_prompt=False, max_new_tokens=6, do_sample=True)
     for q, full, resp in zip(queries, with_prompt, without):
-        assert torch.equal(full[: len(q)], q)
-        assert torch.equal(full[len(q) :], resp)
+        assert equal(full[: len(q)], q)
+        assert equal(full[len(q) :], resp)
         assert 1 <= len(resp) <= 6
         eos = (resp == tokenizer.eos_token_id).nonzero()
         if len(eos):
             assert int(eos[0]) == len(resp) - 1  # cut right after the first EOS
     single = trainer.generate(queries[0], max_new_tokens=3, do_sample=False)
-    assert single.shape[0] == 1 and torch.equal(single[0, :3], queries[0])
+    assert single.shape[0] == 1 and equal(single[0, :3], queries[0])
 
 
 def test_generate_with_reference_and_length_sampler():
@@ -277,7 +279,7 @@ def test_generate_with_reference_and_length_sampler():
     # Before training, greedy decoding of policy and its reference copy agree (each call draws its own length).
     for r, rr in zip(responses, ref_responses):
         n = min(len(r), len(rr))
-        assert torch.equal(r[:n], rr[:n])
+        assert equal(r[:n], rr[:n])
         assert len(r) in (2, 3) and len(rr) in (2, 3)
 
 
@@ -298,7 +300,7 @@ def test_trainer_save_pretrained_round_trip(tmp_path):
     loaded = AutoModelForCausalLMWithValueHead.from_pretrained(str(tmp_path))
     saved = dict(trainer.model.named_parameters())
     for name, p in loaded.named_parameters():
-        assert torch.equal(p, saved[name]), name
+        assert equal(p, saved[name]), name
     assert (tmp_path / "tokenizer.json").exists()
 
 
@@ -336,7 +338,7 @@ def test_reference_sharing_layers_stays_frozen_where_shared():
     ref_before = snapshot(trainer.ref_model)
     trainer.step(*random_batch(4))
     for name, p in trainer.ref_model.named_parameters():
-        assert torch.equal(p, ref_before[name]), name
+        assert equal(p, ref_before[name]), name
 
 
 def test_results_do_not_depend_on_other_rows():
@@ -429,7 +431,7 @@ def test_fused_lm_head_step_equals_the_model_head_step(monkeypatch, untied_head_
         if untied_head_with_bias:
             gpt2.config.tie_word_embeddings = False
             torch.manual_seed(5)
-            gpt2.lm_head = torch.nn.Linear(gpt2.config.n_embd, gpt2.config.vocab_size, bias=True)
+            gpt2.lm_head = torch.nn.Linear(gpt2.config.n_embd, gpt2.config.vocab_size, bias=True, device=gpt2.device)
         model = AutoModelForCausalLMWithValueHead.from_pretrained(gpt2)
         assert model.linear_lm_head() is gpt2.lm_head
         if not fused:
@@ -447,7 +449,7 @@ def test_fused_lm_head_step_equals_the_model_head_step(monkeypatch, untied_head_
     if untied_head_with_bias:
         assert "pretrained_model.lm_head.bias" in fused_weights
     for name, weight in plain_weights.items():
-        torch.testing.assert_close(fused_weights[name], weight, rtol=1e-5, atol=1e-6, msg=name)
+        assert_close(fused_weights[name], weight, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_fused_head_follows_a_head_replaced_after_the_trainer_was_made():
@@ -466,9 +468,10 @@ def test_fused_head_follows_a_head_replaced_after_the_trainer_was_made():
         logits, _, _ = trainer.model(**inputs)
     expected = torch.log_softmax(logits[:, :-1].double(), -1).gather(-1, inputs["input_ids"][:, 1:, None])[..., 0]
     assert masks.sum() == sum(len(r) for r in responses)
-    torch.testing.assert_close(logprobs[masks.bool()].double(), expected[masks.bool()], rtol=0, atol=1e-5)
+    assert_close(logprobs[masks.bool()].double(), expected[masks.bool()], rtol=0, atol=1e-5)
 
 
+@pytest.mark.cpu_only  # keep_freed_cpu_memory and its buffer act on CPU training only
 @pytest.mark.parametrize("keep", [True, False])
 def test_cpu_steps_reuse_one_logits_buffer_when_keeping_freed_memory(monkeypatch, keep):
     # With keep_freed_cpu_memory every fused-head pass of every step writes into one buffer, grown
@@ -505,6 +508,7 @@ def test_default_optimizer_is_fused_adam_with_the_config_learning_rate():
     assert {id(p) for group in trainer.optimizer.param_groups for p in group["params"]} == trainable
 
 
+@pytest.mark.cpu_only  # the process's CPU heap is what is measured
 @pytest.mark.parametrize("keep", [True, False])
 def test_cpu_training_keeps_freed_memory_only_when_configured(monkeypatch, keep):
     import trl_lite.trainer.ppo_trainer as ppo_trainer_module

@@ -110,7 +110,9 @@ def test_discovery_finds_the_scripts_of_every_folder():
     assert "examples/scripts/tiny_sentiment.py" not in TARGETS  # a module the scripts import, not a script
 
 
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize(
+    "target", [pytest.param(t, marks=pytest.mark.requires("vllm")) if t == SERVER else t for t in TARGETS]
+)
 def test_help_prints_usage_and_exits_0(help_runs, target):
     run = help_runs[target]
     assert run["returncode"] == 0, run["output"][-4000:]

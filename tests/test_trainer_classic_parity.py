@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from devices import equal
 from tiny_models import make_gpt2, make_tokenizer, random_batch
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer, create_reference_model
@@ -107,7 +108,7 @@ def test_other_score_shapes_are_rejected(shape):
     with pytest.raises(ValueError, match=f"scores\\[2\\] must be one number.*got shape {re_shape(shape)}"):
         trainer.step(queries, responses, scores)
     assert trainer.current_step == 0
-    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    assert all(equal(p, before[n]) for n, p in trainer.model.named_parameters())
 
 
 def re_shape(shape):
@@ -196,7 +197,7 @@ def test_save_pretrained_with_model_card(tmp_path):
     reloaded = AutoModelForCausalLMWithValueHead.from_pretrained(str(out))
     original = trainer.accelerator.unwrap_model(trainer.model)
     for (name, p), (_, q) in zip(original.state_dict().items(), reloaded.state_dict().items()):
-        assert torch.equal(p, q), name
+        assert equal(p, q), name
     trainer.create_model_card(str(tmp_path / "card_only"), model_name="My PPO model")
     assert os.listdir(tmp_path / "card_only") == ["README.md"]
     assert "# My PPO model" in (tmp_path / "card_only" / "README.md").read_text()

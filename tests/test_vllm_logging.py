@@ -98,6 +98,7 @@ def test_a_spawned_engine_process_applies_the_level_its_parent_chose(clean_loggi
 
 
 @pytest.mark.parametrize("entry", NOT_ACTIONABLE, ids=lambda entry: f"{entry.logger}:{entry.message[:30]}")
+@pytest.mark.requires("vllm")
 def test_every_dropped_warning_is_still_what_the_installed_vllm_logs(entry):
     # A vLLM upgrade that rewords or moves a message shows here, not as noise in users' output.
     source = open(importlib.util.find_spec(entry.logger).origin).read()

@@ -349,12 +349,12 @@ def _generate_turns(engine: _Engine, playing: list[_Live], kwargs: dict, max_epi
         sizes = set(gather_object(sorted(sizes)))
     stops = set(kwargs["eos_token_id"])
     turns = [None] * len(playing)
-    device = engine.accelerator.device if engine.accelerator is not None else torch.device("cpu")
     for size in sorted(sizes):
         rows = [i for i, budget in enumerate(budgets) if budget == size]
         if not rows and not engine.collective:
             continue
-        queries = [torch.tensor(playing[i].query + playing[i].response, device=device) for i in rows]
+        # Built on the CPU: the engine moves each padded chunk in one copy (not one copy per row).
+        queries = [torch.tensor(playing[i].query + playing[i].response) for i in rows]
         responses, logprobs = engine.generate(queries, {**kwargs, "max_new_tokens": size}, batch_size or max(len(queries), 1))
         for i, tokens, lps in zip(rows, responses, logprobs):
             tokens = tokens.tolist()

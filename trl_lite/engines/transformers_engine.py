@@ -86,6 +86,7 @@ class TransformersEngine(GenerationEngine):
                 yield unwrapped
 
     def generate_one(self, query, generation_kwargs, return_prompt):
+        """One 1-D query (on the CPU or the accelerator's device) -> ``(k, S)`` on the accelerator's device."""
         query = query.unsqueeze(0).to(self.accelerator.device)
         with self._generation_model() as model:
             response = model.generate(input_ids=query, **generation_kwargs)
@@ -101,6 +102,10 @@ class TransformersEngine(GenerationEngine):
         similar length and little left padding is computed (at every decoding step, too: the padding
         stays in the key/value cache). Log-probs come from the raw logits ``generate`` returns
         (``output_logits``), before any temperature or top-k/top-p processing.
+
+        Devices: the queries may sit on the CPU (a tokenizer's output) or on the accelerator's device;
+        each chunk is padded where its queries are and moved in one copy. The responses and log-probs are
+        on the accelerator's device (classic TRL's ``generate`` leaves them there too).
         """
         if self.tokenizer is None:
             raise ValueError("generate() with a list of queries needs the trainer's tokenizer (for padding); got None.")
@@ -129,9 +134,8 @@ class TransformersEngine(GenerationEngine):
                 if length_sampler is not None:
                     kwargs["max_new_tokens"] = length_sampler()
                 rows = order[start : start + batch_size]
-                chunk = [queries[i].to(device) for i in rows]
-                input_ids = pad_sequence(chunk, batch_first=True, padding_value=pad, padding_side="left")
-                lengths = [len(q) for q in chunk]
+                input_ids = _left_padded([queries[i] for i in rows], pad, device)
+                lengths = [len(queries[i]) for i in rows]
                 attention_mask = (
                     torch.arange(input_ids.shape[1], device=device)
                     >= (input_ids.shape[1] - torch.tensor(lengths, device=device)).unsqueeze(1)
@@ -162,6 +166,14 @@ class TransformersEngine(GenerationEngine):
             return 0
         counts = self.accelerator.gather(torch.tensor([calls], device=self.accelerator.device))
         return int(counts.max()) - calls
+
+
+def _left_padded(chunk: list[torch.Tensor], pad: int, device) -> torch.Tensor:
+    """The 1-D queries of ``chunk`` left-padded with ``pad`` into ``(n, S)`` on ``device``: padded where the
+    queries are, then moved in one copy (a copy per query would block the host once per row)."""
+    if len({query.device for query in chunk}) > 1:
+        chunk = [query.to(device) for query in chunk]  # queries on different devices cannot be stacked
+    return pad_sequence(chunk, batch_first=True, padding_value=pad, padding_side="left").to(device)
 
 
 def _sampled_logprobs(sequences: torch.Tensor, logits: tuple[torch.Tensor, ...]) -> torch.Tensor:

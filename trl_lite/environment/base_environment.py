@@ -272,7 +272,8 @@ class TextEnvironment:
         """Run one episode per task; return ``queries, responses, masks, rewards, histories`` (lists, one entry per task).
 
         ``queries[i]`` (tokens of prompt + task), ``responses[i]`` and ``masks[i]`` are what
-        ``PPOTrainer.step(queries, responses, rewards, masks)`` takes.
+        ``PPOTrainer.step(queries, responses, rewards, masks)`` takes; their tensors sit on ``current_device``
+        (the trainer's accelerator device, or the model's), as classic TRL's.
         """
         texts = [self.prompt + task for task in queries]
         histories = [TextHistory(text, self._encode(text), system=True) for text in texts]

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from ..core import set_seed
@@ -107,22 +108,24 @@ class BestOfNSampler:
         lists of ints or a list of 1-D tensors). All ``queries x sample_size`` samples are drawn in
         one ``model.generate`` call on left-padded inputs, in eval mode (the model's mode is restored
         after). Each query draws its own ``length_sampler()`` new tokens, as if it were generated
-        alone. ``device`` defaults to the model's device.
+        alone. ``device`` defaults to the model's device; the queries may sit on the CPU or on any device
+        (they are moved there in one copy).
         """
         queries = _as_query_list(tokenized_query)
         lengths = [int(self.length_sampler()) for _ in queries]
         pad_id = self._pad_id()
         device = device if device is not None else next(self.model.parameters()).device
 
-        # Left padding, so every row's new tokens start at the same column.
+        # Left padding, so every row's new tokens start at the same column; padded where the queries are
+        # (the CPU for a tokenizer's output), then moved in one copy.
         width = max(len(q) for q in queries)
-        input_ids = torch.full((len(queries), width), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(queries), width), dtype=torch.long)
-        for row, query in enumerate(queries):
-            input_ids[row, width - len(query):] = query
-            attention_mask[row, width - len(query):] = 1
-        input_ids = input_ids.repeat_interleave(self.sample_size, dim=0).to(device)
-        attention_mask = attention_mask.repeat_interleave(self.sample_size, dim=0).to(device)
+        if len({query.device for query in queries}) > 1:
+            queries = [query.to(device) for query in queries]
+        padded = pad_sequence(queries, batch_first=True, padding_value=pad_id, padding_side="left").to(device)
+        starts = torch.tensor([width - len(q) for q in queries], device=device)
+        mask = (torch.arange(width, device=device) >= starts[:, None]).long()
+        input_ids = padded.repeat_interleave(self.sample_size, dim=0)
+        attention_mask = mask.repeat_interleave(self.sample_size, dim=0)
 
         generation_kwargs["max_new_tokens"] = max(lengths)
         if self.gen_config is not None:
@@ -136,7 +139,8 @@ class BestOfNSampler:
         else:
             generation_kwargs.setdefault("pad_token_id", pad_id)
         with eval_mode(self.model), torch.no_grad():
-            output = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs)
+            # Decoding reads the token ids on the host: one copy for all rows.
+            output = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs).cpu()
 
         prompt_width = 0 if self.model.is_encoder_decoder else width
         result = []

@@ -57,6 +57,23 @@ def _as_rows(value, key: str, call: int) -> list:
     )
 
 
+def _on_host(column: list) -> list:
+    """A column of rows with its device tensors copied to the CPU (float64) in one transfer.
+
+    The rows of a GPU tensor of scores are views of it: reading them one by one would block the host
+    once per row. Rows on different devices are gathered on the first one's device first.
+    """
+    index = [i for i, row in enumerate(column) if isinstance(row, torch.Tensor) and row.device.type != "cpu"]
+    if not index:
+        return column
+    device = column[index[0]].device
+    flat = torch.cat([column[i].detach().reshape(-1).to(device, torch.float64) for i in index]).cpu()
+    rows = list(column)
+    for i, values in zip(index, flat.split([column[i].numel() for i in index])):
+        rows[i] = values.reshape(column[i].shape)
+    return rows
+
+
 def _row_value(value, key: str, index: int, call: int) -> float:
     """A row's entry of the filtered key as a finite float (a number, or a tensor/array of one element)."""
     try:
@@ -212,7 +229,7 @@ class DynamicSampler:
             tries += 1
             rows = self._checked_rows(generate_and_score(asked), asked, keys, tries)
             keys = tuple(rows)
-            values = [_row_value(v, self.metric, i, tries) for i, v in enumerate(rows[self.metric])]
+            values = [_row_value(v, self.metric, i, tries) for i, v in enumerate(_on_host(rows[self.metric]))]
             for start in range(0, len(values), size):
                 group = {key: column[start : start + size] for key, column in rows.items()}
                 group_values = values[start : start + size]

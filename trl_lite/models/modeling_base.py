@@ -317,6 +317,10 @@ class PreTrainedModelWrapper(nn.Module):
         computed. PEFT's LoRA layers sit inside it, so the active adapter applies.
         """
         model = self.transformers_model
+        # The tokenizer gives CPU tensors: move the batch to the embeddings' device in one copy each.
+        device = model.get_input_embeddings().weight.device
+        input_ids = input_ids.to(device)
+        attention_mask = attention_mask.to(device) if attention_mask is not None else None
         backbone = getattr(model, getattr(model, "base_model_prefix", ""), None)
         if isinstance(backbone, nn.Module) and backbone is not model:
             return backbone(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
@@ -330,7 +334,9 @@ class PreTrainedModelWrapper(nn.Module):
 
         Shapes: input_ids, attention_mask (B, S) -> scores (B, S, num_labels): the reward model's
         score head on each position's last hidden state (a sequence classifier reads the last
-        non-padding position). The model runs in eval mode with only the reward adapter on; the
+        non-padding position). ``input_ids`` and ``attention_mask`` may sit on the CPU or on the model's
+        device: they are moved to the device of the model's input embeddings; the scores are on that
+        device, in the score head's dtype (classic TRL's layout and device). The model runs in eval mode with only the reward adapter on; the
         policy adapter, the training mode and every parameter's `requires_grad` are restored after,
         also when the forward raises. Other kwargs go to the transformers model.
         """

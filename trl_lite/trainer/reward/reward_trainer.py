@@ -172,10 +172,13 @@ class RewardTrainer:
     def compute_rewards(self, model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Rewards of the chosen and the rejected sequences of a collated batch, in one forward pass.
 
-        Shape: ``input_ids_*``/``attention_mask_*`` ``(P, S)`` -> two ``(P,)`` tensors (at least float32).
+        Shape: ``input_ids_*``/``attention_mask_*`` ``(P, S)`` -> two ``(P,)`` tensors (at least float32)
+        on the accelerator's device. The inputs may sit on the CPU (a collator's output) or on that device:
+        the concatenated batch is moved once.
         """
-        input_ids = torch.cat([inputs["input_ids_chosen"], inputs["input_ids_rejected"]])
-        attention_mask = torch.cat([inputs["attention_mask_chosen"], inputs["attention_mask_rejected"]])
+        device = self.accelerator.device
+        input_ids = torch.cat([inputs["input_ids_chosen"], inputs["input_ids_rejected"]]).to(device)
+        attention_mask = torch.cat([inputs["attention_mask_chosen"], inputs["attention_mask_rejected"]]).to(device)
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask}
         if self._pass_position_ids:
             # Positions count real tokens only, so a left-padded sequence is read as an unpadded one.
@@ -190,6 +193,7 @@ class RewardTrainer:
         """Per-pair losses, chosen and rejected rewards, all ``(P,)``."""
         chosen, rejected = self.compute_rewards(model, inputs)
         margin = inputs.get("margin")
+        margin = margin.to(chosen.device) if isinstance(margin, torch.Tensor) else margin
         losses = pairwise_ranking_loss(chosen, rejected, margin, self.args.center_rewards_coefficient)
         return losses, chosen, rejected
 
