@@ -275,3 +275,29 @@ def test_on_policy_update_of_a_peft_policy_matches_the_float64_reference():
     initial = {k: v.detach().double().clone() for k, v in plain.model.named_parameters() if v.requires_grad}
     assert initial and all("lora_" in k for k in initial)
     _compare_updates(trainers[0], trainers[1], plain, config, {}, initial)
+
+
+@pytest.mark.xdist_group("distributed")
+def test_on_policy_step_on_two_processes_equals_todays_path_on_one(tmp_path):
+    """REINFORCE++ with the KL at 0, one optimizer step (global_token_mean, SGD): 2 DDP processes (mini-batch 2 x
+    accumulation 2 each) without any pass without grad take the step of 1 process on all 8 rows with both passes."""
+    from test_distributed import SCRIPTS, launch
+
+    results = {}
+    runs = {
+        "two": ("multi_gpu", 2, ("--mini_batch_size", "2", "--gradient_accumulation_steps", "2")),
+        "one_every_pass": ("single_gpu", 1, ("--mini_batch_size", "8", "--every_pass")),
+    }
+    for name, (config, processes, args) in runs.items():
+        out = tmp_path / name
+        out.mkdir()
+        launch(config, SCRIPTS / "global_token_mean_step.py", "--output_dir", str(out), "--init_kl_coef", "0", *args,
+               num_processes=processes)  # fmt: skip
+        results[name] = torch.load(out / "result.pt")
+    got, want = results["two"], results["one_every_pass"]
+    assert (got["no_grad_calls"], want["no_grad_calls"]) == (0, 2)  # today's path: the policy's and the reference's
+    start = {k: p.detach().to(torch.float64) for k, p in make_gpt2(seed=0).named_parameters()}
+    assert max((want["named_parameters"][k] - start[k]).abs().max().item() for k in start) > 1e-3
+    max_diff = max((got["named_parameters"][k] - want["named_parameters"][k]).abs().max().item() for k in start)
+    assert max_diff <= 1e-5, f"max abs weight difference {max_diff:.3g}"
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-4, abs=1e-6)
