@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 from plain_objectives import PlainObjectivesPPO
+from test_completions_logging import fake_wandb, run_steps  # noqa: F401 (a fixture)
+from test_completions_logging import make_trainer as make_logging_trainer
 from test_objectives import _generation_logprobs
 from test_step_reference import BATCH_SIZE, make_batch, perturbed_copy
 from tiny_models import make_gpt2, make_tokenizer
@@ -127,6 +129,15 @@ def test_no_reference_copy_and_kl_statistics_not_measured():
     with pytest.raises(ValueError, match="kl_ctl.value is 0.1, but this trainer runs no reference pass"):
         trainer.step(*grouped(1))
     assert trainer.current_step == 1
+
+
+def test_kl_statistics_not_measured_reach_wandb_as_nan_scalars_not_histograms(tmp_path, fake_wandb):
+    trainer = make_logging_trainer(tmp_path, log_with="wandb", init_kl_coef=0.0)
+    assert trainer.ref_model is None
+    run_steps(trainer, 1)
+    ((_, logged),) = [(step, values) for step, values in fake_wandb.logged if "env/reward_mean" in values]
+    assert np.isnan(logged["objective/kl"]) and "objective/kl_dist" not in logged and "objective/ref_logprobs" not in logged
+    assert np.isfinite(logged["objective/logprobs"]).all()
 
 
 def test_compute_reference_kl_measures_what_todays_path_measures():

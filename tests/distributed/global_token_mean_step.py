@@ -62,7 +62,8 @@ def main() -> None:
         trainer_class = type("EveryPassTrainer", (PPOTrainer,), {"plan_rollout": staticmethod(lambda config: EVERY_PASS)})
     trainer = trainer_class(config, model, tokenizer=make_tokenizer(), optimizer=optimizer)
     no_grad_calls = []  # the policy's and its reference copy's passes without grad (hooked after the copy)
-    for lm in [model] + ([trainer.ref_model.pretrained_model] if trainer.ref_model is not None else []):
+    reference = trainer.accelerator.unwrap_model(trainer.ref_model) if trainer.ref_model is not None else None
+    for lm in [model] + ([reference.pretrained_model] if reference is not None else []):
         lm.transformer.register_forward_pre_hook(lambda m, a: None if torch.is_grad_enabled() else no_grad_calls.append(1))
     assert trainer.accelerator.num_processes == world_size, (trainer.accelerator.num_processes, world_size)
 

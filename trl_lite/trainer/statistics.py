@@ -201,7 +201,8 @@ class StepStatistics:
         logs["env/reward_mean"] = rewards.mean().item()
         logs["env/reward_std"] = rewards.std().item() if rewards.numel() > 1 else 0.0
         if config.log_with != "tensorboard":
-            logs.update({k: v for k, v in stats.items() if isinstance(v, np.ndarray)})
+            # An array that was not measured (all NaN, docs/algorithm.md section 8) makes no histogram.
+            logs.update({k: v for k, v in stats.items() if isinstance(v, np.ndarray) and not (v.size and np.isnan(v).all())})
             logs["env/reward_dist"] = rewards.cpu().numpy()
         self.accelerator.log(logs, step=step)
         if table_due:
