@@ -42,6 +42,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULT_MARKER = "BENCH_RESULT "
 METHODS = ("step", "step-padded", "floor")
+# Methods only some workloads have, never run by default: "step-every-pass" (grpo-beta0) forces both passes.
+EXTRA_METHODS = ("step-every-pass",)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # Classic PPO defaults (the same values PPOConfig uses), written here so the floor needs no trl_lite.
@@ -418,8 +420,11 @@ class FloorPPO:
 
 def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtype):
     """Build the models for `method` and return a function `(queries, responses, scores) -> None`."""
-    if workload.name in GRPO_BETA0_WORKLOADS:
+    # Any workload named grpo-beta0* (the tests' smaller one too) is stepped like grpo-beta0.
+    if workload.name.startswith(GRPO_BETA0.name):
         return make_grpo_beta0_step_fn(method, workload, device, dtype)
+    if method in EXTRA_METHODS:
+        raise ValueError(f"method {method!r} applies to the grpo-beta0 workload, not {workload.name!r}")
     if isinstance(workload, CriticFreeWorkload) and workload.advantage_estimator != "gae":
         return make_critic_free_step_fn(method, workload, device, dtype)
     if workload.name in CRITIC_WORKLOADS:
@@ -556,14 +561,13 @@ def make_critic_free_step_fn(method: str, workload: CriticFreeWorkload, device: 
 
 # ---------------------------------------------------------------------------------------------
 # grpo-beta0 (docs/algorithm.md section 3): GRPO with the KL at 0 and one optimizer step per batch, where
-# step() runs no pass without grad; "-every-pass" forces both passes (the path before RolloutPlan)
+# step() runs no pass without grad; the method "step-every-pass" forces both passes (the path before RolloutPlan)
 # ---------------------------------------------------------------------------------------------
 GRPO_BETA0 = CriticFreeWorkload(
     "grpo-beta0", n_layer=2, n_embd=128, n_head=2, batch_size=16, mini_batch_size=4, ppo_epochs=1,
     options=json.dumps({"gradient_accumulation_steps": 4, "init_kl_coef": 0.0, "adap_kl_ctrl": False}),
 )  # fmt: skip
-GRPO_BETA0_WORKLOADS = {w.name: w for w in (GRPO_BETA0, dataclasses.replace(GRPO_BETA0, name="grpo-beta0-every-pass"))}
-WORKLOAD_GROUPS["grpo-beta0"] = lambda: list(GRPO_BETA0_WORKLOADS.values())
+WORKLOAD_GROUPS["grpo-beta0"] = lambda: [GRPO_BETA0]
 
 
 class OnPolicyFloor(CriticFreeFloor):
@@ -593,8 +597,8 @@ class OnPolicyFloor(CriticFreeFloor):
 
 
 def make_grpo_beta0_step_fn(method: str, workload: CriticFreeWorkload, device: str, dtype: torch.dtype):
-    """`make_step_fn` for `grpo-beta0`: `PPOTrainer` on the plain model (`ref_model=None`), with every pass
-    forced for `grpo-beta0-every-pass`, or `OnPolicyFloor`. The trainer's step function reports `extras()`:
+    """`make_step_fn` for `grpo-beta0`: `PPOTrainer` on the plain model (`ref_model=None`), with both passes
+    forced for `step-every-pass`, or `OnPolicyFloor`. The trainer's step function reports `extras()`:
     the passes without grad per step (measured: the model bodies' calls without grad, per mini-batch of
     rows) and the parameter bytes of the reference copy the trainer made (MB)."""
     lm = make_lm(workload, device, dtype)
@@ -610,7 +614,7 @@ def make_grpo_beta0_step_fn(method: str, workload: CriticFreeWorkload, device: s
         padding_free=False if method == "step-padded" else None, **json.loads(workload.options),
     )  # fmt: skip
     trainer_class = PPOTrainer
-    if workload.name.endswith("-every-pass"):
+    if method == "step-every-pass":
         trainer_class = type("EveryPassTrainer", (PPOTrainer,), {"plan_rollout": staticmethod(lambda c: EVERY_PASS)})
     trainer = trainer_class(config, lm, ref_model=None, tokenizer=None)
     reference = trainer.ref_model
@@ -968,7 +972,7 @@ def _int_at_least(minimum: int):
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", nargs="+", default=["w1", "w2", "sweep"], choices=sorted(WORKLOAD_GROUPS))
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + EXTRA_METHODS)
     parser.add_argument("--steps", type=_int_at_least(1), default=3, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=_int_at_least(0), default=1, help="untimed steps before timing")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
