@@ -27,7 +27,7 @@ from ..core import (
 )
 from .experience import Experience, StepBatch
 from .forward import ForwardPass
-from .rollout_plan import RolloutPlan
+from .rollout_plan import EVERY_PASS, RolloutPlan
 from .rows import to_device
 from .step_inputs import scores_tensor
 
@@ -45,11 +45,11 @@ class ExperienceMaker:
         running: the running moments of the scores (updated with ``use_score_scaling``).
         eos_ids: the EOS ids of section 14 (empty when none is known).
         policy_values: whether the policy's value head gives the values (GAE without a separate critic).
-        plan: the passes without grad that run (:class:`~.rollout_plan.RolloutPlan`).
+        plan: the passes without grad that run (:class:`~.rollout_plan.RolloutPlan`; default both).
     """
 
     def __init__(self, config, accelerator, forward: ForwardPass, policy, reference, critic, kl_ctl, running,
-                 eos_ids: tuple[int, ...], policy_values: bool, plan: RolloutPlan = RolloutPlan()):  # fmt: skip
+                 eos_ids: tuple[int, ...], policy_values: bool, plan: RolloutPlan = EVERY_PASS):  # fmt: skip
         self.config = config
         self.accelerator = accelerator
         self.forward = forward
