@@ -42,6 +42,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULT_MARKER = "BENCH_RESULT "
 METHODS = ("step", "step-padded", "floor")
+# Methods only some workloads have, never run by default: "step-every-pass" (grpo-beta0) forces both passes.
+EXTRA_METHODS = ("step-every-pass",)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # Classic PPO defaults (the same values PPOConfig uses), written here so the floor needs no trl_lite.
@@ -418,6 +420,11 @@ class FloorPPO:
 
 def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtype):
     """Build the models for `method` and return a function `(queries, responses, scores) -> None`."""
+    # Any workload named grpo-beta0* (the tests' smaller one too) is stepped like grpo-beta0.
+    if workload.name.startswith(GRPO_BETA0.name):
+        return make_grpo_beta0_step_fn(method, workload, device, dtype)
+    if method in EXTRA_METHODS:
+        raise ValueError(f"method {method!r} applies to the grpo-beta0 workload, not {workload.name!r}")
     if isinstance(workload, CriticFreeWorkload) and workload.advantage_estimator != "gae":
         return make_critic_free_step_fn(method, workload, device, dtype)
     if workload.name in CRITIC_WORKLOADS:
@@ -552,6 +559,85 @@ def make_critic_free_step_fn(method: str, workload: CriticFreeWorkload, device: 
     return PPOTrainer(config, lm, copy.deepcopy(lm), tokenizer=None).step
 
 
+# ---------------------------------------------------------------------------------------------
+# grpo-beta0 (docs/algorithm.md section 3): GRPO with the KL at 0 and one optimizer step per batch, where
+# step() runs no pass without grad; the method "step-every-pass" forces both passes (the path before RolloutPlan)
+# ---------------------------------------------------------------------------------------------
+GRPO_BETA0 = CriticFreeWorkload(
+    "grpo-beta0", n_layer=2, n_embd=128, n_head=2, batch_size=16, mini_batch_size=4, ppo_epochs=1,
+    options=json.dumps({"gradient_accumulation_steps": 4, "init_kl_coef": 0.0, "adap_kl_ctrl": False}),
+)  # fmt: skip
+WORKLOAD_GROUPS["grpo-beta0"] = lambda: [GRPO_BETA0]
+
+
+class OnPolicyFloor(CriticFreeFloor):
+    """The unavoidable model work of the `grpo-beta0` step: no pass without grad; forward + backward per
+    mini-batch with `lp_old = lp` detached, gradients accumulated over the batch, one Adam step."""
+
+    def step(self, queries: list, responses: list, scores: list) -> None:
+        rows = sum(sorted((len(r) for r in responses), reverse=True)[: self.mini_batch_size])
+        if self.buffer is None or len(self.buffer) < rows:
+            self.buffer = None
+            self.buffer = torch.empty((rows, self.lm.config.vocab_size), device=self.device)
+        n = len(queries)
+        groups = torch.stack(scores).to(self.device).float().view(-1, self.k)
+        advantages = ((groups - groups.mean(-1, keepdim=True)) / (groups.std(-1, keepdim=True) + 1e-6)).reshape(-1)
+        order = torch.randperm(n).tolist()
+        for start in range(0, n, self.mini_batch_size):
+            rows = order[start : start + self.mini_batch_size]
+            batch = self._pack(queries, responses, rows)
+            mask = batch["mask"]
+            logprobs, _ = response_logprobs(self.lm, batch, buffer=self.buffer)
+            ratio = torch.exp(logprobs.float() - logprobs.detach().float())
+            adv = advantages[torch.tensor(rows, device=self.device)].unsqueeze(1)
+            pg_loss = masked_mean(torch.max(-adv * ratio, -adv * ratio.clamp(1 - CLIPRANGE, 1 + CLIPRANGE)), mask)
+            (pg_loss * self.mini_batch_size / n).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def make_grpo_beta0_step_fn(method: str, workload: CriticFreeWorkload, device: str, dtype: torch.dtype):
+    """`make_step_fn` for `grpo-beta0`: `PPOTrainer` on the plain model (`ref_model=None`), with both passes
+    forced for `step-every-pass`, or `OnPolicyFloor`. The trainer's step function reports `extras()`:
+    the passes without grad per step (measured: the model bodies' calls without grad, per mini-batch of
+    rows) and the parameter bytes of the reference copy the trainer made (MB)."""
+    lm = make_lm(workload, device, dtype)
+    if method == "floor":
+        return OnPolicyFloor(lm, workload.mini_batch_size, 1, workload.num_samples_per_query).step
+    from trl_lite import PPOConfig, PPOTrainer
+    from trl_lite.trainer.rollout_plan import EVERY_PASS
+
+    config = PPOConfig(
+        batch_size=workload.batch_size, mini_batch_size=workload.mini_batch_size, ppo_epochs=workload.ppo_epochs,
+        learning_rate=LEARNING_RATE, advantage_estimator=workload.advantage_estimator,
+        num_samples_per_query=workload.num_samples_per_query, seed=workload.seed,
+        padding_free=False if method == "step-padded" else None, **json.loads(workload.options),
+    )  # fmt: skip
+    trainer_class = PPOTrainer
+    if method == "step-every-pass":
+        trainer_class = type("EveryPassTrainer", (PPOTrainer,), {"plan_rollout": staticmethod(lambda c: EVERY_PASS)})
+    trainer = trainer_class(config, lm, ref_model=None, tokenizer=None)
+    reference = trainer.ref_model
+    calls, steps = [], []
+    for model in [lm] + ([reference.pretrained_model] if reference is not None else []):
+        model.transformer.register_forward_pre_hook(lambda m, a: None if torch.is_grad_enabled() else calls.append(1))
+
+    def step(queries, responses, scores):
+        steps.append(1)
+        return trainer.step(queries, responses, scores)
+
+    def extras() -> dict:
+        params = {id(p): p for p in reference.parameters()}.values() if reference is not None else ()
+        chunks = -(-workload.batch_size // workload.mini_batch_size)
+        return {
+            "rollout_passes": len(calls) / max(len(steps), 1) / chunks,
+            "reference_mb": sum(p.numel() * p.element_size() for p in params) / 2**20,
+        }
+
+    step.extras = extras
+    return step
+
+
 class PeakMemory:
     """Peak memory growth, in MB, from `start()` to `peak_mb()`.
 
@@ -643,8 +729,10 @@ class StepRunner:
         return time.perf_counter() - t0
 
     def finish(self) -> dict:
-        """Peak memory growth since the models were built (MB) and the torch thread count."""
-        return {"peak_mb": self.memory.peak_mb(), "threads": torch.get_num_threads()}
+        """Peak memory growth since the models were built (MB), the torch thread count and what the step
+        function reports of itself (its `extras()`, e.g. `grpo-beta0`'s passes per step)."""
+        extras = self.step_fn.extras() if hasattr(self.step_fn, "extras") else {}
+        return {"peak_mb": self.memory.peak_mb(), "threads": torch.get_num_threads(), **extras}
 
     def first_step_tensor_peak_mb(self) -> float:
         """Run the first step, untimed; return the live tensor memory at its peak, counted from its start.
@@ -805,6 +893,8 @@ TABLE_COLUMNS = (
     ("peak_fraction", "x peak", ".3f", False),
     ("peak_mb", "peak MB", ".1f", True),
     ("tensor_peak_mb", "tensor peak MB", ".1f", True),
+    ("rollout_passes", "passes w/o grad per step", ".1f", False),
+    ("reference_mb", "reference copy MB", ".1f", False),
 )
 
 
@@ -882,7 +972,7 @@ def _int_at_least(minimum: int):
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", nargs="+", default=["w1", "w2", "sweep"], choices=sorted(WORKLOAD_GROUPS))
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + EXTRA_METHODS)
     parser.add_argument("--steps", type=_int_at_least(1), default=3, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=_int_at_least(0), default=1, help="untimed steps before timing")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

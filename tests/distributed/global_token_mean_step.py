@@ -10,7 +10,9 @@ Process r of n takes rows [r * 8/n, (r+1) * 8/n); each process's rows form one b
 value loss, advantages whitened over all processes), an entropy bonus (aggregated the same way), SGD. The responses have different lengths,
 so the processes hold different numbers of action tokens: only a loss that divides by the action
 tokens of all processes (docs/algorithm.md section 13) takes the step of one process on all 8 rows.
-Rank 0 writes OUT/result.pt: its full weights after the step and the step's policy loss.
+Rank 0 writes OUT/result.pt: its full weights after the step, the step's policy loss and the policy's
+calls without grad. `--init_kl_coef 0` makes the step on-policy (docs/algorithm.md section 3: no pass
+without grad); `--every_pass` runs both passes whatever the config (today's path).
 """
 
 import argparse
@@ -21,6 +23,7 @@ from common import finish, full_named_parameters
 
 from tiny_models import make_gpt2, make_tokenizer, random_batch
 from trl_lite import PPOConfig, PPOTrainer, set_seed
+from trl_lite.trainer.rollout_plan import EVERY_PASS
 
 GLOBAL_BATCH = 8
 
@@ -31,6 +34,8 @@ def main() -> None:
     parser.add_argument("--mini_batch_size", type=int, required=True)
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
     parser.add_argument("--loss_type", default="global_token_mean")
+    parser.add_argument("--init_kl_coef", type=float, default=0.2)
+    parser.add_argument("--every_pass", action="store_true")
     args = parser.parse_args()
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -45,13 +50,21 @@ def main() -> None:
         advantage_estimator="reinforce_pp",
         loss_type=args.loss_type,
         entropy_coef=0.05,
+        init_kl_coef=args.init_kl_coef,
         max_grad_norm=None,
         seed=0,
     )
     set_seed(0)
     model = make_gpt2(seed=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate)
-    trainer = PPOTrainer(config, model, tokenizer=make_tokenizer(), optimizer=optimizer)
+    trainer_class = PPOTrainer
+    if args.every_pass:
+        trainer_class = type("EveryPassTrainer", (PPOTrainer,), {"plan_rollout": staticmethod(lambda config: EVERY_PASS)})
+    trainer = trainer_class(config, model, tokenizer=make_tokenizer(), optimizer=optimizer)
+    no_grad_calls = []  # the policy's and its reference copy's passes without grad (hooked after the copy)
+    reference = trainer.accelerator.unwrap_model(trainer.ref_model) if trainer.ref_model is not None else None
+    for lm in [model] + ([reference.pretrained_model] if reference is not None else []):
+        lm.transformer.register_forward_pre_hook(lambda m, a: None if torch.is_grad_enabled() else no_grad_calls.append(1))
     assert trainer.accelerator.num_processes == world_size, (trainer.accelerator.num_processes, world_size)
 
     queries, responses, scores = random_batch(GLOBAL_BATCH, seed=3, query_len=(2, 5), response_len=(1, 9))
@@ -62,7 +75,8 @@ def main() -> None:
 
     named = full_named_parameters(trainer, trainer.accelerator.unwrap_model(trainer.model).pretrained_model)
     if rank == 0:
-        torch.save({"named_parameters": named, "loss": stats["ppo/loss/policy"]}, os.path.join(args.output_dir, "result.pt"))
+        result = {"named_parameters": named, "loss": stats["ppo/loss/policy"], "no_grad_calls": len(no_grad_calls)}
+        torch.save(result, os.path.join(args.output_dir, "result.pt"))
     finish(trainer)
 
 

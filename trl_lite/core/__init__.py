@@ -62,6 +62,7 @@ from .ppo import (
     last_index,
     ppo_policy_loss,
     ppo_value_loss,
+    truncated_importance_weights,
 )
 from .reward import pairwise_ranking_loss, preference_stats
 from .shaping import ends_with_stop, groups_with_equal_scores, missing_eos_penalty, overlong_penalty, shape_scores
@@ -120,5 +121,6 @@ __all__ = [
     "stack_dicts",
     "stats_to_np",
     "top_k_top_p_filtering",
+    "truncated_importance_weights",
     "whiten",
 ]

@@ -112,6 +112,20 @@ def importance_ratio(
     raise ValueError(f"level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {level!r}.")
 
 
+def truncated_importance_weights(
+    old_logprobs: torch.Tensor,
+    generation_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    cap: float,
+) -> torch.Tensor:
+    """TIS weights of docs/algorithm.md section 15: ``min(exp(lp_old - lp_gen), cap) * M``, without grad.
+
+    Shape: ``(B, L)`` three times -> ``(B, L)``.
+    """
+    with torch.no_grad():
+        return torch.exp(old_logprobs - generation_logprobs).clamp(max=cap) * mask
+
+
 def clipped_surrogate(
     ratio: torch.Tensor,
     advantages: torch.Tensor,

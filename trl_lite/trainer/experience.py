@@ -41,6 +41,10 @@ class Experience:
     ``rows``: tokens, masks and layout; ``scores (B,)``: the shaped scores (docs/algorithm.md sections 2
     and 14); ``ends_with_eos (B,)`` bool or None (no EOS id known); ``groups (B,)`` or None;
     ``logprobs``, ``ref_logprobs``, ``kls``, ``rewards``, ``non_score_reward``, ``advantages``: ``(B, L)``;
+    ``logprobs`` (and ``kls``) None when the policy's rollout pass did not run (the learner's training forwards
+    give ``lp_old``, :class:`~.rollout_plan.RolloutPlan`), ``ref_logprobs`` and ``kls`` None when the
+    reference's did not (the KL is not measured); ``generation``: the engine's log-probs ``lp_gen`` ``(B, L)``
+    or None, kept for the learner's TIS weights when ``logprobs`` is None;
     ``values``, ``returns``: ``(B, L)``, None for critic-free estimators; ``token_weights``: the TIS
     weights ``(B, L)`` or None (section 15); ``kl_coef``: the KL coefficient of this step (in the reward or
     in the loss); ``kl_in_loss``: whether the learner adds ``kl_coef * k3`` to the policy loss (then it
@@ -53,11 +57,11 @@ class Experience:
     scores: torch.Tensor
     ends_with_eos: torch.Tensor | None
     groups: torch.Tensor | None
-    logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
+    logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
     values: torch.Tensor | None
     returns: torch.Tensor | None
-    kls: torch.Tensor
+    kls: torch.Tensor | None
     rewards: torch.Tensor
     non_score_reward: torch.Tensor
     advantages: torch.Tensor
@@ -66,6 +70,7 @@ class Experience:
     kl_in_loss: bool
     ptx: list | None = None
     staleness: torch.Tensor | None = None
+    generation: torch.Tensor | None = None
     gap_stats: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
 
@@ -79,7 +84,7 @@ class Experience:
     def minibatch(self, indices: list[int]) -> Minibatch:
         """The rows ``indices`` (a host list of row numbers) cut to their own compact width ``L_mb``."""
         index = list(indices)
-        idx = to_device(index, self.logprobs.device)
+        idx = to_device(index, self.advantages.device)
         width = self.rows.width(index)
 
         def cut(x):
@@ -96,6 +101,7 @@ class Experience:
             returns=cut(self.returns),
             ref_logprobs=cut(self.ref_logprobs) if self.kl_in_loss else None,
             token_weights=cut(self.token_weights),
+            generation=cut(self.generation) if self.logprobs is None else None,
             ptx=[self.ptx[i] for i in index] if self.ptx is not None else None,
         )
 
@@ -105,7 +111,9 @@ class Minibatch:
     """Rows ``index`` of an :class:`Experience` (``idx``: the same on the device), every tensor ``(b, L_mb)``.
 
     ``old_values``/``returns`` are None for critic-free estimators, ``ref_logprobs`` when the KL is in
-    the reward, ``token_weights`` without TIS, ``ptx`` without PTX.
+    the reward (or not measured), ``token_weights`` without TIS or when ``old_logprobs`` is None (no policy
+    pass: the training forward gives them, and ``generation`` holds ``lp_gen`` for the TIS weights), ``ptx``
+    without PTX.
     """
 
     index: list
@@ -118,4 +126,5 @@ class Minibatch:
     returns: torch.Tensor | None
     ref_logprobs: torch.Tensor | None
     token_weights: torch.Tensor | None
+    generation: torch.Tensor | None
     ptx: list | None

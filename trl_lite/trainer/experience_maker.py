@@ -7,6 +7,7 @@ reference and critic, no grad), 15 (the log-prob gap to the generating engine an
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -22,9 +23,11 @@ from ..core import (
     masked_whiten,
     rloo_advantages,
     sequence_to_tokens,
+    truncated_importance_weights,
 )
 from .experience import Experience, StepBatch
 from .forward import ForwardPass
+from .rollout_plan import EVERY_PASS, RolloutPlan
 from .rows import to_device
 from .step_inputs import scores_tensor
 
@@ -42,10 +45,11 @@ class ExperienceMaker:
         running: the running moments of the scores (updated with ``use_score_scaling``).
         eos_ids: the EOS ids of section 14 (empty when none is known).
         policy_values: whether the policy's value head gives the values (GAE without a separate critic).
+        plan: the passes without grad that run (:class:`~.rollout_plan.RolloutPlan`; default both).
     """
 
     def __init__(self, config, accelerator, forward: ForwardPass, policy, reference, critic, kl_ctl, running,
-                 eos_ids: tuple[int, ...], policy_values: bool):  # fmt: skip
+                 eos_ids: tuple[int, ...], policy_values: bool, plan: RolloutPlan = EVERY_PASS):  # fmt: skip
         self.config = config
         self.accelerator = accelerator
         self.forward = forward
@@ -56,12 +60,23 @@ class ExperienceMaker:
         self.running = running
         self.eos_ids = eos_ids
         self.policy_values = policy_values
+        self.plan = plan
         self.device = accelerator.device
 
     def make(self, batch: StepBatch) -> Experience:
-        """One step's experience; see the module docstring for the sections it runs."""
+        """One step's experience; see the module docstring for the sections it runs.
+
+        Without the policy's pass (``plan.policy`` False) ``logprobs``, ``kls`` and the log-prob gap are
+        left to :meth:`complete`, which takes the training forwards' log-probs.
+        """
         config = self.config
         timings = {}
+        if not self.plan.reference and self.kl_ctl.value != 0:
+            raise ValueError(
+                f"kl_ctl.value is {self.kl_ctl.value}, but this trainer runs no reference pass: it was built with "
+                f"init_kl_coef=0 and compute_reference_kl=False. Build it with init_kl_coef={self.kl_ctl.value} "
+                "(or compute_reference_kl=True) to train with a KL term."
+            )
 
         # Sections 14 and 2: the rollout's penalties, then scaling and clipping
         lengths = to_device([len(r) for r in batch.responses], self.device)
@@ -73,15 +88,22 @@ class ExperienceMaker:
         rows = self.forward.make_rows(batch.queries, batch.responses, batch.response_masks)
         mask = rows.action_mask
         logprobs, ref_logprobs, values, full_kl = self.passes(rows)
-        gap_stats, token_weights = self.generation_gap(logprobs, batch.generation_logprobs, mask, rows.shift)
+        generation = self.generation_columns(batch.generation_logprobs, mask, rows.shift)
+        gap_stats, token_weights = {}, None
+        if logprobs is not None:
+            gap_stats, token_weights = self.generation_gap(logprobs, generation, mask)
         timings["time/ppo/forward_pass"] = time.time() - t
 
         # Section 4: KL-shaped rewards; with kl_in_reward=False the KL goes to the loss (section 12)
         t = time.time()
         kl_coef = self.kl_ctl.value
-        kls = kl_estimate(logprobs, ref_logprobs, config.kl_penalty, full_kl)
+        kls = None
+        if logprobs is not None and ref_logprobs is not None:
+            kls = kl_estimate(logprobs, ref_logprobs, config.kl_penalty, full_kl)
         kl_in_loss = not config.kl_in_reward_resolved
-        rewards, non_score_reward = compute_kl_rewards(scores, kls, mask, 0.0 if kl_in_loss else kl_coef)
+        # Without kls the plan guarantees the rewards' KL coefficient is 0 (checked above).
+        reward_kls = kls if kls is not None else torch.zeros_like(mask)
+        rewards, non_score_reward = compute_kl_rewards(scores, reward_kls, mask, 0.0 if kl_in_loss else kl_coef)
         timings["time/ppo/compute_rewards"] = time.time() - t
 
         # Section 5 (GAE), or section 12 for the critic-free estimators
@@ -100,16 +122,32 @@ class ExperienceMaker:
             rows=rows, scores=scores, ends_with_eos=ends_with_eos, groups=batch.groups, logprobs=logprobs,
             ref_logprobs=ref_logprobs, values=values, returns=returns, kls=kls, rewards=rewards,
             non_score_reward=non_score_reward, advantages=advantages, token_weights=token_weights,
-            kl_coef=kl_coef, kl_in_loss=kl_in_loss, ptx=ptx, staleness=batch.staleness, gap_stats=gap_stats,
-            timings=timings,
+            kl_coef=kl_coef, kl_in_loss=kl_in_loss, ptx=ptx, staleness=batch.staleness, generation=generation,
+            gap_stats=gap_stats, timings=timings,
         )  # fmt: skip
 
+    def complete(self, experience: Experience, logprobs: torch.Tensor) -> Experience:
+        """``experience`` made without the policy's pass, with ``logprobs (B, L)``: the log-probs of the
+        learner's training forwards (detached), which are ``lp_old`` in that plan. Fills what reads
+        ``lp_old`` outside the loss: the KL estimate (when the reference ran) and the log-prob gap
+        statistics (section 15). The rewards and advantages did not depend on them."""
+        mask = experience.action_mask
+        logprobs = logprobs * mask
+        kls = None
+        if experience.ref_logprobs is not None:
+            kls = kl_estimate(logprobs, experience.ref_logprobs, self.config.kl_penalty) * mask
+        gap_stats, _ = self.generation_gap(logprobs, experience.generation, mask)
+        return dataclasses.replace(experience, logprobs=logprobs, kls=kls, gap_stats=gap_stats)
+
     def passes(self, rows):
-        """The policy's, reference's and critic's passes over ``rows`` without grad (section 3): logprobs,
-        ref_logprobs, values ``(B, L)`` and the exact KL ``(B, L)`` for ``kl_penalty="full"`` (else None)."""
+        """The policy's, reference's and critic's passes over ``rows`` without grad (section 3), those the
+        plan runs: logprobs, ref_logprobs, values ``(B, L)`` (None where that pass did not run) and the exact
+        KL ``(B, L)`` for ``kl_penalty="full"`` (else None)."""
+        full_kl = self.config.kl_penalty == "full" and self.plan.policy and self.plan.reference
         return self.forward.rollout(
-            rows, self.policy, self.reference, self.critic, self.policy_values, self.config.kl_penalty == "full"
-        )
+            rows, self.policy, self.reference, self.critic, self.policy_values, full_kl,
+            policy_pass=self.plan.policy, reference_pass=self.plan.reference,
+        )  # fmt: skip
 
     def shape_scores(self, scores: torch.Tensor, lengths: torch.Tensor, ends_with_eos) -> torch.Tensor:
         """Scores ``(B,)`` after the rollout's penalties (section 14), running-moment scaling and clipping (section 2)."""
@@ -153,29 +191,36 @@ class ExperienceMaker:
             sequence_advantages = grpo_advantages(sequence_rewards, groups, config.grpo_scale_rewards)
         return sequence_to_tokens(sequence_advantages, mask).detach()
 
+    def generation_columns(self, generation_logprobs, mask, shift: int) -> torch.Tensor | None:
+        """The engine's per-row log-probs (section 15) in the compact layout ``(B, L)``, zero outside ``mask``;
+        None without them."""
+        if generation_logprobs is None:
+            return None
+        width = mask.shape[1]
+        padded = torch.nn.utils.rnn.pad_sequence(
+            [lp.to(device=mask.device, dtype=torch.float32) for lp in generation_logprobs], batch_first=True
+        )
+        # Compact column k predicts response token k + shift.
+        gen = torch.nn.functional.pad(padded[:, shift:], (0, max(width - padded.shape[1] + shift, 0)))[:, :width]
+        return gen * mask
+
     @torch.no_grad()
-    def generation_gap(self, logprobs, generation_logprobs, mask, shift: int) -> tuple[dict, torch.Tensor | None]:
+    def generation_gap(self, logprobs, generation, mask) -> tuple[dict, torch.Tensor | None]:
         """The log-prob gap to the generating engine and the TIS weights (section 15).
 
-        ``logprobs``, ``mask`` ``(B, L)``: ``lp_old`` of the rollout pass; ``generation_logprobs``: per
-        row one log-prob per response token, or None (then no statistic and no weights). Returns the
+        ``logprobs``, ``mask`` ``(B, L)``: ``lp_old``; ``generation``: ``lp_gen`` ``(B, L)`` from
+        :meth:`generation_columns`, or None (then no statistic and no weights). Returns the
         ``rollout/*`` statistics and, with ``importance_sampling_correction="tis"``, the weights
         ``min(exp(lp_old - lp_gen), cap)`` ``(B, L)`` (else None).
         """
         config = self.config
-        if generation_logprobs is None:
+        if generation is None:
             return {}, None
-        device, width = logprobs.device, logprobs.shape[1]
-        padded = torch.nn.utils.rnn.pad_sequence(
-            [lp.to(device=device, dtype=logprobs.dtype) for lp in generation_logprobs], batch_first=True
-        )
-        # Compact column k predicts response token k + shift.
-        gen = torch.nn.functional.pad(padded[:, shift:], (0, max(width - padded.shape[1] + shift, 0)))[:, :width]
-        gap = (logprobs - gen).abs() * mask
+        gap = (logprobs - generation).abs() * mask
         stats = {"rollout/logprob_diff/mean": masked_mean(gap, mask), "rollout/logprob_diff/max": gap.max()}
         if config.importance_sampling_correction != "tis":
             return stats, None
-        weights = torch.exp(logprobs - gen).clamp(max=config.importance_sampling_cap) * mask
+        weights = truncated_importance_weights(logprobs, generation, mask, config.importance_sampling_cap)
         stats["rollout/is_weight/mean"] = masked_mean(weights, mask)
         return stats, weights
 

@@ -192,13 +192,16 @@ class ForwardPass:
         return logprobs, values, (outputs if return_logits else None), (slots if return_logits else None), width
 
     @torch.no_grad()
-    def rollout(self, rows: Rows, policy, reference, critic=None, policy_values: bool = True, full_kl: bool = False):
+    def rollout(self, rows: Rows, policy, reference, critic=None, policy_values: bool = True, full_kl: bool = False,
+                policy_pass: bool = True, reference_pass: bool = True):  # fmt: skip
         """Policy and reference passes without grad, in mini-batches (docs/algorithm.md section 3).
 
         ``reference``: a context-manager factory yielding the module that computes reference
         log-probs. Returns logprobs, ref_logprobs, values ``(B, L)`` (values zero when neither
         ``policy_values`` nor a ``critic`` gives them) and, with ``full_kl``, the exact per-token KL
-        ``(B, L)`` (else None). Full-KL logits live one mini-batch at a time.
+        ``(B, L)`` (else None). Full-KL logits live one mini-batch at a time. ``policy_pass`` /
+        ``reference_pass`` False: that model does not run and its results are None (see
+        :class:`~.rollout_plan.RolloutPlan`; ``full_kl`` needs both).
         """
         batch, width = len(rows), rows.action_mask.shape[1]
         out = torch.zeros(4 if full_kl else 3, batch, width, device=self.device)
@@ -207,20 +210,25 @@ class ForwardPass:
             critic.eval()
         with self.per_row_attention():
             for index, idx in self.minibatches(batch):
-                logprobs, values, logits, slots, w = self.logprobs(
-                    policy, rows, index, idx, return_logits=full_kl, return_values=policy_values, critic=critic
-                )
-                with reference() as ref:
-                    ref_logprobs, _, ref_logits, _, _ = self.logprobs(
-                        ref, rows, index, idx, return_logits=full_kl, return_values=False
+                if policy_pass:
+                    logprobs, values, logits, slots, w = self.logprobs(
+                        policy, rows, index, idx, return_logits=full_kl, return_values=policy_values, critic=critic
                     )
-                out[0, idx, :w], out[1, idx, :w] = logprobs, ref_logprobs
-                if values is not None:
-                    out[2, idx, :w] = values
+                    out[0, idx, :w] = logprobs
+                    if values is not None:
+                        out[2, idx, :w] = values
+                if reference_pass:
+                    with reference() as ref:
+                        ref_logprobs, _, ref_logits, _, w = self.logprobs(
+                            ref, rows, index, idx, return_logits=full_kl, return_values=False
+                        )
+                    out[1, idx, :w] = ref_logprobs
                 if full_kl:
                     out[3, idx, :w] = to_compact(full_kl_from_logits(logits, ref_logits), slots, len(index), w)
         mask = rows.action_mask
-        return out[0] * mask, out[1] * mask, out[2] * mask, (out[3] * mask if full_kl else None)
+        logprobs = out[0] * mask if policy_pass else None
+        values = out[2] * mask if policy_pass else None
+        return logprobs, (out[1] * mask if reference_pass else None), values, (out[3] * mask if full_kl else None)
 
     def prepare_model_inputs(self, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> dict:
         """Pad one batch the classic way: query+response (decoder-only) or encoder/decoder inputs.

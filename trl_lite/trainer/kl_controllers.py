@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import warnings
+
 
 class AdaptiveKLController:
     """Adaptive KL coefficient of Ziegler et al. (2019), section 2.2.
@@ -39,3 +42,15 @@ class FixedKLController:
 
     def load_state_dict(self, state: dict) -> None:
         self.value = float(state["value"])
+
+
+def update_kl_controller(kl_ctl, kl: float, n_steps: int) -> None:
+    """Section 7 after a step: ``kl_ctl.update(kl, n_steps)``, unless ``kl`` (``objective/kl``) is not finite.
+
+    A non-finite KL (a NaN in the rollout pass) would make the coefficient NaN for every later step: it is
+    left unchanged, with a warning.
+    """
+    if math.isfinite(kl):
+        kl_ctl.update(kl, n_steps)
+    else:
+        warnings.warn(f"objective/kl is {kl}; the KL coefficient is left unchanged.", stacklevel=3)

@@ -22,6 +22,7 @@ from ..core import (
     masked_mean,
     masked_var,
     ppo_value_loss,
+    truncated_importance_weights,
 )
 from .experience import Experience, Minibatch
 from .forward import ForwardPass
@@ -76,12 +77,15 @@ class Learner:
     # ------------------------------------------------------------------------------------------
     # Epochs (section 6)
     # ------------------------------------------------------------------------------------------
-    def train(self, experience: Experience) -> dict:
+    def train(self, experience: Experience) -> tuple[dict, torch.Tensor | None]:
         """``ppo_epochs`` epochs of shuffled mini-batches over ``experience``; returns the averaged
-        ``ppo/*`` statistics, the ratios of every trained token and ``ppo/skipped_minibatches``."""
+        ``ppo/*`` statistics, the ratios of every trained token and ``ppo/skipped_minibatches`` - and, when
+        the experience has no rollout log-probs (:class:`~.rollout_plan.RolloutPlan`), the training
+        forwards' log-probs ``(B, L)``, detached, which were ``lp_old`` (else None)."""
         config = self.config
         minibatch_stats, ratios, masks = [], [], []
         width = experience.action_mask.shape[1]
+        forward_logprobs = torch.zeros_like(experience.action_mask) if experience.logprobs is None else None
         skipped_before = self.skipped_minibatches
         self.model.train()
         if self.critic is not None:
@@ -95,7 +99,9 @@ class Learner:
                 for i, start in enumerate(range(0, len(order), config.mini_batch_size)):
                     minibatch = experience.minibatch(order[start : start + config.mini_batch_size])
                     n_tokens = None if tokens is None else tokens[i // config.gradient_accumulation_steps]
-                    stats, ratio = self.train_rows(experience, minibatch, n_tokens)
+                    stats, ratio, old_logprobs = self.train_rows(experience, minibatch, n_tokens)
+                    if forward_logprobs is not None:
+                        forward_logprobs[minibatch.idx, : old_logprobs.shape[1]] = old_logprobs
                     if stats is not None:
                         minibatch_stats.append(stats)
                         ratios.append(torch.nn.functional.pad(ratio, (0, width - ratio.shape[1])))
@@ -112,7 +118,9 @@ class Learner:
         # The trained tokens' ratios, selected once for the whole step (a boolean selection syncs the host).
         stats["ppo/policy/ratio"] = torch.cat(ratios)[torch.cat(masks).bool()] if ratios else torch.zeros(0)
         stats["ppo/skipped_minibatches"] = torch.tensor(float(self.skipped_minibatches - skipped_before))
-        return stats
+        if experience.kl_in_loss and experience.ref_logprobs is None:
+            stats["ppo/policy/kl_loss"] = torch.tensor(float("nan"))  # its coefficient is 0: not measured
+        return stats, forward_logprobs
 
     def tokens_per_minibatch(self, experience: Experience, order: list[int]) -> torch.Tensor | None:
         """For ``global_token_mean``: per backward batch of this epoch's ``order``, the action tokens of
@@ -152,7 +160,8 @@ class Learner:
     def train_rows(self, experience: Experience, mb: Minibatch, tokens_per_minibatch=None):
         """One mini-batch: forward with grad, losses, guarded backward and optimizer step(s).
 
-        Returns its statistics (None when skipped) and the per-token ratios ``(b, L_mb)`` the loss used.
+        Returns its statistics (None when skipped), the per-token ratios ``(b, L_mb)`` the loss used (None
+        when skipped) and ``lp_old`` ``(b, L_mb)``.
         """
         rows, forward = experience.rows, self.forward
         with self.accelerator.accumulate(*self.trained_models()):
@@ -170,18 +179,27 @@ class Learner:
             del outputs  # the logits, when the head ran in the model: the saved softmax replaces them
             logprobs = to_compact(logprobs, slots, len(mb.index), width)
             entropy = to_compact(entropy, slots, len(mb.index), width)
+            old_logprobs, token_weights = mb.old_logprobs, mb.token_weights
+            if old_logprobs is None:
+                # The step's one optimizer step comes after this forward: the policy is still the one the
+                # rollout pass would have run, so lp_old is this log-prob, detached (docs/algorithm.md section 3).
+                old_logprobs = logprobs.detach()
+                if mb.generation is not None and self.config.importance_sampling_correction == "tis":
+                    token_weights = truncated_importance_weights(
+                        old_logprobs, mb.generation, mb.mask, self.config.importance_sampling_cap
+                    )
             pg_loss, vf_loss, stats = self.loss(
-                mb.old_logprobs, mb.old_values, None, vpreds, logprobs, mb.mask, mb.advantages, mb.returns,
+                old_logprobs, mb.old_values, None, vpreds, logprobs, mb.mask, mb.advantages, mb.returns,
                 entropy=entropy, ref_logprobs=mb.ref_logprobs, kl_coef=experience.kl_coef,
-                token_weights=mb.token_weights, tokens_per_minibatch=tokens_per_minibatch,
+                token_weights=token_weights, tokens_per_minibatch=tokens_per_minibatch,
             )  # fmt: skip
             ptx_loss = self.ptx_loss(mb.ptx) if mb.ptx is not None else None
             policy_loss, critic_loss = self.split_losses(pg_loss, vf_loss, stats, ptx_loss)
             if not self.guarded_update(policy_loss, critic_loss, stats, mb.mask):
-                return None, None
+                return None, None, old_logprobs
         with torch.no_grad():
-            ratio = importance_ratio(logprobs, mb.old_logprobs, mb.mask, self.config.importance_sampling_level)
-        return stats, ratio
+            ratio = importance_ratio(logprobs, old_logprobs, mb.mask, self.config.importance_sampling_level)
+        return stats, ratio, old_logprobs
 
     def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns, entropy=None,
              ref_logprobs=None, kl_coef=0.0, token_weights=None, tokens_per_minibatch=None):  # fmt: skip

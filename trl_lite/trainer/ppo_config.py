@@ -64,6 +64,13 @@ class PPOConfig:
     )
     target: float = field(default=6.0, metadata={"help": "Target KL for the adaptive controller."})
     horizon: float = field(default=10000.0, metadata={"help": "Horizon of the adaptive controller."})
+    compute_reference_kl: bool = field(
+        default=False,
+        metadata={"help": "Measure the KL to the reference (objective/kl, objective/kl_dist, objective/ref_logprobs) "
+                  "also when init_kl_coef=0, where the KL cannot change the step: then no reference pass runs, "
+                  "PPOTrainer(ref_model=None) builds no frozen copy, and those statistics are NaN (not measured). "
+                  "True builds and runs the reference anyway (docs/algorithm.md sections 3 and 8)."},
+    )
     # Advantages and losses
     gamma: float = field(default=1.0, metadata={"help": "Discount factor."})
     lam: float = field(default=0.95, metadata={"help": "GAE lambda."})
@@ -313,7 +320,7 @@ class PPOConfig:
         _check_log_with(self.log_with)
         for name in ("adap_kl_ctrl", "early_stopping", "use_score_scaling", "use_score_norm", "whiten_rewards",
                      "gradient_checkpointing", "remove_unused_columns", "optimize_device_cache", "keep_freed_cpu_memory",
-                     "grpo_scale_rewards"):
+                     "grpo_scale_rewards", "compute_reference_kl"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if self.padding_free not in (None, True, False):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import math
 import os
 import time
 import warnings
@@ -49,11 +48,12 @@ from .experience import StepBatch
 from .experience_maker import ExperienceMaker
 from .forward import ForwardPass, packing_unsupported, reference_context
 from ..engines.generation import build_generation
-from .kl_controllers import AdaptiveKLController, FixedKLController
+from .kl_controllers import AdaptiveKLController, FixedKLController, update_kl_controller
 from .learner import Learner
 from .objective import PolicyObjective
 from .ppo_config import PPOConfig
 from .resumable_loader import ResumableLoader
+from .rollout_plan import RolloutPlan
 from .running_moments import RunningMoments
 from .statistics import StepStatistics, resolve_stop_token_ids
 from .step_inputs import (
@@ -83,6 +83,7 @@ class PPOTrainer(ClassicHelpersMixin):
             the policy's value head is frozen and never run.
         ref_model: the frozen reference (a value-head model or a plain LM); made with
             :func:`create_reference_model` when None, or, for a PEFT model, the same model with its adapter disabled.
+            With ``init_kl_coef=0`` none is made or run, unless ``compute_reference_kl`` (:class:`~.rollout_plan.RolloutPlan`).
         tokenizer: used for padding side and pad id, ``generate`` and ``save_pretrained``.
         dataset: optional ``torch`` or ``datasets`` dataset; gives ``trainer.dataloader``.
         optimizer: default ``Adam`` over the trainable parameters at ``config.learning_rate``.
@@ -129,6 +130,7 @@ class PPOTrainer(ClassicHelpersMixin):
         self._pack = _choose_packing(config, model, ref_model, self.critic)
         core.set_seed(config.seed)
         self.config = config
+        self.rollout_plan = self.plan_rollout(config)
         if not self._uses_value_head:
             # No gradient, optimizer state or DDP bucket for a head that never runs.
             model.v_head.requires_grad_(False)
@@ -143,9 +145,9 @@ class PPOTrainer(ClassicHelpersMixin):
             model.gradient_checkpointing_enable()
             if self.critic is not None:
                 self.critic.gradient_checkpointing_enable()
-        if ref_model is None and not self.is_peft_model:
+        if ref_model is None and not self.is_peft_model and self.rollout_plan.reference:
             ref_model = create_reference_model(model, num_shared_layers=num_shared_layers)
-        self.ref_model = ref_model  # None for a PEFT policy: the reference is the policy without its adapter
+        self.ref_model = ref_model  # None: a PEFT policy's reference is itself without its adapter, or none runs
         if config.keep_freed_cpu_memory and self.accelerator.device.type == "cpu":
             keep_freed_cpu_memory()
         self.optimizer = optimizer or default_optimizer(model, config.learning_rate)
@@ -216,7 +218,7 @@ class PPOTrainer(ClassicHelpersMixin):
         self._ema = PolicyEMA(unwrapped, config.ema_decay) if config.ema_decay is not None else None
         self.experience_maker = ExperienceMaker(
             config, accelerator, self.forward, self.model, self._reference, self.critic, self.kl_ctl, self.running,
-            self._eos_ids, self._uses_value_head,
+            self._eos_ids, self._uses_value_head, self.rollout_plan,
         )  # fmt: skip
         self.learner = Learner(
             config, accelerator, self.forward, self.model, self.optimizer, PolicyObjective.from_config(config),
@@ -231,6 +233,7 @@ class PPOTrainer(ClassicHelpersMixin):
             timer=self._phase_timer,
         )  # fmt: skip
 
+    plan_rollout = staticmethod(RolloutPlan.from_config)  # the passes without grad, decided once (see rollout_plan)
     @property
     def _uses_value_head(self) -> bool:
         """Whether the policy's value head runs and trains: only for GAE, never on a plain LM, and not
@@ -286,7 +289,9 @@ class PPOTrainer(ClassicHelpersMixin):
         t0 = time.time()
         experience = self.experience_maker.make(batch)
         t = time.time()
-        train_stats = self.learner.train(experience)
+        train_stats, forward_logprobs = self.learner.train(experience)
+        if forward_logprobs is not None:  # lp_old came from the training forwards (no policy pass)
+            experience = self.experience_maker.complete(experience, forward_logprobs)
         timing = {**experience.timings, "time/ppo/optimize_step": time.time() - t}
         t = time.time()
         stats = self.statistics.step_stats(experience, train_stats)
@@ -294,11 +299,8 @@ class PPOTrainer(ClassicHelpersMixin):
         stats["ppo/learning_rate"] = self.optimizer.param_groups[0]["lr"]
 
         # Section 7: the KL controller and the scheduler
-        if math.isfinite(stats["objective/kl"]):
-            self.kl_ctl.update(stats["objective/kl"], config.batch_size * self.accelerator.num_processes)
-        else:
-            # A non-finite KL (a NaN in the rollout pass) would make kl_coef NaN for every later step.
-            warnings.warn(f"objective/kl is {stats['objective/kl']}; the KL coefficient is left unchanged.", stacklevel=2)
+        if self.rollout_plan.reference:  # else the coefficient is 0 and stays 0, and the KL is not measured
+            update_kl_controller(self.kl_ctl, stats["objective/kl"], config.batch_size * self.accelerator.num_processes)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.current_step += 1
@@ -358,6 +360,9 @@ class PPOTrainer(ClassicHelpersMixin):
 
         The call's wall-clock time counts in ``time/rollout/generate`` of the next ``step()``'s statistics.
         """
+        if generate_ref_response and self.ref_model is None and not self.is_peft_model:
+            raise ValueError("generate_ref_response=True needs a reference model, but with init_kl_coef=0 none was "
+                             "made: pass ref_model=... or set PPOConfig.compute_reference_kl=True.")  # fmt: skip
         return self.generation.generate(
             query_tensor, length_sampler, batch_size, return_prompt, generate_ref_response, remove_padding,
             return_logprobs, **generation_kwargs,

@@ -67,21 +67,34 @@ class StepStatistics:
         stats.update(experience.gap_stats)
         if not self.config.critic_free:
             stats["ppo/val/var_explained"] = 1 - stats["ppo/val/error"] / stats["ppo/returns/var"]
-        return self.reduce(stats)
+        out = self.reduce(stats)
+        if experience.kls is None:
+            # No reference pass ran (docs/algorithm.md section 8): the KL statistics keep their keys, NaN.
+            # Filled after the reduction, so that every process gives the same shapes without a collective.
+            rows = self.config.batch_size * self.accelerator.num_processes
+            out["objective/kl"] = float("nan")
+            out["objective/kl_dist"] = np.full(rows, np.nan, dtype=np.float32)
+            out["objective/ref_logprobs"] = np.full_like(out["objective/logprobs"], np.nan)
+        return out
 
     @torch.no_grad()
     def batch_stats(self, experience) -> dict:
         """The batch statistics of section 8 (this process), as tensors."""
         rows, mask = experience.rows, experience.action_mask
-        kl_per_row = (experience.kls * mask).sum(-1)
         is_action = mask.bool()
         scores = experience.scores
         query_len, response_len = rows.query_len.float(), rows.response_len.float()
+        kl = {}
+        if experience.kls is not None:  # else not measured: see step_stats
+            kl_per_row = (experience.kls * mask).sum(-1)
+            kl = {
+                "objective/kl": kl_per_row.mean(),
+                "objective/kl_dist": kl_per_row,
+                "objective/ref_logprobs": experience.ref_logprobs[is_action],
+            }
         return {
-            "objective/kl": kl_per_row.mean(),
-            "objective/kl_dist": kl_per_row,
+            **kl,
             "objective/logprobs": experience.logprobs[is_action],
-            "objective/ref_logprobs": experience.ref_logprobs[is_action],
             "objective/kl_coef": torch.tensor(experience.kl_coef),
             "objective/entropy": (-experience.logprobs * mask).sum(-1).mean(),
             "ppo/mean_non_score_reward": masked_mean(experience.non_score_reward, mask),
@@ -188,7 +201,8 @@ class StepStatistics:
         logs["env/reward_mean"] = rewards.mean().item()
         logs["env/reward_std"] = rewards.std().item() if rewards.numel() > 1 else 0.0
         if config.log_with != "tensorboard":
-            logs.update({k: v for k, v in stats.items() if isinstance(v, np.ndarray)})
+            # An array that was not measured (all NaN, docs/algorithm.md section 8) makes no histogram.
+            logs.update({k: v for k, v in stats.items() if isinstance(v, np.ndarray) and not (v.size and np.isnan(v).all())})
             logs["env/reward_dist"] = rewards.cpu().numpy()
         self.accelerator.log(logs, step=step)
         if table_due:
