@@ -65,6 +65,11 @@ CALLS = {
     "missing": '{"name": "add", "arguments": {"a": 2}}',
     "extra": '{"name": "add", "arguments": {"a": 2, "b": 3, "c": 4}}',
     "raises": '{"name": "divide", "arguments": {"a": 2, "b": 0}}',
+    # Calls of test_agents_trl's environments (written in TRL's documented style).
+    "increment_step": '{"name": "increment", "arguments": {"step": 2}}',
+    "increment_float": '{"name": "increment", "arguments": {"step": 1.0}}',
+    "describe": '{"name": "describe", "arguments": {}}',
+    "helper": '{"name": "helper", "arguments": {}}',
 }
 WORDS = ["GUESS_FIVE", "HELLO"]
 N_EMBD = 64  # vLLM's CPU attention needs a head size of at least 32: 2 heads of 32
