@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import logging
 import math
 import os
 import time
@@ -70,6 +71,8 @@ from .timing import PhaseTimer
 
 # Where save_pretrained(save_value_model=True) writes the critic, inside the policy's directory.
 VALUE_MODEL_SUBFOLDER = "value_model"
+
+logger = logging.getLogger(__name__)
 
 
 class PPOTrainer(ClassicHelpersMixin):
@@ -156,11 +159,12 @@ class PPOTrainer(ClassicHelpersMixin):
         self._data_generator = torch.Generator().manual_seed(config.seed)
         dataloader = self._build_dataloader(dataset, data_collator) if dataset is not None else None
         if dataset is None:
-            warnings.warn(
-                f"PPOTrainer got no dataset: step() expects batches of config.batch_size={config.batch_size} rows "
-                "per process; make sure that is the number of queries you pass to each step().",
-                UserWarning,
-                stacklevel=2,
+            # A note, not a warning: training without a dataset (agents, custom loops) is an ordinary use,
+            # and step() refuses a batch of another size with an error naming config.batch_size.
+            logger.info(
+                "PPOTrainer got no dataset: step() expects batches of config.batch_size=%d rows per process; make "
+                "sure that is the number of queries you pass to each step().",
+                config.batch_size,
             )
         self._prepare(model, dataloader, lr_scheduler, critic_optimizer)
         self.current_device = self.accelerator.device
