@@ -20,8 +20,17 @@ import random
 
 import pytest
 import torch
-from test_agents import CALLS, CHAT_TEMPLATE, TOKENIZER, USER, make_chat_tokenizer, make_trainer, render_ids
-from test_agents import successor_model, turn
+from test_agents import (
+    CALLS,
+    CHAT_TEMPLATE,
+    TOKENIZER,
+    USER,
+    make_chat_tokenizer,
+    make_trainer,
+    render_ids,
+    successor_model,
+    turn,
+)
 from transformers.utils import get_json_schema
 
 from trl_lite.agents import run_episodes, step_inputs
@@ -74,6 +83,7 @@ class CompassEnv:
 
 
 INCREMENT_MODEL = turn("<tool_call>", CALLS["increment_step"], "</tool_call>")
+INCREMENT_TOOLS = [get_json_schema(IncrementEnv().increment)]
 
 
 def grpo_reference(rewards: list[float], groups: list[int]) -> torch.Tensor:
@@ -111,7 +121,7 @@ def test_members_of_a_group_start_apart_and_train_with_grpo():
     assert len(set(targets[:4])) > 1 and len(set(targets[4:])) > 1  # each group holds several starts
     for episode, target in zip(episodes, targets):
         assert episode.messages[0] == {"role": "user", "content": f"Increment the counter to {target}."}
-        assert episode.query.tolist() == render_ids(episode.messages[:1], [get_json_schema(IncrementEnv().increment)], True)
+        assert episode.query.tolist() == render_ids(episode.messages[:1], INCREMENT_TOOLS, True)
         assert episode.reward == float(episode.environment.counter == target)
     inputs = step_inputs(episodes)
     assert inputs["group_ids"] == [0] * 4 + [1] * 4 and [e.group_id for e in episodes[:4]] == [episodes[0].group_id] * 4
@@ -137,7 +147,7 @@ def test_a_dict_of_two_environments_routes_each_row_and_trains_with_grpo():
                             max_new_tokens=6, do_sample=True, top_k=0)  # fmt: skip
     assert [type(e.environment) for e in episodes] == [IncrementEnv, IncrementEnv, CompassEnv, CompassEnv]
     # Only the episode's own environment's tools reach its prompt; reset gets the row without `environment`.
-    counter_tools, compass_tools = [get_json_schema(IncrementEnv().increment)], [get_json_schema(CompassEnv().turn_to)]
+    counter_tools, compass_tools = INCREMENT_TOOLS, [get_json_schema(CompassEnv().turn_to)]
     for episode in episodes[:2]:
         assert episode.query.tolist() == render_ids(episode.messages[:1], counter_tools, True)
     for episode in episodes[2:]:
@@ -223,9 +233,8 @@ class Describer:
 def blocks_tokenizer():
     """The test tokenizer with a template that also renders a list of text blocks as a message's content."""
     tokenizer = make_chat_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE.replace(
-        "message.content", "(message.content if message.content is string else message.content | map(attribute='text') | join(''))"
-    )
+    as_text = "(message.content if message.content is string else message.content | map(attribute='text') | join(''))"
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("message.content", as_text)
     assert tokenizer.get_vocab() == TOKENIZER.get_vocab()
     return tokenizer
 
@@ -287,7 +296,9 @@ def test_reset_gets_the_row_and_joins_the_last_message_whatever_its_role():
     episodes = run_episodes(trainer, rows, environment_factory=Recorder, max_new_tokens=4, tokenizer=tokenizer)
     assert [e.environment.kwargs for e in episodes] == rows  # the whole row, prompt included
     assert episodes[0].messages[:2] == [prefilled[0], {"role": "assistant", "content": "Ready. Board 3."}]
-    assert episodes[1].messages[0]["content"] == [{"type": "text", "text": "add 2 and 3"}, {"type": "text", "text": " (blocks)"}]
+    assert episodes[1].messages[0]["content"] == [
+        {"type": "text", "text": "add 2 and 3"}, {"type": "text", "text": " (blocks)"}
+    ]  # fmt: skip
     assert episodes[2].messages[0]["content"] == [{"type": "text", "text": "Look:"}, {"type": "text", "text": " text"}]
     assert episodes[3].messages[0] == USER[0]
     assert rows[0]["prompt"][1]["content"] == "Ready."  # the caller's row is left as it was

@@ -27,7 +27,13 @@ from test_agents import (
     token,
     turn,
 )
-from test_agents_trl import INCREMENT_MODEL, CompassEnv, IncrementEnv, assert_grpo_advantages
+from test_agents_trl import (
+    INCREMENT_MODEL,
+    INCREMENT_TOOLS,
+    CompassEnv,
+    IncrementEnv,
+    assert_grpo_advantages,
+)
 from test_vllm_server import launched_server
 from transformers import GPT2LMHeadModel
 from transformers.utils import get_json_schema
@@ -173,7 +179,7 @@ def test_trl_environments_that_start_apart_and_a_dict_of_them_play_and_train_on_
     for episode in episodes[:2]:  # each member's query is its own task's
         target = episode.environment.target
         assert episode.messages[0]["content"] == f"Increment the counter to {target}."
-        assert episode.query.tolist() == render_ids(episode.messages[:1], [get_json_schema(IncrementEnv().increment)], True)
+        assert episode.query.tolist() == render_ids(episode.messages[:1], INCREMENT_TOOLS, True)
     inputs = step_inputs(episodes)
     rewards = [e.reward for e in episodes]
     stats = trainer.step(**inputs, scores=[torch.tensor(r) for r in rewards])

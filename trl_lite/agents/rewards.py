@@ -54,9 +54,16 @@ def source_name(func: Callable) -> str:
     return getattr(func, "__name__", type(func).__name__)
 
 
-def score_episodes(funcs: list[Callable], weights: list[float], prompts: list, completions: list[list[dict]],
-                   completion_ids: list[list[int]], rows: list[dict], environments: list | None,
-                   environment_rewards: list[float | None]) -> tuple[list[float | None], list[dict[str, float]]]:  # fmt: skip
+def score_episodes(
+    funcs: list[Callable],
+    weights: list[float],
+    prompts: list,
+    completions: list[list[dict]],
+    completion_ids: list[list[int]],
+    rows: list[dict],
+    environments: list | None,
+    environment_rewards: list[float | None],
+) -> tuple[list[float | None], list[dict[str, float]]]:
     """Each episode's reward and its sources' values.
 
     Args:

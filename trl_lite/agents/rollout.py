@@ -351,7 +351,9 @@ def _start_episodes(read, names, k: int, environments, setups, functions, routed
                     f"{engine.context_length}, which leaves no room for a response."
                 )
             reward = 0.0 if setup.kind == STEP else None
-            live.append(_Live(index, label, row, setup, environment, available, own, len(own), rendered, query, reward=reward))
+            live.append(
+                _Live(index, label, row, setup, environment, available, own, len(own), rendered, query, reward=reward)
+            )
     return live
 
 
