@@ -65,6 +65,11 @@ CALLS = {
     "missing": '{"name": "add", "arguments": {"a": 2}}',
     "extra": '{"name": "add", "arguments": {"a": 2, "b": 3, "c": 4}}',
     "raises": '{"name": "divide", "arguments": {"a": 2, "b": 0}}',
+    # Calls of test_agents_trl's environments (written in TRL's documented style).
+    "increment_step": '{"name": "increment", "arguments": {"step": 2}}',
+    "increment_float": '{"name": "increment", "arguments": {"step": 1.0}}',
+    "describe": '{"name": "describe", "arguments": {}}',
+    "helper": '{"name": "helper", "arguments": {}}',
 }
 WORDS = ["GUESS_FIVE", "HELLO"]
 N_EMBD = 64  # vLLM's CPU attention needs a head size of at least 32: 2 heads of 32
@@ -169,7 +174,7 @@ class GuessGame:
 class Counter:
     """A TRL-style environment: its public method is a tool, get_reward the episode's reward."""
 
-    def reset(self, start: int = 0) -> None:
+    def reset(self, start: int = 0, **row) -> None:
         self.count = start
 
     def increment(self, by: int) -> int:
@@ -236,10 +241,11 @@ def test_tool_episode_layout_is_the_templates_rendering_with_the_mask_on_model_t
     (episode,) = episodes
     tools = [get_json_schema(add)]
     assert episode.query.tolist() == render_ids(USER, tools, True)
-    assert episode.num_turns == 3 and episode.tool_calls == 3 and episode.tool_errors == 0
+    assert episode.num_turns == 3 and episode.tool_calls == 2 and episode.tool_errors == 0
     assert episode.truncated and episode.reward is None  # still calling after max_turns; no environment
-    assert [m["role"] for m in episode.messages] == ["user"] + ["assistant", "tool"] * 3
-    assert [m["content"] for m in episode.messages[2::2]] == ["5", "5", "5"]
+    # As in TRL, the calls of the last turn are not run.
+    assert [m["role"] for m in episode.messages] == ["user"] + ["assistant", "tool"] * 2 + ["assistant"]
+    assert [m["content"] for m in episode.messages[2::2]] == ["5", "5"]
     model_turn = [token("<tool_call>"), token(CALLS["add"]), token("</tool_call>"), token("<|im_end|>")]
     assert episode.response.tolist()[:4] == model_turn and episode.response.tolist()[-4:] == model_turn
     response, mask = expected_layout(episode, tools)
@@ -309,8 +315,8 @@ def test_trl_environment_methods_are_tools_and_get_reward_is_the_reward():
     trainer = make_trainer(successor_model(turn("<tool_call>", CALLS["increment"], "</tool_call>")))
     prompts = [{"prompt": USER, "start": 10}, {"prompt": USER, "start": 0}]
     episodes = run_episodes(trainer, prompts, environment_factory=Counter, max_turns=2, max_new_tokens=8)
-    assert [e.reward for e in episodes] == [14.0, 4.0]  # two calls of increment(by=2) from each start
-    assert [m["content"] for m in episodes[0].messages if m["role"] == "tool"] == ["12", "14"]
+    assert [e.reward for e in episodes] == [12.0, 2.0]  # one increment(by=2) from each start: turn 2's call is not run
+    assert [m["content"] for m in episodes[0].messages if m["role"] == "tool"] == ["12"]
     tools = [get_json_schema(Counter().increment)]
     assert episodes[0].query.tolist() == render_ids(USER, tools, True)  # the method's schema reaches the model
     response, mask = expected_layout(episodes[0], tools)
@@ -318,35 +324,56 @@ def test_trl_environment_methods_are_tools_and_get_reward_is_the_reward():
 
 
 @pytest.mark.parametrize(
-    ("call", "expected"),
+    ("call", "check", "expected"),
     [
-        ("add_string_arguments", "5"),
-        ("unknown", "Error: unknown tool 'subtract'; the tools are ['add', 'divide']."),
-        ("not_json", "Error: the tool call is not valid JSON"),
-        ("no_name", "Error: the tool call has no tool name"),
-        ("wrong_type", "Error: add: argument 'a' must be integer, got \"two\"."),
-        ("missing", "Error: add: missing required argument(s) ['b']."),
-        ("extra", "Error: add: unknown argument(s) ['c']; the arguments are ['a', 'b']."),
-        ("raises", "Error: divide raised ZeroDivisionError: division by zero"),
+        ("add_string_arguments", False, "5"),
+        ("unknown", False, "{'error': 'Tool subtract not found.'}"),
+        # No schema check by default: the tool runs with the arguments as given, Python's error goes back.
+        ("wrong_type", False, """{'error': 'can only concatenate str (not "int") to str'}"""),
+        ("missing", False, """{'error': "add() missing 1 required positional argument: 'b'"}"""),
+        ("extra", False, """{'error': "add() got an unexpected keyword argument 'c'"}"""),
+        ("raises", False, "{'error': 'division by zero'}"),
+        ("wrong_type", True, """{'error': 'add: argument \\'a\\' must be integer, got "two".'}"""),
+        ("missing", True, """{'error': "add: missing required argument(s) ['b']."}"""),
+        ("extra", True, """{'error': "add: unknown argument(s) ['c']; the arguments are ['a', 'b']."}"""),
     ],
 )
-def test_every_tool_fault_goes_back_to_the_model_and_is_counted(call, expected):
+def test_every_tool_fault_goes_back_to_the_model_as_trls_error_and_is_counted(call, check, expected):
     trainer = make_trainer(successor_model(turn("<tool_call>", CALLS[call], "</tool_call>")))
-    (episode,) = run_episodes(trainer, [USER], tools=[add, divide], max_turns=2, max_new_tokens=8)
+    (episode,) = run_episodes(trainer, [USER], tools=[add, divide], max_turns=2, max_new_tokens=8,
+                              check_tool_arguments=check)  # fmt: skip
     replies = [m["content"] for m in episode.messages if m["role"] == "tool"]
-    assert len(replies) == 2 and all(reply.startswith(expected) for reply in replies)
-    assert episode.num_turns == 2 and episode.tool_calls == 2  # the episode went on after the fault
-    assert episode.tool_errors == (0 if call == "add_string_arguments" else 2)
+    assert replies == [expected]
+    assert episode.num_turns == 2 and episode.tool_calls == 1  # the episode went on after the fault
+    assert episode.tool_errors == (0 if call == "add_string_arguments" else 1)
     tools = [get_json_schema(add), get_json_schema(divide)]
     response, mask = expected_layout(episode, tools)
     assert episode.response.tolist() == response and episode.response_mask.tolist() == mask
 
 
-def test_an_unclosed_tool_call_is_a_fault_and_text_without_a_call_ends_the_episode():
-    trainer = make_trainer(successor_model(turn("<tool_call>", CALLS["add"])))
+@pytest.mark.parametrize(
+    ("call", "expected"),
+    [
+        ("not_json", "{'error': 'the tool call is not valid JSON"),
+        ("no_name", "{'error': 'the tool call has no tool name"),
+        ("unclosed", "{'error': '<tool_call> without </tool_call>'}"),
+    ],
+)
+def test_a_malformed_call_is_the_final_answer_or_with_answer_malformed_tool_calls_an_error(call, expected):
+    pieces = ("<tool_call>", CALLS["add"]) if call == "unclosed" else ("<tool_call>", CALLS[call], "</tool_call>")
+    trainer = make_trainer(successor_model(turn(*pieces)))
     (episode,) = run_episodes(trainer, [USER], tools=[add], max_turns=3, max_new_tokens=8)
-    assert episode.tool_errors == episode.tool_calls == 3
-    assert episode.messages[2]["content"] == "Error: <tool_call> without </tool_call>"
+    assert (episode.num_turns, episode.tool_calls, episode.tool_errors, episode.truncated) == (1, 0, 0, False)
+    assert [m["role"] for m in episode.messages] == ["user", "assistant"]
+    (episode,) = run_episodes(trainer, [USER], tools=[add], max_turns=3, max_new_tokens=8,
+                              answer_malformed_tool_calls=True)  # fmt: skip
+    assert (episode.num_turns, episode.tool_calls, episode.tool_errors, episode.truncated) == (3, 2, 2, True)
+    assert episode.messages[2]["role"] == "tool" and episode.messages[2]["content"].startswith(expected)
+    response, mask = expected_layout(episode, [get_json_schema(add)])
+    assert episode.response.tolist() == response and episode.response_mask.tolist() == mask
+
+
+def test_text_without_a_call_ends_the_episode():
     trainer = make_trainer(successor_model(turn("HELLO")))
     (episode,) = run_episodes(trainer, [USER], tools=[add], max_turns=3, max_new_tokens=8)
     assert (episode.num_turns, episode.tool_calls, episode.truncated) == (1, 0, False)
@@ -466,7 +493,7 @@ def test_step_inputs_groups_and_statistics(tool_trainer):
     assert step_inputs(run_episodes(tool_trainer, [USER, USER], tools=[add], max_new_tokens=8))["group_ids"] is None
     stats = episode_stats(first + second)
     assert stats == {
-        "env/turns/mean": 10 / 6, "env/turns/max": 2.0, "env/tool_calls/mean": 10 / 6,
+        "env/turns/mean": 10 / 6, "env/turns/max": 2.0, "env/tool_calls/mean": 4 / 6,
         "env/tool_error_fraction": 0.0, "env/truncated_fraction": 1.0,
     }  # fmt: skip
     columns = completions_columns(second)
@@ -543,7 +570,8 @@ class Clash(Counter):
         ({"prompts": []}, ValueError, "prompts must be a non-empty list"),
         ({"prompts": ["add 2 and 3"]}, TypeError, "prompts\\[0\\] must be a non-empty list of chat messages"),
         ({"prompts": [[{"role": "user"}]]}, TypeError, "prompts\\[0\\]\\[0\\] must be a chat message"),
-        ({"prompts": [{"messages": USER}]}, ValueError, "prompts\\[0\\] is a dict without a 'prompt' key"),
+        ({"prompts": [{"messages": USER}], "environment_factory": None}, ValueError,
+         "prompts\\[0\\] is a dict without a 'prompt' key"),
         ({"tools": add}, TypeError, "tools must be a list of functions, got function"),
         ({"tools": [add, 3]}, TypeError, "tools\\[1\\] must be a function, got int"),
         ({"tools": [no_docstring]}, ValueError, "tools\\[0\\] \\(no_docstring\\) needs a JSON schema"),
@@ -556,7 +584,17 @@ class Clash(Counter):
         ({"num_return_sequences": 2}, ValueError, "sets num_return_sequences itself; .*use num_generations"),
         ({"max_length": 99}, ValueError, "sets max_length itself"),
         ({"num_generations": 2}, ValueError, "num_generations=2 with greedy decoding .* pass do_sample=True"),
-        ({"environment_factory": 3}, TypeError, "environment_factory must be callable"),
+        ({"environment_factory": 3}, TypeError, "environment_factory must be callable .* or a dict of them"),
+        ({"environment_factory": {"counter": 3}}, TypeError, "environment_factory\\['counter'\\] must be callable"),
+        ({"prompts": [{"prompt": USER, "environment": "chess"}], "environment_factory": {"counter": Counter}},
+         ValueError, "prompts\\[0\\] has environment='chess', which names none .* one of \\['counter'\\]"),
+        ({"prompts": [USER], "environment_factory": {"counter": Counter}}, ValueError,
+         "prompts\\[0\\] has no 'environment' key, which names none"),
+        ({"reward_weights": [1.0]}, ValueError, "reward_weights=\\[1.0\\] was given without reward_funcs"),
+        ({"reward_funcs": [len, 3]}, TypeError, "reward_funcs\\[1\\] must be a function"),
+        ({"reward_funcs": [len], "reward_weights": [1, 2]}, ValueError, "reward_weights must be a list of 1 finite"),
+        ({"answer_malformed_tool_calls": 1}, TypeError, "answer_malformed_tool_calls must be a bool, got 1"),
+        ({"check_tool_arguments": "yes"}, TypeError, "check_tool_arguments must be a bool, got 'yes'"),
     ],
 )
 def test_bad_arguments_are_refused_before_anything_runs(tool_trainer, arguments, error, message):
@@ -589,18 +627,8 @@ def test_environment_protocol_errors():
     with pytest.raises(TypeError, match="step environments and TRL-style ones in one call"):
         run_episodes(trainer, [USER, USER], environment_factory=lambda: next(kinds), max_new_tokens=4)
 
-    class Drifting(GuessGame):  # the episodes of a group must start alike
-        count = 0
-
-        def reset(self, secret):
-            Drifting.count += 1
-            return f" try {Drifting.count}"
-
-    with pytest.raises(ValueError, match="episode 1 of prompts\\[0\\] .* gave another query than episode 0's"):
-        run_episodes(trainer, [{"prompt": USER, "secret": 1}], environment_factory=Drifting, num_generations=2,
-                     max_new_tokens=4, do_sample=True)  # fmt: skip
-    with pytest.raises(TypeError, match="reset\\(\\) must return a str or None, got int"):
-        run_episodes(trainer, [USER], environment_factory=type("R", (Counter,), {"reset": lambda self: 3}),
+    with pytest.raises(TypeError, match="reset\\(\\) must return a str, a list of content blocks or None, got int"):
+        run_episodes(trainer, [USER], environment_factory=type("R", (Counter,), {"reset": lambda self, **row: 3}),
                      max_new_tokens=4)  # fmt: skip
 
 

@@ -1,12 +1,15 @@
 """trl_lite.agents on vLLM: colocated in this process and as a server (``python -m trl_lite.vllm_server`` on
 the loopback address). Greedy episodes - tools, a TRL-style environment, a step environment - equal the
 transformers engine's token for token, mask for mask, with the engine's log-probs equal to a float64
-recomputation; sampled episodes train through step(); the context length comes from the engine (its
+recomputation; sampled episodes train through step(), TRL-style environments whose group members start
+apart and a dict of two of them included; the context length comes from the engine (its
 max_model_len, the server's model card); the classic TextEnvironment gives on vLLM what it gives on the
 model. The models are test_agents' successor GPT-2s (64 wide, 2 heads: vLLM's CPU attention needs a
 head size of at least 32); one colocated engine serves every test, its weights swapped through the
 trainer's own push (``generation.weights_changed()``).
 """
+
+import random
 
 import pytest
 import torch
@@ -19,9 +22,17 @@ from test_agents import (
     GuessGame,
     add,
     expected_layout,
+    render_ids,
     successor_model,
     token,
     turn,
+)
+from test_agents_trl import (
+    INCREMENT_MODEL,
+    INCREMENT_TOOLS,
+    CompassEnv,
+    IncrementEnv,
+    assert_grpo_advantages,
 )
 from test_vllm_server import launched_server
 from transformers import GPT2LMHeadModel
@@ -146,6 +157,34 @@ def test_sampled_episodes_have_the_engines_logprobs_and_train(trainer):
     finally:
         trainer.generation.push = original
     assert pushes == [1]
+
+
+def test_trl_environments_that_start_apart_and_a_dict_of_them_play_and_train_on_vllm(trainer):
+    """TRL-style environments (test_agents_trl): greedy episodes of a dict of two environments equal the
+    transformers engine's; sampled groups whose members start apart train with GRPO through step()."""
+    model = successor_model(INCREMENT_MODEL, scale=0.16, seed=2)
+    use_weights(trainer, model)
+    rows = [{"environment": "counter"}, {"prompt": USER, "environment": "compass", "heading": "north"}]
+    factories = {"counter": IncrementEnv, "compass": CompassEnv}
+    greedy = {}
+    for name, on in (("vllm", trainer), ("transformers", transformers_trainer(model))):
+        random.seed(0)  # both engines' environments draw the same tasks
+        greedy[name] = run_episodes(on, rows, environment_factory=factories, max_turns=3, max_new_tokens=8)
+    assert_same_episodes(greedy["vllm"], greedy["transformers"])
+    assert greedy["vllm"][1].messages[2]["content"] == "{'error': 'Tool increment not found.'}"
+    random.seed(4)
+    episodes = run_episodes(trainer, rows, environment_factory=factories, max_turns=3, num_generations=2,
+                            max_new_tokens=6, do_sample=True, top_k=0, seed=3)  # fmt: skip
+    assert_logprobs_match_float64(episodes, model)
+    for episode in episodes[:2]:  # each member's query is its own task's
+        target = episode.environment.target
+        assert episode.messages[0]["content"] == f"Increment the counter to {target}."
+        assert episode.query.tolist() == render_ids(episode.messages[:1], INCREMENT_TOOLS, True)
+    inputs = step_inputs(episodes)
+    rewards = [e.reward for e in episodes]
+    stats = trainer.step(**inputs, scores=[torch.tensor(r) for r in rewards])
+    assert stats["rollout/logprob_diff/max"] < 1e-4
+    assert_grpo_advantages(stats, episodes, rewards, inputs["group_ids"])
 
 
 def test_text_environment_on_vllm_gives_the_classic_results(trainer):

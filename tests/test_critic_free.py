@@ -265,7 +265,6 @@ def test_config_rejects_bad_critic_free_fields(kwargs, error, match):
         ({}, [0, 0, 1, 1], ValueError, "one id per row"),
         ({}, [0.0] * 8, TypeError, "integer ids"),
         ({}, "abc", TypeError, "group_ids must be a list"),
-        ({}, [0, 1, 0, 1, 0, 1, 0, 1], ValueError, "queries differ"),
         ({"advantage_estimator": "reinforce_pp"}, [0] * 8, ValueError, "apply only to advantage_estimator"),
     ],
 )

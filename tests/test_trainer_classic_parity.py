@@ -1,6 +1,7 @@
 """PPOTrainer behaviours a user porting classic TRL code meets: generation modes, constructor
 warnings, score shapes and the classic private helpers."""
 
+import logging
 import math
 import os
 import warnings
@@ -72,15 +73,21 @@ def test_num_shared_layers_with_a_ref_model_warns_and_is_ignored():
     assert all(not p.requires_grad for p in ref.parameters())
 
 
-def test_no_dataset_warns_to_set_batch_size():
+def test_no_dataset_is_noted_and_step_refuses_another_batch_size(caplog):
+    # A note at INFO, not a warning: training without a dataset is ordinary, and step() checks the size.
     model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2(seed=1))
-    with pytest.warns(UserWarning, match="no dataset: step\\(\\) expects batches of config.batch_size=2"):
-        PPOTrainer(PPOConfig(batch_size=2, mini_batch_size=2), model, tokenizer=make_tokenizer())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        with caplog.at_level(logging.INFO, logger="trl_lite.trainer.ppo_trainer"):
+            trainer = PPOTrainer(PPOConfig(batch_size=2, mini_batch_size=2), model, tokenizer=make_tokenizer())
+    assert "no dataset: step() expects batches of config.batch_size=2" in caplog.text
+    with pytest.raises(ValueError, match="config.batch_size=2"):
+        trainer.step([torch.tensor([3, 4])] * 3, [torch.tensor([5])] * 3, [torch.tensor(1.0)] * 3)
+    caplog.clear()
     data = [{"input_ids": torch.tensor([3, 4])}] * 4
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caplog.at_level(logging.INFO, logger="trl_lite.trainer.ppo_trainer"):
         PPOTrainer(PPOConfig(batch_size=2, mini_batch_size=2), model, tokenizer=make_tokenizer(), dataset=data)
-    assert not any("no dataset" in str(w.message) for w in caught)
+    assert "no dataset" not in caplog.text
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,8 +21,7 @@ def make_trainer(batch_size=4, mini_batch_size=2, value_model=None, **config_kwa
     config_kwargs.setdefault("learning_rate", 1e-3)
     config = PPOConfig(batch_size=batch_size, mini_batch_size=mini_batch_size, **config_kwargs)
     model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2())
-    with pytest.warns(UserWarning, match="got no dataset"):
-        return PPOTrainer(config, model, tokenizer=make_tokenizer(), value_model=value_model)
+    return PPOTrainer(config, model, tokenizer=make_tokenizer(), value_model=value_model)
 
 
 def test_the_facade_holds_one_mixin_and_its_parts():
@@ -126,8 +125,7 @@ def test_missing_eos_penalty_set_on_the_trainer_later_is_refused_before_any_stat
     model.config.eos_token_id = None
     from trl_lite import AutoModelForSeq2SeqLMWithValueHead
 
-    with pytest.warns(UserWarning, match="got no dataset"):
-        trainer = PPOTrainer(config, AutoModelForSeq2SeqLMWithValueHead.from_pretrained(model))
+    trainer = PPOTrainer(config, AutoModelForSeq2SeqLMWithValueHead.from_pretrained(model))
     trainer.config.missing_eos_penalty = -1.0
     with pytest.raises(ValueError, match="missing_eos_penalty=-1.0 needs an EOS token id"):
         trainer.step(*random_batch(4, response_len=(3, 6)))

@@ -220,7 +220,11 @@ def build_model(args: ScriptArguments, tokenizer) -> GPT2LMHeadModel:
         n_head=args.n_embd // 32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )  # fmt: skip
-    return GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(config)
+    # transformers picks a model's loss by its class name, and "GPT2LMHeadModel" names none, so the SFT loss
+    # would fall back to the causal-LM loss with a warning; it is that loss, so say so.
+    model.loss_type = "ForCausalLM"
+    return model
 
 
 def play(trainer, tasks, args: ScriptArguments, **generation) -> tuple[list, float]:

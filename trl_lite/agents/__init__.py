@@ -7,7 +7,10 @@
     trainer.log_stats({**stats, **episode_stats(episodes)}, completions_columns(episodes), scores,
                       columns_to_log=("conversation",))
 
-The token layout of an episode, where its score lands and how groups form: docs/algorithm.md section 16.
+Environments written for TRL's ``environment_factory`` (one class, or a dict routed by each row's
+``environment`` field) and TRL-style ``reward_funcs`` run unchanged, with TRL's episode semantics
+(README, "Multi-turn agents"). The token layout of an episode, where its score lands and how groups
+form - by prompt, so a group's members may start apart: docs/algorithm.md section 16.
 """
 
 from .chat import ChatFormat, ToolCall, parse_tool_calls

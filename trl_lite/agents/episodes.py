@@ -27,16 +27,20 @@ class Episode:
             environment's.
         logprobs: ``(R,)`` float32, the engine's log-prob of each sampled token at temperature 1; 0.0 at
             mask-0 positions (ignored by ``step``).
-        reward: the environment's reward: ``get_reward()``, or the sum of a step environment's rewards
-            (0.0 when it never stepped); None when there is no environment to give one.
-        num_turns: model turns; ``tool_calls`` / ``tool_errors``: tool calls made / that failed (their
-            error text went back to the model); ``truncated``: ended by ``max_turns``,
+        reward: the weighted sum of its reward sources that scored it (TRL's ``nansum``): the reward
+            functions and the environment's reward (``get_reward()``, or the sum of a step environment's
+            rewards, 0.0 when it never stepped); NaN when no source scored it, None when there is no source.
+        num_turns: model turns; ``tool_calls`` / ``tool_errors``: tool calls run / that failed (their
+            ``{'error': ...}`` went back to the model); ``truncated``: ended by ``max_turns``,
             ``max_episode_tokens``, the context length or a turn cut at ``max_new_tokens``.
         messages: the conversation: the prompt's messages, then per turn the model's message (its
             text as decoded) and the tool or environment messages it got.
         prompt_index: index of the episode's prompt in the ``prompts`` of its call; ``group_id``: the
-            same for the ``num_generations`` episodes of one prompt, distinct across calls.
+            same for the ``num_generations`` episodes of one prompt - whether or not their queries are
+            equal - and distinct across calls.
         environment: the episode's environment instance, or None.
+        reward_sources: ``{source: value}``: each reward function's value by its ``__name__``, the
+            environment's reward by its class name (as TRL logs them); NaN where a source did not score it.
     """
 
     query: torch.Tensor
@@ -52,6 +56,7 @@ class Episode:
     prompt_index: int
     group_id: int
     environment: object | None = field(default=None, repr=False)
+    reward_sources: dict[str, float] = field(default_factory=dict)
 
     @property
     def conversation(self) -> str:
@@ -74,7 +79,9 @@ def step_inputs(episodes: list[Episode]) -> dict:
     Returns ``queries``, ``responses``, ``response_masks``, ``generation_logprobs`` (lists of 1-D
     tensors) and ``group_ids``: the episodes of one prompt of one ``run_episodes`` call share an id
     (numbered 0, 1, ... in order of appearance), or None when every prompt has one episode (so
-    the trainer's own grouping or none applies). Scores are the caller's:
+    the trainer's own grouping or none applies). A group is its prompt: its members' queries may
+    differ (environments that start each member apart), and ``step()`` takes explicit ``group_ids``
+    as they are (docs/algorithm.md section 16). Scores are the caller's:
     ``trainer.step(**step_inputs(episodes), scores=[torch.tensor(e.reward) for e in episodes])``.
     """
     episodes = _check_episodes(episodes)

@@ -23,15 +23,19 @@ from .chat import ChatFormat, parse_tool_calls
 from .environments import (
     STEP,
     TOOLS,
-    environment_kind,
+    environment_factories,
     environment_reward,
     environment_step,
     prompt_label,
     read_prompt,
+    reset_arguments,
     reset_environment,
+    row_environment,
 )
 from .episodes import Episode
-from .tools import environment_tools, run_tool_call, tool_schema
+from .rewards import check_reward_funcs, score_episodes
+from .setup import Setup, environment_setups, function_tools
+from .tools import environment_tools, run_tool_calls
 
 # Keyword arguments of generate() that run_episodes sets itself.
 _OWN_KWARGS = {
@@ -60,14 +64,28 @@ class _Engine:
     awake: Callable = nullcontext  # holds a sleeping engine awake across the turns of one call
 
 
+@dataclass(frozen=True)
+class _Options:
+    """The episode rules a caller may switch from TRL's: see ``run_episodes``' keywords of the same names."""
+
+    max_turns: int
+    max_episode_tokens: int | None
+    answer_malformed_tool_calls: bool
+    check_tool_arguments: bool
+
+
 @dataclass
 class _Live:
     """An episode being played: its sequence so far and what it has seen."""
 
     index: int
     label: str
+    row: dict
+    setup: Setup
     environment: object | None
+    functions: dict[str, Callable]  # the plain tools and the environment's tool methods, by name
     messages: list[dict]
+    prompt_length: int  # messages of the prompt (after reset); the rest is the completion
     rendered: str  # the text the next model turn continues: the conversation with its generation prompt
     query: list[int]
     response: list[int] = field(default_factory=list)
@@ -79,42 +97,65 @@ class _Live:
     tool_errors: int = 0
     truncated: bool = False
     done: bool = False
+    reward_sources: dict[str, float] = field(default_factory=dict)
 
 
 def run_episodes(
     trainer,
     prompts: list,
     tools: list[Callable] | None = None,
-    environment_factory: Callable | None = None,
+    environment_factory: Callable | dict[str, Callable] | None = None,
     max_turns: int = 4,
     max_episode_tokens: int | None = None,
     num_generations: int = 1,
     *,
+    reward_funcs: Callable | list[Callable] | None = None,
+    reward_weights: list[float] | None = None,
+    answer_malformed_tool_calls: bool = False,
+    check_tool_arguments: bool = False,
     tokenizer=None,
     batch_size: int | None = None,
     **generation_kwargs,
 ) -> list[Episode]:
     """Play ``num_generations`` multi-turn episodes per prompt on the trainer's engine; one :class:`Episode` each.
 
+    Episodes follow TRL's GRPOTrainer (an environment written for its ``environment_factory`` runs
+    unchanged; README, "Agents"), except where a keyword below says otherwise.
+
     Args:
         trainer: a ``PPOTrainer`` (generation on its engine - transformers, colocated vLLM or a vLLM
             server - after the same weight push as ``trainer.generate``), or a bare ``GenerationEngine``
             (then pass ``tokenizer``).
-        prompts: per prompt, a list of chat messages, or a dict whose ``"prompt"`` holds them and whose
-            other keys go to the environment's ``reset`` (as TRL passes dataset columns).
-        tools: plain functions the model may call; each needs type hints and a Google-style docstring
-            (its schema is transformers' ``get_json_schema``). They reach the model through the chat
-            template (``apply_chat_template(..., tools=...)``); the model calls them Hermes-style,
-            ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
-        environment_factory: called once per episode (no arguments); see :mod:`.environments` for TRL's
+        prompts: the rows, per prompt: a list of chat messages, or a dict (a dataset row) whose
+            ``"prompt"`` holds them and whose other keys go to the environment's ``reset`` and to the
+            reward functions. With an environment a row may leave ``"prompt"`` out (``reset`` writes the task).
+        tools: plain functions (or ``async def`` ones) the model may call; each needs type hints and a
+            Google-style docstring (its schema is transformers' ``get_json_schema``). They reach the
+            model through the chat template (``apply_chat_template(..., tools=...)``); the model calls
+            them Hermes-style, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+        environment_factory: called once per episode (no arguments), or a dict ``{name: factory}`` whose
+            factory each row picks by its ``environment`` key; see :mod:`.environments` for TRL's
             protocol (tool methods, ``get_reward``) and step environments (``step(text)``).
-        max_turns: model turns per episode at most; an episode still going after its last turn ends
-            ``truncated`` (the tool calls of that turn run, their messages join ``messages`` but not
-            the tokens: the model never reads them).
+        max_turns: model turns per episode at most; an episode still calling tools (or playing) at its
+            last turn ends ``truncated``. The tool calls of that turn are not run (as in TRL); a step
+            environment still judges it (its answer joins ``messages``, not the tokens).
         max_episode_tokens: response tokens (model, tool and template tokens) per episode at most;
             None: only the engine's context length bounds the query and response together.
         num_generations: episodes per prompt, consecutive in the result: a group for ``'rloo'``/``'grpo'``.
-            The environments of a group must give the same query (``reset`` depending only on the prompt).
+            Each plays its own environment's ``reset``, so the members of a group may start apart (a
+            random board); the group is the prompt, not the tokens (``step_inputs`` gives its ``group_ids``).
+        reward_funcs: TRL-style reward functions ``f(prompts, completions, completion_ids, **kwargs) ->
+            list[float | None]`` (or ``async def``); ``kwargs`` hold ``environments`` (the episodes'
+            environment instances, with an ``environment_factory``) and each row field other than
+            ``prompt`` as a list over the episodes. ``prompts``: each episode's prompt messages (with
+            reset's text); ``completions``: the messages after them.
+        reward_weights: a weight per reward function (default 1 each).
+        answer_malformed_tool_calls: a model turn with a malformed ``<tool_call>`` (not closed, not JSON,
+            no name) is, by default, the episode's final answer, as in TRL; True sends the model an
+            ``{'error': ...}`` tool message saying what is wrong and gives it another turn.
+        check_tool_arguments: True checks each call's arguments against the tool's schema first (types,
+            required and unknown names) and sends a mismatch back as an ``{'error': ...}`` tool message
+            without calling the tool; by default the tool is called with the arguments as given, as in TRL.
         tokenizer: the tokenizer with the chat template; default the trainer's (or the engine's).
         batch_size: queries per ``generate`` chunk on the transformers engine; default all at once.
         generation_kwargs: ``generate`` keyword arguments of every turn; ``max_new_tokens`` (tokens of
@@ -122,37 +163,40 @@ def run_episodes(
             tokenizer's EOS, and any ``eos_token_id`` given); a turn that ends at EOS ends the episode.
 
     A model turn without a tool call ends an episode with tools; a step environment's ``done`` ends
-    one; without tools and environment an episode is one turn. Episode ``reward``: ``get_reward()``
-    after the episode, or the sum of ``step`` rewards, else None. Tool failures (unknown tool,
-    malformed call, arguments not matching the schema, an exception) are sent back as the tool
-    message and counted in ``tool_errors``; an environment's exception fails the call (RuntimeError
-    naming the episode and its prompt).
+    one; without tools and environment an episode is one turn. A tool's result goes back as
+    ``str(result)`` (a list of content blocks as it is); a failed call (unknown tool, an exception)
+    as ``str({'error': message})``, counted in ``tool_errors``. Episode ``reward``: the weighted sum
+    of the reward functions and the environment's reward (``get_reward()`` or the sum of ``step``
+    rewards, weight 1) over the sources that scored it, as TRL's ``nansum``; NaN when none did (None
+    or NaN from each), None when there is no source. An environment's exception fails the call
+    (RuntimeError naming the episode and its prompt).
     """
     engine = _resolve_engine(trainer, tokenizer)
     _check_arguments(max_turns, max_episode_tokens, num_generations, batch_size)
+    for name, value in (("answer_malformed_tool_calls", answer_malformed_tool_calls),
+                        ("check_tool_arguments", check_tool_arguments)):  # fmt: skip
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}.")
+    options = _Options(max_turns, max_episode_tokens, answer_malformed_tool_calls, check_tool_arguments)
     kwargs = _turn_kwargs(generation_kwargs, num_generations)
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError(f"prompts must be a non-empty list of chat prompts, got {prompts!r:.80}.")
-    read = [read_prompt(i, prompt) for i, prompt in enumerate(prompts)]
-    functions, schemas = _function_tools(tools)
-    if environment_factory is not None and not callable(environment_factory):
-        raise TypeError(f"environment_factory must be callable (a class or a function), got {environment_factory!r:.80}.")
+    factories = environment_factories(environment_factory)
+    read = [read_prompt(i, prompt, factories is not None) for i, prompt in enumerate(prompts)]
+    names = [row_environment(i, row, factories) if factories else None for i, (_, row) in enumerate(read)]
+    functions, schemas = function_tools(tools)
+    funcs, weights = check_reward_funcs(reward_funcs, reward_weights)
     chat_probe = ChatFormat(engine.tokenizer)  # a tokenizer without a usable template fails before any environment exists
 
-    environments, kind = _make_environments(environment_factory, len(read) * num_generations)
-    if kind == STEP and functions:
-        raise ValueError("tools cannot be combined with a step environment (one with step(text)); give tools to a "
-                         "TRL-style environment as methods, or pass them without environment_factory.")  # fmt: skip
-    if kind == TOOLS:
-        for name, method in environment_tools(environments[0]).items():
-            if name in schemas:
-                raise ValueError(f"the environment's method {name!r} has the name of one of tools; rename one of them.")
-            schemas[name] = tool_schema(method, f"environment_factory's method {name!r}")
-    chat = ChatFormat(engine.tokenizer, list(schemas.values())) if schemas else chat_probe
-    stops = _stop_ids(chat, engine.tokenizer, kwargs)
+    environments = [
+        factories[name]() if factories else None for name in names for _ in range(num_generations)
+    ]  # fmt: skip
+    setups = environment_setups(names, num_generations, environments, functions, schemas, chat_probe, engine.tokenizer)
+    stops = _stop_ids(chat_probe, engine.tokenizer, kwargs)
     kwargs["eos_token_id"] = sorted(stops)
 
-    live = _start_episodes(read, num_generations, environments, kind, chat, engine)
+    routed = factories is not None and None not in factories
+    live = _start_episodes(read, names, num_generations, environments, setups, functions, routed, engine)
     with engine.awake():  # a sleeping engine is woken (and its weights pushed) once for all turns
         for _ in range(max_turns):
             playing = [episode for episode in live if not episode.done]
@@ -161,13 +205,32 @@ def run_episodes(
             turns = _generate_turns(engine, playing, kwargs, max_episode_tokens, batch_size)
             with engine.environment_timer():
                 for episode, (tokens, logprobs) in zip(playing, turns):
-                    _take_turn(episode, tokens, logprobs, chat, stops, kind, functions, schemas, max_turns,
-                               max_episode_tokens, engine.context_length)  # fmt: skip
-    if kind == TOOLS:
-        for episode in live:
-            episode.reward = environment_reward(episode.environment, episode.label)
+                    _take_turn(episode, tokens, logprobs, stops, options, engine.context_length)
+    with engine.environment_timer():
+        _score(live, funcs, weights, has_environments=factories is not None)
     first_group = _reserve_group_ids(len(read))
     return [_episode(e, num_generations, first_group) for e in live]
+
+
+def _score(live: list[_Live], funcs, weights, has_environments: bool) -> None:
+    """Each episode's reward and reward sources (:func:`.rewards.score_episodes`), in place."""
+    environment_rewards = []
+    for episode in live:
+        if episode.setup.kind == TOOLS:
+            environment_rewards.append(environment_reward(episode.environment, episode.label))
+        else:  # a step environment's summed rewards, or None without an environment
+            environment_rewards.append(episode.reward)
+    rewards, sources = score_episodes(
+        funcs, weights,
+        prompts=[e.messages[: e.prompt_length] for e in live],
+        completions=[e.messages[e.prompt_length :] for e in live],
+        completion_ids=[list(e.response) for e in live],
+        rows=[e.row for e in live],
+        environments=[e.environment for e in live] if has_environments else None,
+        environment_rewards=environment_rewards,
+    )  # fmt: skip
+    for episode, reward, source in zip(live, rewards, sources):
+        episode.reward, episode.reward_sources = reward, source
 
 
 def _resolve_engine(trainer, tokenizer) -> _Engine:
@@ -254,33 +317,6 @@ def _turn_kwargs(generation_kwargs: dict, num_generations: int) -> dict:
     return kwargs
 
 
-def _function_tools(tools) -> tuple[dict[str, Callable], dict[str, dict]]:
-    if tools is None:
-        return {}, {}
-    if not isinstance(tools, (list, tuple)):
-        raise TypeError(f"tools must be a list of functions, got {type(tools).__name__}.")
-    functions, schemas = {}, {}
-    for i, function in enumerate(tools):
-        if not callable(function):
-            raise TypeError(f"tools[{i}] must be a function, got {type(function).__name__}.")
-        schema = tool_schema(function, f"tools[{i}] ({getattr(function, '__name__', type(function).__name__)})")
-        name = schema["function"]["name"]
-        if name in functions:
-            raise ValueError(f"tools[{i}] is named {name!r} like an earlier tool; tool names must be unique.")
-        functions[name], schemas[name] = function, schema
-    return functions, schemas
-
-
-def _make_environments(factory, count: int) -> tuple[list, str | None]:
-    if factory is None:
-        return [None] * count, None
-    environments = [factory() for _ in range(count)]
-    kinds = {environment_kind(env, f"environment_factory() #{i}") for i, env in enumerate(environments)}
-    if len(kinds) > 1:
-        raise TypeError("environment_factory made step environments and TRL-style ones in one call; make one kind.")
-    return environments, kinds.pop()
-
-
 def _stop_ids(chat: ChatFormat, tokenizer, kwargs: dict) -> set[int]:
     """The end-of-turn token, the tokenizer's EOS and any ``eos_token_id`` given: a model turn stops at each."""
     stops = {chat.end_of_turn_id}
@@ -292,30 +328,32 @@ def _stop_ids(chat: ChatFormat, tokenizer, kwargs: dict) -> set[int]:
     return stops
 
 
-def _start_episodes(read, k: int, environments, kind, chat: ChatFormat, engine: _Engine) -> list[_Live]:
-    """Reset the environments and render the queries; the ``k`` episodes of a prompt must get one query."""
+def _start_episodes(read, names, k: int, environments, setups, functions, routed: bool, engine: _Engine) -> list[_Live]:
+    """Reset each episode's own environment and render its query; the ``k`` episodes of a prompt may
+    start apart (each ``reset`` may give other text)."""
     live = []
-    for p, (messages, fields) in enumerate(read):
+    for p, ((messages, row), name) in enumerate(zip(read, names)):
+        setup = setups[name]
         for g in range(k):
             index = p * k + g
             label = f"episode {index} of {prompt_label(p, messages)}"
             own = [dict(m) for m in messages]
             environment = environments[index]
+            available = dict(functions)
             if environment is not None:
-                reset_environment(environment, label, own, fields)
-            query, rendered = chat.query(own)
-            if g and query != live[-1].query:
-                raise ValueError(
-                    f"{label}: its environment's reset() gave another query than episode {index - 1}'s; the "
-                    f"num_generations={k} episodes of a prompt form one group and must start alike (make reset "
-                    "depend only on the prompt's fields)."
-                )
+                reset_environment(environment, label, own, reset_arguments(row, setup.kind, routed))
+                if setup.kind == TOOLS:
+                    available.update(environment_tools(environment))
+            query, rendered = setup.chat.query(own)
             if engine.context_length is not None and len(query) >= engine.context_length:
                 raise ValueError(
-                    f"{prompt_label(p, messages)} renders to {len(query)} tokens; the engine's context length is "
+                    f"{label} renders to {len(query)} tokens; the engine's context length is "
                     f"{engine.context_length}, which leaves no room for a response."
                 )
-            live.append(_Live(index, label, environment, own, rendered, query, reward=0.0 if kind == STEP else None))
+            reward = 0.0 if setup.kind == STEP else None
+            live.append(
+                _Live(index, label, row, setup, environment, available, own, len(own), rendered, query, reward=reward)
+            )
     return live
 
 
@@ -363,10 +401,10 @@ def _generate_turns(engine: _Engine, playing: list[_Live], kwargs: dict, max_epi
     return turns
 
 
-def _take_turn(episode: _Live, tokens, logprobs, chat: ChatFormat, stops, kind, functions, schemas, max_turns,
-               max_episode_tokens, context_length) -> None:  # fmt: skip
+def _take_turn(episode: _Live, tokens, logprobs, stops, options: _Options, context_length) -> None:
     """Append a model turn; answer it (tools or the step environment); append the template's tokens for
     the answer and the next generation prompt, unless the episode ends here."""
+    chat = episode.setup.chat
     episode.response += tokens
     episode.mask += [1] * len(tokens)
     episode.logprobs += logprobs
@@ -380,18 +418,18 @@ def _take_turn(episode: _Live, tokens, logprobs, chat: ChatFormat, stops, kind, 
     if tokens[-1] != chat.end_of_turn_id:  # EOS: the model ended the conversation
         episode.done = True
         return
-    answer = _answer(episode, text, kind, functions, schemas)
+    answer = _answer(episode, text, options)
     if answer is None:
         episode.done = True
         return
-    if episode.num_turns == max_turns:
+    if episode.num_turns == options.max_turns:  # a step environment judged the last turn; the model never reads it
         episode.messages += answer
         episode.truncated = episode.done = True
         return
     ids, rendered = chat.continuation(episode.rendered, episode.messages, answer)
     episode.messages += answer
     # Room for the added tokens and at least one more model token.
-    if _room(episode, max_episode_tokens, context_length) < len(ids) + 1:
+    if _room(episode, options.max_episode_tokens, context_length) < len(ids) + 1:
         episode.truncated = episode.done = True
         return
     episode.response += ids
@@ -400,9 +438,9 @@ def _take_turn(episode: _Live, tokens, logprobs, chat: ChatFormat, stops, kind, 
     episode.rendered = rendered
 
 
-def _answer(episode: _Live, text: str, kind, functions, schemas) -> list[dict] | None:
+def _answer(episode: _Live, text: str, options: _Options) -> list[dict] | None:
     """The messages that answer a model turn, or None when the episode ends with it."""
-    if kind == STEP:
+    if episode.setup.kind == STEP:
         observation, reward, done = environment_step(episode.environment, episode.label, text)
         episode.reward += reward
         if done:
@@ -410,21 +448,18 @@ def _answer(episode: _Live, text: str, kind, functions, schemas) -> list[dict] |
                 episode.messages.append({"role": "user", "content": observation})
             return None
         return [{"role": "user", "content": observation}]
-    if not schemas:
+    if not episode.setup.schemas:
         return None
     calls = parse_tool_calls(text)
-    if not calls:
+    if not calls or (not options.answer_malformed_tool_calls and any(call.error for call in calls)):
+        return None  # no call, or (as in TRL) a malformed one: the text is the final answer
+    if episode.num_turns == options.max_turns:  # as in TRL, the calls of the last turn are not run
+        episode.truncated = True
         return None
-    available = dict(functions)
-    if kind == TOOLS:
-        available.update(environment_tools(episode.environment))
-    answer = []
-    for call in calls:
-        content, failed = run_tool_call(call, schemas, available)
-        episode.tool_calls += 1
-        episode.tool_errors += failed
-        answer.append({"role": "tool", "name": call.name or "unknown", "content": content})
-    return answer
+    answers = run_tool_calls(calls, episode.setup.schemas, episode.functions, options.check_tool_arguments)
+    episode.tool_calls += len(answers)
+    episode.tool_errors += sum(failed for _, failed in answers)
+    return [message for message, _ in answers]
 
 
 def _reserve_group_ids(count: int) -> int:
@@ -449,4 +484,5 @@ def _episode(live: _Live, k: int, first_group: int) -> Episode:
         prompt_index=live.index // k,
         group_id=first_group + live.index // k,
         environment=live.environment,
+        reward_sources=live.reward_sources,
     )

@@ -1,14 +1,19 @@
-"""Tools of an episode: their JSON schemas (transformers' ``get_json_schema``), and calls checked against them.
+"""Tools of an episode: their JSON schemas (transformers' ``get_json_schema``) and their calls, as TRL makes them.
 
-A call that cannot run - an unknown tool, arguments that do not match the schema, a tool that
-raises - gives the model an error text as the tool's message instead of a result; the episode
-goes on, and the call counts in the episode's ``tool_errors``.
+A call's result reaches the model as ``str(result)``, or - a list of content blocks - as the tool
+message's content itself. A call that fails - an unknown tool, a tool that raises (wrong arguments
+included: Python's own ``TypeError``) - sends ``str({'error': '<message>'})`` instead; the episode
+goes on, and the call counts in the episode's ``tool_errors``. ``async def`` tools are awaited, the
+async calls of one turn together. With ``check_tool_arguments`` the arguments are first checked
+against the tool's schema (a mismatch is a failed call whose message says why).
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
+import threading
 from collections.abc import Callable
 
 from transformers.utils import get_json_schema
@@ -17,6 +22,27 @@ from .chat import ToolCall
 
 # Methods of a TRL-style environment that are not tools.
 ENVIRONMENT_METHODS = frozenset({"reset", "get_reward"})
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def run_coroutines(coroutines: list) -> list:
+    """Await ``coroutines`` together; their results in order, an exception as the result of the one that raised.
+
+    They run on one event loop kept in a daemon thread for the process (as TRL does), so that async
+    tools may hold loop-bound resources across turns and calls, and so that this works under a
+    caller's own running loop (a notebook) too.
+    """
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="trl_lite-agent-tools", daemon=True).start()
+
+    async def gather():
+        return await asyncio.gather(*coroutines, return_exceptions=True)
+
+    return asyncio.run_coroutine_threadsafe(gather(), _loop).result()
 
 
 def tool_schema(function: Callable, what: str) -> dict:
@@ -31,37 +57,60 @@ def tool_schema(function: Callable, what: str) -> dict:
 
 
 def environment_tools(environment) -> dict[str, Callable]:
-    """The tools of a TRL-style environment: its public methods other than ``reset`` and ``get_reward``."""
-    tools = {}
-    for name, _ in inspect.getmembers(type(environment), callable):
-        if not name.startswith("_") and name not in ENVIRONMENT_METHODS:
-            tools[name] = getattr(environment, name)
-    return tools
+    """The tools of a TRL-style environment: its public bound methods other than ``reset`` and ``get_reward``
+    (a ``staticmethod`` is a plain function on the instance, so it is no tool, as in TRL)."""
+    return {
+        name: method
+        for name, method in inspect.getmembers(environment, predicate=inspect.ismethod)
+        if not name.startswith("_") and name not in ENVIRONMENT_METHODS
+    }
 
 
-def run_tool_call(call: ToolCall, schemas: dict[str, dict], functions: dict[str, Callable]) -> tuple[str, bool]:
-    """The tool message's text for ``call`` and whether the call failed.
+def error_content(message: str) -> str:
+    """A failed call's tool message: TRL's ``str({'error': message})``."""
+    return str({"error": message})
 
-    ``schemas``: name -> ``get_json_schema`` dict; ``functions``: name -> the callable of this episode.
-    A result that is not a string is sent as JSON (or ``str`` when it is not JSON-serialisable).
+
+def run_tool_calls(calls: list[ToolCall], schemas: dict[str, dict], functions: dict[str, Callable],
+                   check_arguments: bool) -> list[tuple[dict, bool]]:  # fmt: skip
+    """The tool message of each call, in order, and whether the call failed.
+
+    ``calls``: well-formed calls (a malformed one is the caller's); ``schemas``: name -> ``get_json_schema``
+    dict; ``functions``: name -> the callable of this episode.
     """
-    if call.error is not None:
-        return f"Error: {call.error}", True
-    if call.name not in functions:
-        return f"Error: unknown tool {call.name!r}; the tools are {sorted(functions)}.", True
-    problem = _check_arguments(schemas[call.name]["function"].get("parameters", {}), call.arguments)
-    if problem is not None:
-        return f"Error: {call.name}: {problem}", True
-    try:
-        result = functions[call.name](**call.arguments)
-    except Exception as error:  # the model's feedback, not the run's end
-        return f"Error: {call.name} raised {type(error).__name__}: {error}", True
-    if isinstance(result, str):
-        return result, False
-    try:
-        return json.dumps(result), False
-    except TypeError:
-        return str(result), False
+    answers: list = [None] * len(calls)
+    pending = []  # (position, coroutine) of the async calls, awaited together
+    for i, call in enumerate(calls):
+        if call.error is not None:
+            answers[i] = (call.name or "unknown", error_content(call.error), True)
+            continue
+        if call.name not in functions:
+            answers[i] = (call.name, error_content(f"Tool {call.name} not found."), True)
+            continue
+        if check_arguments:
+            problem = _check_arguments(schemas[call.name]["function"].get("parameters", {}), call.arguments)
+            if problem is not None:
+                answers[i] = (call.name, error_content(f"{call.name}: {problem}"), True)
+                continue
+        function = functions[call.name]
+        try:
+            if inspect.iscoroutinefunction(function):
+                pending.append((i, function(**call.arguments)))
+            else:
+                answers[i] = (call.name, _content(function(**call.arguments)), False)
+        except Exception as error:  # the model's feedback, not the run's end
+            answers[i] = (call.name, error_content(str(error)), True)
+    if pending:
+        results = run_coroutines([coroutine for _, coroutine in pending])
+        for (i, _), result in zip(pending, results):
+            failed = isinstance(result, Exception)
+            answers[i] = (calls[i].name, error_content(str(result)) if failed else _content(result), failed)
+    return [({"role": "tool", "name": name, "content": content}, failed) for name, content, failed in answers]
+
+
+def _content(result):
+    """A result as the tool message's content: a list of content blocks as it is, anything else ``str()``."""
+    return result if isinstance(result, list) else str(result)
 
 
 def _check_arguments(parameters: dict, arguments: dict) -> str | None:

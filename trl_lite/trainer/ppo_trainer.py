@@ -20,9 +20,9 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import logging
 import os
 import time
-import warnings
 from dataclasses import asdict
 
 import torch
@@ -46,7 +46,7 @@ from .cpu_memory import keep_freed_cpu_memory
 from .ema import PolicyEMA
 from .experience import StepBatch
 from .experience_maker import ExperienceMaker
-from .forward import ForwardPass, packing_unsupported, reference_context
+from .forward import ForwardPass, reference_context
 from ..engines.generation import build_generation
 from .kl_controllers import AdaptiveKLController, FixedKLController, update_kl_controller
 from .learner import Learner
@@ -59,6 +59,7 @@ from .statistics import StepStatistics, resolve_stop_token_ids
 from .step_inputs import (
     check_constructor_args,
     check_critic_args,
+    choose_packing,
     resolve_group_ids,
     staleness,
     validate_generation_logprobs,
@@ -70,6 +71,8 @@ from .timing import PhaseTimer
 
 # Where save_pretrained(save_value_model=True) writes the critic, inside the policy's directory.
 VALUE_MODEL_SUBFOLDER = "value_model"
+
+logger = logging.getLogger(__name__)
 
 
 class PPOTrainer(ClassicHelpersMixin):
@@ -127,7 +130,7 @@ class PPOTrainer(ClassicHelpersMixin):
         model, self._policy_is_plain = wrap_plain_model(model)
         ref_model, _ = wrap_plain_model(ref_model) if ref_model is not None else (None, False)
         # Decided before any state changes: padding_free=True with a model that cannot pack raises here.
-        self._pack = _choose_packing(config, model, ref_model, self.critic)
+        self._pack = choose_packing(config, model, ref_model, self.critic)
         core.set_seed(config.seed)
         self.config = config
         self.rollout_plan = self.plan_rollout(config)
@@ -158,11 +161,12 @@ class PPOTrainer(ClassicHelpersMixin):
         self._data_generator = torch.Generator().manual_seed(config.seed)
         dataloader = self._build_dataloader(dataset, data_collator) if dataset is not None else None
         if dataset is None:
-            warnings.warn(
-                f"PPOTrainer got no dataset: step() expects batches of config.batch_size={config.batch_size} rows "
-                "per process; make sure that is the number of queries you pass to each step().",
-                UserWarning,
-                stacklevel=2,
+            # A note, not a warning: training without a dataset (agents, custom loops) is an ordinary use,
+            # and step() refuses a batch of another size with an error naming config.batch_size.
+            logger.info(
+                "PPOTrainer got no dataset: step() expects batches of config.batch_size=%d rows per process; make "
+                "sure that is the number of queries you pass to each step().",
+                config.batch_size,
             )
         self._prepare(model, dataloader, lr_scheduler, critic_optimizer)
         self.current_device = self.accelerator.device
@@ -475,23 +479,6 @@ class PPOTrainer(ClassicHelpersMixin):
     def prepare_dataloader(self, dataset, data_collator=None) -> DataLoader:
         """A prepared dataloader over ``dataset`` with the trainer's batch size (classic helper)."""
         return self.accelerator.prepare(self._build_dataloader(dataset, data_collator))
-
-
-def _choose_packing(config: PPOConfig, model, ref_model, critic) -> bool:
-    """Whether ``step()`` packs mini-batches (``config.padding_free``): every model of its passes must support it.
-
-    A reference made by the trainer copies ``model``; for a PEFT model it is ``model`` itself. The
-    separate critic takes the policy's inputs, so it must pack too.
-    """
-    if config.padding_free is False:
-        return False
-    for name, wrapper in (("model", model), ("ref_model", ref_model), ("value_model", critic)):
-        reason = packing_unsupported(wrapper) if wrapper is not None else None
-        if reason is not None:
-            if config.padding_free:
-                raise ValueError(f"padding_free=True, but {name} cannot take packed rows: {reason}. Use padding_free=None or False.")
-            return False
-    return True
 
 
 def _signature_columns(model: PreTrainedModelWrapper) -> set[str]:

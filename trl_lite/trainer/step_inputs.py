@@ -15,6 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..models import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, ValueModel
 from ..models.modeling_base import is_peft_model
 from .ppo_config import PPOConfig
+from .forward import packing_unsupported
 from .rows import count_actions
 
 SUPPORTED_MODELS = (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead)
@@ -87,6 +88,23 @@ def wrap_plain_model(model):
         return wrapper(model), True
 
 
+def choose_packing(config: PPOConfig, model, ref_model, critic) -> bool:
+    """Whether ``step()`` packs mini-batches (``config.padding_free``): every model of its passes must support it.
+
+    A reference made by the trainer copies ``model``; for a PEFT model it is ``model`` itself. The
+    separate critic takes the policy's inputs, so it must pack too.
+    """
+    if config.padding_free is False:
+        return False
+    for name, wrapper in (("model", model), ("ref_model", ref_model), ("value_model", critic)):
+        reason = packing_unsupported(wrapper) if wrapper is not None else None
+        if reason is not None:
+            if config.padding_free:
+                raise ValueError(f"padding_free=True, but {name} cannot take packed rows: {reason}. Use padding_free=None or False.")
+            return False
+    return True
+
+
 def check_critic_args(config, model, value_model, critic_optimizer):
     """Checks of the separate critic (docs/algorithm.md section 9); ValueModel checks the model itself."""
     if value_model is None:
@@ -125,9 +143,11 @@ def check_critic_args(config, model, value_model, critic_optimizer):
 def resolve_group_ids(group_ids, queries, config) -> torch.Tensor | None:
     """The group id of each row ``(B,)`` for 'rloo'/'grpo' (None for the other estimators).
 
-    Without ``group_ids``, consecutive runs of ``num_samples_per_query`` rows form the groups.
-    Raises when a group has fewer than 2 rows, when rows of one group hold different queries
-    (a group split or shuffled across the batch), or for a malformed ``group_ids``.
+    Without ``group_ids``, consecutive runs of ``num_samples_per_query`` rows form the groups, and
+    rows of one such group must hold the same query (else the batch was split or shuffled). Explicit
+    ``group_ids`` name the groups themselves: their rows may hold different queries (members of a
+    group that start apart, docs/algorithm.md section 16). Raises when a group has fewer than 2 rows,
+    for such a mixed derived group, or for a malformed ``group_ids``.
     """
     estimator, n = config.advantage_estimator, config.batch_size
     if estimator not in GROUP_ESTIMATORS:
@@ -166,17 +186,17 @@ def resolve_group_ids(group_ids, queries, config) -> torch.Tensor | None:
             f"{estimator!r} needs at least 2 responses per query in each group, all in the same step() call "
             "of one process (a group must not be split across the batch or processes)."
         )
-    first = torch.zeros(len(uniques), dtype=torch.long).scatter_reduce(
-        0, index, torch.arange(n), reduce="amin", include_self=False
-    )
-    for i, g in enumerate(index.tolist()):
-        j = int(first[g])
-        if not torch.equal(queries[i].cpu(), queries[j].cpu()):
-            raise ValueError(
-                f"group_ids: rows {j} and {i} are in one group but their queries differ; the responses of a "
-                "group must answer the same query (with num_samples_per_query, the k responses of a query "
-                "must be consecutive, as generate(..., num_return_sequences=k) returns them)."
-            )
+    if group_ids is None:
+        size = config.num_samples_per_query
+        for i in range(n):
+            j = i - i % size
+            if not torch.equal(queries[i].cpu(), queries[j].cpu()):
+                raise ValueError(
+                    f"rows {j} and {i} are in one group but their queries differ (num_samples_per_query={size} "
+                    "consecutive rows form a group); the k responses of a query must be consecutive, as "
+                    "generate(..., num_return_sequences=k) returns them, or pass step(..., group_ids=...) to name "
+                    "the groups."
+                )
     return index
 
 
