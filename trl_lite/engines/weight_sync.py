@@ -14,8 +14,12 @@ from contextlib import nullcontext
 import torch
 
 
-def named_policy_weights(model: torch.nn.Module, is_zero3: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def named_policy_weights(model: torch.nn.Module, is_zero3: bool = False,
+                         merge_adapters: bool = True) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """``(name, tensor)`` pairs of ``model``'s persistent state with transformers' names, merged for PEFT.
+
+    ``merge_adapters=False``: a PEFT model's base weights alone, its adapters left out (an engine
+    that serves the adapter itself; under ZeRO-3 only the base layer of an adapted layer is gathered).
 
     ``model``: a transformers ``PreTrainedModel`` or a ``PeftModel`` of one (not a value-head wrapper:
     pass its ``pretrained_model``). A tensor shared by two modules (tied embeddings) is given under
@@ -30,7 +34,12 @@ def named_policy_weights(model: torch.nn.Module, is_zero3: bool = False) -> Iter
             continue  # the adapted layer's base_layer and lora_A/lora_B were handled with it
         if _is_adapted_layer(module):
             inside_adapted = (f"{prefix}.",)
-            with _gathered(list(module.parameters()), is_zero3):
+            if not merge_adapters:
+                base_layer = module.get_base_layer()
+                with gathered(list(base_layer.parameters()), is_zero3):
+                    yield from _base_layer(prefix, base_layer)
+                continue
+            with gathered(list(module.parameters()), is_zero3):
                 yield from _merged_layer(prefix, module)
             continue
         tensors = [(n, p) for n, p in module.named_parameters(recurse=False)]
@@ -39,7 +48,7 @@ def named_policy_weights(model: torch.nn.Module, is_zero3: bool = False) -> Iter
         ]
         if not tensors:
             continue
-        with _gathered([t for _, t in tensors if isinstance(t, torch.nn.Parameter)], is_zero3):
+        with gathered([t for _, t in tensors if isinstance(t, torch.nn.Parameter)], is_zero3):
             for name, tensor in tensors:
                 yield (f"{prefix}.{name}" if prefix else name), tensor.detach()
 
@@ -62,11 +71,22 @@ def _merged_layer(prefix: str, layer) -> Iterator[tuple[str, torch.Tensor]]:
             if adapter in getattr(layer, "lora_A", {}) or adapter in getattr(layer, "lora_embedding_A", {}):
                 weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
     yield f"{prefix}.weight", weight
+    yield from _bias(prefix, base_layer)
+
+
+def _base_layer(prefix: str, base_layer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """An adapted layer's own weight and bias, without its adapters."""
+    yield f"{prefix}.weight", base_layer.weight.detach()
+    yield from _bias(prefix, base_layer)
+
+
+def _bias(prefix: str, base_layer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     if getattr(base_layer, "bias", None) is not None:
         yield f"{prefix}.bias", base_layer.bias.detach()
 
 
-def _gathered(params: list, is_zero3: bool):
+def gathered(params: list, is_zero3: bool):
+    """Under ZeRO-3, ``params`` gathered whole for the ``with`` block; otherwise nothing to do."""
     if not is_zero3 or not params:
         return nullcontext()
     import deepspeed
