@@ -9,7 +9,6 @@ is 64 wide with 2 heads of 32 (vLLM's CPU attention needs at least 32) and one k
 """
 
 import copy
-import json
 import logging
 import os
 import re
@@ -333,7 +332,7 @@ def test_server_adapter_push_logprobs_match_after_every_push_and_the_server_hold
         served = requests.get(f"{lora_server}/v1/models", timeout=30).json()["data"]
         assert sorted(m["id"] for m in served if m.get("parent")) == ["trl_lite-policy-4"]
         engine = requests.post(f"{lora_server}/collective_rpc", json={"method": "list_loras"}, timeout=30).json()
-        assert [json.loads(ids.replace("{", "[").replace("}", "]")) for ids in engine["results"]] == [[4]]
+        assert engine["results"] == [[4]]  # the engine's LoRA ids (one worker), not only the server's names
         assert [d for d in os.listdir(client.shared_dir) if d.startswith("adapter-")] == ["adapter-4"]
     finally:
         generation.close()

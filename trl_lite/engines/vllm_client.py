@@ -128,7 +128,8 @@ class VLLMServerClient:
             raise RuntimeError(
                 f"the vLLM server at {url} refused {what}: HTTP {response.status_code}: {response.text[:2000]}"
             )
-        return response.json() if response.content else {}
+        # JSON, except vLLM's adapter endpoints, which answer in plain text.
+        return response.json() if "json" in response.headers.get("content-type", "") else {}
 
     def generate(self, prompts: list[list[int]], sampling_params: list[dict]) -> list[list[tuple]]:
         """Per prompt its ``n`` completions as ``(token ids, log-probs of exactly those tokens or None)``.
