@@ -92,7 +92,8 @@ class ScriptArguments:
     n_layer: int = field(default=2, metadata={"help": "Layers of the tiny model."})
     n_head: int = field(default=4, metadata={"help": "Attention heads of the tiny model (Qwen2: 2 key/value heads)."})
     lora_rank: int = field(
-        default=0, metadata={"help": "> 0: GRPO trains a LoRA adapter of this rank on the SFT model (PEFT); 0: all weights."}
+        default=0,
+        metadata={"help": "> 0: GRPO trains a LoRA adapter of this rank on the SFT model (PEFT); 0: all weights."},
     )
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of the GRPO rollouts."})
     max_tries: int = field(default=8, metadata={"help": "Dynamic sampling: generate-and-score calls per step at most."})
@@ -464,7 +465,8 @@ def run(args: ScriptArguments, config: PPOConfig) -> dict:
         "sft_steps": args.sft_steps, "sft_seconds": sft_seconds, "sft_final_loss": sft_loss,
         "grpo_steps": config.steps, "grpo_seconds": grpo_seconds, "total_seconds": time.perf_counter() - start_time,
         "use_vllm": config.use_vllm, "architecture": args.architecture, "lora_rank": args.lora_rank,
-        "last_push_bytes": trainer.generation.last_push_bytes if config.use_vllm else None, "max_staleness": args.max_staleness if args.async_rollouts else None,
+        "last_push_bytes": trainer.generation.last_push_bytes if config.use_vllm else None,
+        "max_staleness": args.max_staleness if args.async_rollouts else None,
         "evaluations": evaluations, "records": records,
     }  # fmt: skip
     (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))

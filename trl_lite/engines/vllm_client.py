@@ -228,7 +228,8 @@ class VLLMServerClient:
         write_peft_adapter(directory, named_tensors, config)
         self._post("/pause", what="pausing for an adapter push", params={"mode": "wait"})
         try:
-            self._post("/v1/load_lora_adapter", what="an adapter push", json={"lora_name": name, "lora_path": directory})
+            body = {"lora_name": name, "lora_path": directory}
+            self._post("/v1/load_lora_adapter", what="an adapter push", json=body)
             previous, self._adapter = self._adapter, (name, directory)
             if previous is not None:
                 self._post("/v1/unload_lora_adapter", what="unloading the previous adapter",
