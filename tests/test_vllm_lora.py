@@ -353,3 +353,25 @@ def test_a_rank_over_the_server_s_maximum_is_refused_when_forced_and_pushed_merg
         assert_sampled_rows_and_logprobs(rows, logprobs, merged, QUERIES, 2, 8, EOS)
     finally:
         trainer.generation.close()
+
+
+def test_the_benchmark_counts_the_bytes_each_push_sends():
+    """bench_loop --peft's bytes, against the Qwen2-0.5B shape's sizes worked out by hand (fp32, 1 layer)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
+    sys.path.insert(0, str(benchmarks))  # loop_workloads imports bench_step by name
+    try:
+        spec = importlib.util.spec_from_file_location("loop_workloads", benchmarks / "loop_workloads.py")
+        workloads = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(workloads)
+    finally:
+        sys.path.remove(str(benchmarks))
+    counted = workloads.push_bytes(workloads.qwen2_lora_policy(1, device="meta"))
+    hidden, kv, mlp, vocab, rank = 896, 128, 4864, 151936, 16  # 2 key/value heads of 64
+    layer = (hidden * hidden + hidden) + 2 * (hidden * kv + kv) + hidden * hidden + 3 * hidden * mlp + 2 * hidden
+    merged = 2 * vocab * hidden + layer + hidden  # embeddings and the tied LM head, one layer, the final norm
+    adapter = rank * (2 * (hidden + hidden) + 2 * (hidden + kv) + 3 * (hidden + mlp))
+    assert counted == {"merged": 4 * merged, "adapter": 4 * adapter}
