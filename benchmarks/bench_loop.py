@@ -289,8 +289,10 @@ def main_peft(args, parser) -> None:
         "| --- | --- | ---: | ---: | ---: | ---: |", *rows,
     ])  # fmt: skip
     print(table)
+    command = (f"`python benchmarks/bench_loop.py --peft --peft-layers {args.peft_layers} --iterations {args.iterations} "
+               f"--warmup {args.warmup} --modes {' '.join(args.modes)}`")  # fmt: skip
     setting = (
-        f"{args.iterations} timed iterations (each pushes the previous step's update) after the first; load average "
+        f"{command}: {args.iterations} timed iterations (each pushes the previous step's update) after the first; load average "
         "at end " + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f"; {time.strftime('%Y-%m-%d')}\n\n"
         "- Qwen2-0.5B shape (hidden 896, 14 heads, 2 KV heads, MLP 4864, vocabulary 151936, tied embeddings), random "
         "weights, fp32, LoRA rank 16 (alpha 32) on q/k/v/o/gate/up/down; bytes counted from the tensors each push "
