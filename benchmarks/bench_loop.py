@@ -245,7 +245,7 @@ def main_peft(args, parser) -> None:
     import tempfile
 
     import async_loop
-    from loop_workloads import PeftLoop, push_bytes, qwen2_lora_policy
+    from loop_workloads import PeftLoop, push_bytes, qwen2_lora_policy, qwen2_model
 
     if not 1 <= args.peft_layers <= 24 or args.device != "cpu":
         parser.error(f"--peft runs on the CPU with --peft-layers in 1..24, got {args.peft_layers} on {args.device}")
@@ -265,7 +265,7 @@ def main_peft(args, parser) -> None:
             options = {}
             server = contextlib.nullcontext(None)
             if mode == "server":
-                qwen2_lora_policy(args.peft_layers).get_base_model().save_pretrained(model_dir)
+                qwen2_model(args.peft_layers).save_pretrained(model_dir)  # the base; the trainer pushes it anyway
                 server = async_loop.served(model_dir, 128, launcher_args=("--max-lora-rank", "16"))
             with server as url:
                 if url is not None:

@@ -151,10 +151,9 @@ QWEN2_05B = dict(
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def qwen2_lora_policy(layers: int, rank: int = 16, device: str = "cpu", seed: int = 0):
-    """A PEFT LoRA model of the Qwen2-0.5B shape with ``layers`` of its decoder layers (24: the whole
-    model); ``device='meta'`` builds it without memory (for counting bytes)."""
-    from peft import LoraConfig, get_peft_model
+def qwen2_model(layers: int, device: str = "cpu", seed: int = 0):
+    """A Qwen2 of the Qwen2-0.5B shape with ``layers`` of its decoder layers (24: the whole model), random
+    weights; ``device='meta'`` builds it without memory (for counting bytes)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(**dict(QWEN2_05B, num_hidden_layers=layers), bos_token_id=0, eos_token_id=1)
@@ -162,8 +161,15 @@ def qwen2_lora_policy(layers: int, rank: int = 16, device: str = "cpu", seed: in
     with torch.device(device):
         lm = Qwen2ForCausalLM(config)
     lm.config.architectures = ["Qwen2ForCausalLM"]
+    return lm
+
+
+def qwen2_lora_policy(layers: int, rank: int = 16, device: str = "cpu", seed: int = 0):
+    """:func:`qwen2_model` with a LoRA adapter of ``rank`` on every attention and MLP projection (PEFT)."""
+    from peft import LoraConfig, get_peft_model
+
     lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
-    return get_peft_model(lm, lora)
+    return get_peft_model(qwen2_model(layers, device, seed), lora)
 
 
 def push_bytes(peft_model) -> dict:
