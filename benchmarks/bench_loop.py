@@ -301,7 +301,8 @@ def main_peft(args, parser) -> None:
         "shared directory)"
     )  # fmt: skip
     body = f"Machine: {machine}\n\n{setting}\n\n" + "\n".join(lines) + "\n\n" + table
-    bench_step.write_results(args.output, "cpu fp32: LoRA policy on vLLM, adapter against merged push", body)
+    heading = f"cpu fp32: LoRA policy on vLLM, adapter against merged push ({', '.join(args.modes)})"
+    bench_step.write_results(args.output, heading, body)
     print(f"written to {args.output}")
 
 
