@@ -99,7 +99,7 @@ def adapter_spec(model: torch.nn.Module, architectures: list[str]) -> tuple[Adap
         return None, f"parameters outside the adapter are trained ({trained_outside[:3]}...)"
     rank = max([int(lora.r), *[int(r) for r in (getattr(lora, "rank_pattern", None) or {}).values()]])
     if rank > VLLM_LORA_RANKS[-1]:
-        return None, f"its rank {rank} is over vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})"
+        return None, f"the adapter's rank {rank} is over vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})"
     return AdapterSpec(name, rank, lora), None
 
 
