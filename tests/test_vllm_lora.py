@@ -79,25 +79,28 @@ def base_bytes(peft_model) -> int:
     return tensor_bytes(type(peft_model.get_base_model())(peft_model.config).state_dict().values())
 
 
-class Records(logging.Handler):
-    """Collects the records a logger lets through (after its filters)."""
+class Records(logging.Filter):
+    """Collects the records that the filters before it let through, and lets them through. A filter, not
+    a handler: vLLM configures logging again at every engine start, which empties the handlers of the
+    ``vllm.*`` loggers (and keeps their filters)."""
 
     def __init__(self):
         super().__init__()
         self.records = []
 
-    def emit(self, record):
+    def filter(self, record):
         self.records.append(record)
+        return True
 
 
 @pytest.fixture(scope="module")
 def reload_records():
-    configure_vllm_logging()
-    handler = Records()
+    configure_vllm_logging()  # its filter first: Records sees what gets past it
+    records = Records()
     logger = logging.getLogger(RELOAD_LOGGER)
-    logger.addHandler(handler)
-    yield handler.records
-    logger.removeHandler(handler)
+    logger.addFilter(records)
+    yield records.records
+    logger.removeFilter(records)
 
 
 def grpo_step(trainer, seed: int):
