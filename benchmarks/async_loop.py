@@ -37,14 +37,25 @@ def pinned_server(loop: LoopWorkload, core: int, dtype: torch.dtype):
 
     with tempfile.TemporaryDirectory(prefix="bench_async_") as model_dir:
         bench_step.make_lm(loop.model, "cpu", dtype).save_pretrained(model_dir)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         max_len = loop.model.query_len[1] + loop.new_tokens[1] + 8
-        command = ["taskset", "-c", str(core), sys.executable, "-m", "trl_lite.vllm_server", "--model", model_dir,
-                   "--port", str(port), "--kv-cache-gb", "1", "--", "--max-model-len", str(max_len)]  # fmt: skip
-        env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING")
-        log = open(os.path.join(model_dir, "server.log"), "w")
+        with served(model_dir, max_len, core) as url:
+            yield url
+
+
+@contextlib.contextmanager
+def served(model_dir: str, max_len: int, core: int | None = None, launcher_args: tuple[str, ...] = ()):
+    """``python -m trl_lite.vllm_server`` on ``model_dir`` (with ``launcher_args``) in its own session,
+    pinned to ``core`` with one thread (None: unpinned); yields its URL once it answers, stops it after."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "trl_lite.vllm_server", "--model", model_dir, "--port", str(port),
+               "--kv-cache-gb", "1", *launcher_args, "--", "--max-model-len", str(max_len)]  # fmt: skip
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
+    if core is not None:
+        command = ["taskset", "-c", str(core), *command]
+        env["OMP_NUM_THREADS"] = "1"
+    with open(os.path.join(model_dir, "server.log"), "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
         try:
@@ -52,7 +63,8 @@ def pinned_server(loop: LoopWorkload, core: int, dtype: torch.dtype):
             while True:
                 if process.poll() is not None:
                     log.flush()
-                    tail = open(log.name).read()[-3000:]
+                    with open(log.name) as written:
+                        tail = written.read()[-3000:]
                     raise RuntimeError(f"the vLLM server exited with {process.returncode}:\n{tail}")
                 with contextlib.suppress(requests.RequestException):
                     if requests.get(f"{url}/health", timeout=2).ok:
@@ -69,7 +81,6 @@ def pinned_server(loop: LoopWorkload, core: int, dtype: torch.dtype):
                 except subprocess.TimeoutExpired:
                     os.killpg(process.pid, signal.SIGKILL)
                     process.wait()
-            log.close()
 
 
 def run_one(loop: LoopWorkload, url: str, max_staleness: int, iterations: int, warmup: int, dtype) -> dict:

@@ -28,17 +28,28 @@ trainer pinned to core 0, for each `--staleness` (`max_staleness`, 0 being the s
 run: see `async_loop.py`. Its default workload, `async`, makes the server's generation and the step take
 about as long.
 
+With `--peft` the policy is a Qwen2-0.5B-shaped model (random weights from its config: hidden 896,
+14 heads, 2 key/value heads, MLP 4864, vocabulary 151936, tied embeddings) with a rank-16 LoRA adapter
+on every attention and MLP projection. It reports the bytes one weight push moves - the adapter
+(`vllm_lora_sync=True`) against the merged model (`False`) - counted on the full 24-layer model built
+on the meta device (no memory, no engine), and times a GRPO loop (4 queries x 2 samples, 16 sampled
+tokens, one optimizer step) on a colocated engine and on a server (`--max-lora-rank 16`) with both
+pushes, on `--peft-layers` of the 24 decoder layers (the whole model is too slow on a shared 2-core CPU):
+seconds and bytes per push, and the loop's iteration time.
+
 Usage:
     python benchmarks/bench_loop.py [--workload tiny|small|grpo] [--backend transformers|vllm]
         [--iterations 3] [--warmup 1] [--threads N] [--greedy] [--output benchmarks/RESULTS.md]
     python benchmarks/bench_loop.py --async [--workload async] [--staleness 0 1 2] [--rounds 3]
         [--iterations N] [--warmup N]           # measured with --iterations 8 --warmup 2
+    python benchmarks/bench_loop.py --peft [--peft-layers 2] [--iterations 3] [--modes colocate server]
 
 With `--greedy` both loops decode greedily to a fixed length (the sampler's mean): they then
 generate the same tokens and step on the same batch, so the ratios show overhead alone.
 """
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -182,11 +193,17 @@ def main(argv=None) -> None:
     )  # fmt: skip
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2], help="--async: the max_staleness values")
     parser.add_argument("--rounds", type=int, default=3, help="--async: runs of each max_staleness, in rotated order")
+    parser.add_argument("--peft", action="store_true", help="adapter against merged weight pushes of a LoRA policy")
+    parser.add_argument("--peft-layers", type=int, default=2, help="--peft: decoder layers of the timed model (1-24)")
+    parser.add_argument("--modes", nargs="+", default=["colocate", "server"], choices=["colocate", "server"],
+                        help="--peft: where the engine runs")  # fmt: skip
     args = parser.parse_args(argv)
     if args.iterations < 1 or args.warmup < 0:
         parser.error(f"--iterations must be >= 1 and --warmup >= 0, got {args.iterations} and {args.warmup}")
     if args.async_rollouts:
         return main_async(args, parser)
+    if args.peft:
+        return main_peft(args, parser)
     loop = LOOPS[args.workload]
     if loop.samples_per_query > 1 and (args.backend != "vllm" or args.greedy):
         parser.error(f"--workload {args.workload} (GRPO, sampled) runs with --backend vllm and without --greedy")
@@ -219,6 +236,73 @@ def main(argv=None) -> None:
     heading += ", vLLM against transformers" if args.backend == "vllm" else ""
     heading += f", torch threads {args.threads}" if args.threads else ""
     bench_step.write_results(args.output, heading, f"Machine: {machine}\n\n{setting}\n\n{table}")
+    print(f"written to {args.output}")
+
+
+def main_peft(args, parser) -> None:
+    """``--peft``: bytes per push on the full Qwen2-0.5B shape; seconds per push and per iteration, adapter
+    against merged, colocated and on a server, on ``--peft-layers`` of its layers."""
+    import tempfile
+
+    import async_loop
+    from loop_workloads import PeftLoop, push_bytes, qwen2_lora_policy, qwen2_model
+
+    if not 1 <= args.peft_layers <= 24 or args.device != "cpu":
+        parser.error(f"--peft runs on the CPU with --peft-layers in 1..24, got {args.peft_layers} on {args.device}")
+    machine = bench_step.machine_description("cpu")
+    print(f"machine: {machine}", flush=True)
+    full = push_bytes(qwen2_lora_policy(24, device="meta"))
+    timed_shape = push_bytes(qwen2_lora_policy(args.peft_layers, device="meta"))
+    lines = [
+        "| model | merged push MB | adapter push MB | adapter / merged |", "| --- | ---: | ---: | ---: |",
+        *(f"| {name} | {b['merged'] / 1e6:.1f} | {b['adapter'] / 1e6:.2f} | {b['adapter'] / b['merged']:.2%} |"
+          for name, b in (("Qwen2-0.5B shape, 24 layers", full), (f"{args.peft_layers} layers (timed)", timed_shape))),
+    ]  # fmt: skip
+    print("\n".join(lines), flush=True)
+    rows = []
+    for mode in args.modes:
+        with tempfile.TemporaryDirectory(prefix="bench_peft_") as model_dir:
+            options = {}
+            server = contextlib.nullcontext(None)
+            if mode == "server":
+                qwen2_model(args.peft_layers).save_pretrained(model_dir)  # the base; the trainer pushes it anyway
+                server = async_loop.served(model_dir, 128, launcher_args=("--max-lora-rank", "16"))
+            with server as url:
+                if url is not None:
+                    options = dict(vllm_mode="server", vllm_server_url=url, vllm_server_timeout=600)
+                for lora_sync in (True, False):
+                    loop = PeftLoop(args.peft_layers, lora_sync, **options)
+                    results = []
+                    for i in range(args.warmup + args.iterations):
+                        result = loop.iteration(i)
+                        print(f"{mode} {'adapter' if lora_sync else 'merged'} iteration {i}: "
+                              + ", ".join(f"{k} {v:.3f}" for k, v in result.items()), flush=True)  # fmt: skip
+                        if i >= max(args.warmup, 1):  # iteration 0 pushes nothing (the engine starts current)
+                            results.append(result)
+                    loop.trainer.generation.close()
+                    del loop
+                    med = {k: statistics.median(r[k] for r in results) for k in results[0]}
+                    rows.append(f"| {mode} | {'adapter' if lora_sync else 'merged'} | {med['push_bytes'] / 1e6:.2f} | "
+                                f"{med['weight_sync']:.3f} | {med['generate']:.3f} | {med['total']:.3f} |")  # fmt: skip
+    table = "\n".join([
+        "| engine | push | MB per push | push s | generate s | iteration s |",
+        "| --- | --- | ---: | ---: | ---: | ---: |", *rows,
+    ])  # fmt: skip
+    print(table)
+    command = (f"`python benchmarks/bench_loop.py --peft --peft-layers {args.peft_layers} --iterations {args.iterations} "
+               f"--warmup {args.warmup} --modes {' '.join(args.modes)}`")  # fmt: skip
+    setting = (
+        f"{command}: {args.iterations} timed iterations (each pushes the previous step's update) after the first; load average "
+        "at end " + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f"; {time.strftime('%Y-%m-%d')}\n\n"
+        "- Qwen2-0.5B shape (hidden 896, 14 heads, 2 KV heads, MLP 4864, vocabulary 151936, tied embeddings), random "
+        "weights, fp32, LoRA rank 16 (alpha 32) on q/k/v/o/gate/up/down; bytes counted from the tensors each push "
+        f"sends; timed on {args.peft_layers} of its 24 decoder layers: GRPO, 4 queries x 2 samples, 16 sampled tokens, "
+        "1 optimizer step; colocated engine and `python -m trl_lite.vllm_server --max-lora-rank 16` (files in a "
+        "shared directory)"
+    )  # fmt: skip
+    body = f"Machine: {machine}\n\n{setting}\n\n" + "\n".join(lines) + "\n\n" + table
+    heading = f"cpu fp32: LoRA policy on vLLM, adapter against merged push ({', '.join(args.modes)})"
+    bench_step.write_results(args.output, heading, body)
     print(f"written to {args.output}")
 
 

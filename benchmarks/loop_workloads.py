@@ -139,3 +139,93 @@ class TrlLoop:
         )  # fmt: skip
         times["new_tokens"] = sum(len(r) for r in responses)
         return times
+
+
+# --peft: a Qwen2-0.5B-shaped policy (random weights from its config) with a rank-16 LoRA adapter on every
+# attention and MLP projection, on vLLM, its adapter pushed (vllm_lora_sync) or the merged model.
+QWEN2_05B = dict(
+    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+    num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+)  # fmt: skip
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def qwen2_model(layers: int, device: str = "cpu", seed: int = 0):
+    """A Qwen2 of the Qwen2-0.5B shape with ``layers`` of its decoder layers (24: the whole model), random
+    weights; ``device='meta'`` builds it without memory (for counting bytes)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**dict(QWEN2_05B, num_hidden_layers=layers), bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        lm = Qwen2ForCausalLM(config)
+    lm.config.architectures = ["Qwen2ForCausalLM"]
+    return lm
+
+
+def qwen2_lora_policy(layers: int, rank: int = 16, device: str = "cpu", seed: int = 0):
+    """:func:`qwen2_model` with a LoRA adapter of ``rank`` on every attention and MLP projection (PEFT)."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    return get_peft_model(qwen2_model(layers, device, seed), lora)
+
+
+def push_bytes(peft_model) -> dict:
+    """Bytes one push moves: the merged model (every tensor of the transformers state, the tied LM head
+    twice, as pushed) and the adapter alone; counted from the tensors the pushes would send."""
+    from trl_lite.engines import named_policy_weights
+    from trl_lite.engines.lora_sync import adapter_spec, named_adapter_weights
+
+    spec, reason = adapter_spec(peft_model, ["Qwen2ForCausalLM"])
+    if spec is None:
+        raise ValueError(f"the benchmark's adapter should be servable: {reason}")
+
+    def size(named):
+        return sum(t.numel() * t.element_size() for _, t in named)
+
+    return {"merged": size(named_policy_weights(peft_model)), "adapter": size(named_adapter_weights(peft_model, spec))}
+
+
+class PeftLoop:
+    """A GRPO loop (``queries`` queries x ``samples`` samples, ``new_tokens`` sampled tokens) on vLLM with a
+    LoRA policy; ``lora_sync``: ``PPOConfig.vllm_lora_sync`` (True: the adapter, False: the merged model);
+    ``config_options``: further PPOConfig fields (server mode)."""
+
+    def __init__(self, layers: int, lora_sync: bool, queries: int = 4, samples: int = 2, new_tokens: int = 16,
+                 **config_options):  # fmt: skip
+        from tokenizers import Tokenizer, models
+        from transformers import PreTrainedTokenizerFast
+
+        from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+
+        model = AutoModelForCausalLMWithValueHead.from_pretrained(qwen2_lora_policy(layers))
+        word_level = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "<eos>": 1}, unk_token="<unk>"))
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="<eos>", pad_token="<eos>")
+        config = PPOConfig(
+            batch_size=queries * samples, mini_batch_size=queries * samples, ppo_epochs=1, learning_rate=1e-3,
+            advantage_estimator="grpo", num_samples_per_query=samples, use_vllm=True, vllm_lora_sync=lora_sync,
+            vllm_dtype="float32", vllm_max_model_len=128, vllm_kv_cache_gb=1, **config_options,
+        )  # fmt: skip
+        self.trainer = PPOTrainer(config, model, tokenizer=tokenizer)
+        self.queries, self.samples, self.new_tokens = queries, samples, new_tokens
+
+    def iteration(self, iteration: int) -> dict:
+        """Generate (after the push of the previous step's update), reward, step; seconds and push bytes."""
+        generator = torch.Generator().manual_seed(1000 + iteration)
+        asked = [torch.randint(2, 50000, (8,), generator=generator) for _ in range(self.queries)]
+        trainer = self.trainer
+        t0 = time.perf_counter()
+        responses, logprobs = trainer.generate(
+            asked, return_prompt=False, do_sample=True, top_k=0, max_new_tokens=self.new_tokens, eos_token_id=[],
+            num_return_sequences=self.samples, return_logprobs=True,
+        )  # fmt: skip
+        scores = reward_fn(responses)
+        rows = [query for query in asked for _ in range(self.samples)]
+        stats = trainer.step(rows, responses, scores, generation_logprobs=logprobs)
+        total = time.perf_counter() - t0
+        return {
+            "weight_sync": stats.get("time/rollout/weight_sync", 0.0), "push_bytes": trainer.generation.last_push_bytes,
+            "generate": stats["time/rollout/generate"], "total": total,
+        }  # fmt: skip

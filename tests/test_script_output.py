@@ -61,7 +61,12 @@ def test_sentiment_demo_prints_its_stages_progress_and_results(tmp_path, flags):
     check_output(output)
 
 
-@pytest.mark.parametrize("flags", [[], VLLM], ids=["transformers", "vllm"])
+QWEN2_LORA = ["--architecture", "qwen2", "--lora_rank", "4"]  # the engine serves the adapter (vllm_lora_sync)
+
+
+@pytest.mark.parametrize(
+    "flags", [[], VLLM, [*VLLM, *QWEN2_LORA]], ids=["transformers", "vllm", "vllm-qwen2-lora"]
+)  # fmt: skip
 def test_arithmetic_example_prints_its_stages_progress_and_results(tmp_path, flags):
     output = run_example("grpo_arithmetic.py", *ARITHMETIC, "--output_dir", str(tmp_path), *flags)
     for line in ("SFT: 20 steps", "GRPO: 100%", "held-out greedy accuracy (64 problems)"):

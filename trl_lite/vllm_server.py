@@ -25,7 +25,10 @@ unless ``--host`` says otherwise; on a shared network put it behind something th
 Options: ``--model`` (a transformers model directory or hub id whose architecture the trainer's
 policy shares), ``--host``, ``--port``, ``--dtype`` (``auto``: the dtype saved in the model's
 config, float32 when none; unlike vLLM's own ``auto``, a float32 model is not served in bfloat16),
-``--kv-cache-gb`` (KV cache on CPU, ``VLLM_CPU_KVCACHE_SPACE``), ``--no-enforce-eager``; everything
+``--kv-cache-gb`` (KV cache on CPU, ``VLLM_CPU_KVCACHE_SPACE``), ``--no-enforce-eager``,
+``--max-lora-rank R`` (serve a LoRA policy's adapter of rank up to R: vLLM's LoRA with one adapter
+slot and its ``/v1/load_lora_adapter`` endpoints, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; the trainer
+then pushes the base weights once and the adapter after each update); everything
 after ``--`` goes to ``vllm serve`` unchanged (``--tensor-parallel-size``, ``--max-model-len``,
 ``--gpu-memory-utilization``, ``--seed``, ...). vLLM logs its errors and the warnings that need the user
 (:mod:`trl_lite.engines.vllm_logging`); ``VLLM_LOGGING_LEVEL=INFO`` shows all of its start-up.
@@ -62,6 +65,7 @@ from dataclasses import dataclass
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
 
+from trl_lite.engines.lora_sync import VLLM_LORA_RANKS
 from trl_lite.engines.vllm_logging import configure_vllm_logging
 
 # Before vLLM's import, which logs; at import, so that the engine processes vLLM spawns (they import
@@ -182,6 +186,10 @@ def vllm_serve_args(args: argparse.Namespace, extra: list[str]) -> list[str]:
     ]  # fmt: skip
     if args.enforce_eager:
         command.append("--enforce-eager")
+    if args.max_lora_rank is not None:
+        # One slot on the device and in the CPU cache: loading a new version evicts the old one.
+        command += ["--enable-lora", "--max-lora-rank", str(args.max_lora_rank), "--max-loras", "1",
+                    "--max-cpu-loras", "1"]  # fmt: skip
     return command + extra
 
 
@@ -214,6 +222,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         "--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
         help="run without CUDA graphs / torch.compile (start in seconds, somewhat slower decoding; default on)",
     )  # fmt: skip
+    parser.add_argument(
+        "--max-lora-rank", type=int, default=None, choices=VLLM_LORA_RANKS,
+        help="serve a LoRA policy's adapter of rank up to this (the trainer pushes the adapter, not the merged "
+        "model; vllm_lora_sync); default: no LoRA",
+    )  # fmt: skip
     args = parser.parse_args(own)
     if args.kv_cache_gb is not None and args.kv_cache_gb < 1:
         parser.error(f"--kv-cache-gb must be >= 1, got {args.kv_cache_gb}")
@@ -223,6 +236,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
 def main(argv: list[str] | None = None) -> None:
     args, extra = parse_args(argv)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # the weight-update endpoints
+    if args.max_lora_rank is not None:
+        os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     if args.kv_cache_gb is not None or "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         # Unset, vLLM's CPU backend takes most of the machine's free memory for its cache.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gb or 2)

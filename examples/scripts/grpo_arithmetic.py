@@ -1,4 +1,4 @@
-"""RL with verifiable rewards on the CPU: a tiny GPT-2 learns two-digit addition, SFT then GRPO.
+"""RL with verifiable rewards on the CPU: a tiny GPT-2 (or Qwen2) learns two-digit addition, SFT then GRPO.
 
 1. Data, generated here from --seed: every `a+b=` with two-digit operands, split by unordered
    operand pair into an SFT set, a GRPO prompt set and a held-out set, so that no held-out problem
@@ -12,10 +12,17 @@
    (`trl_lite.extras.DynamicSampler`) refills the batch with groups whose rewards are not all equal.
 4. Held-out greedy accuracy before GRPO (the SFT model) and after.
 
+`--architecture qwen2` builds a tiny Qwen2 instead (rotary positions, gated MLP; an architecture vLLM
+serves LoRA adapters for), and `--lora_rank R` trains a PEFT LoRA adapter of rank R on every attention and
+MLP projection of the SFT model in the GRPO stage. Under `--use_vllm` the engine then serves the
+adapter: it takes the base weights once and only the adapter after each step (`--vllm_lora_sync`,
+default on where vLLM can; `--vllm_lora_sync False` pushes the merged model, GPT-2's only way).
+
     python examples/scripts/grpo_arithmetic.py                       # a few minutes on two CPU cores
     python examples/scripts/grpo_arithmetic.py --use_vllm            # generation with vLLM when installed
     python examples/scripts/grpo_arithmetic.py --async_rollouts      # the next batches generated during step()
     python examples/scripts/grpo_arithmetic.py --sft_steps 20 --steps 2 --num_heldout 64   # a smoke test
+    python examples/scripts/grpo_arithmetic.py --architecture qwen2 --lora_rank 8 --learning_rate 2e-3 --use_vllm
 
 Every PPOConfig field is a flag too (--learning_rate, --cliprange_high, --loss_type, ...). Written to
 --output_dir: metrics.json (accuracies before and after, the evaluations, one record per step),
@@ -45,12 +52,16 @@ from datasets import Dataset, disable_progress_bars  # noqa: E402
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 from torch.nn.utils.rnn import pad_sequence  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import (  # noqa: E402
     GPT2Config,
     GPT2LMHeadModel,
     HfArgumentParser,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
     PrinterCallback,
+    Qwen2Config,
+    Qwen2ForCausalLM,
     Trainer,
     TrainingArguments,
 )
@@ -76,9 +87,14 @@ class ScriptArguments:
     sft_steps: int = field(default=1000, metadata={"help": "Optimizer steps of the SFT stage (transformers Trainer)."})
     sft_batch_size: int = field(default=32, metadata={"help": "Rows per SFT step."})
     sft_learning_rate: float = field(default=2e-3, metadata={"help": "Peak learning rate of the SFT stage."})
-    n_embd: int = field(default=128, metadata={"help": "Width of the tiny GPT-2."})
-    n_layer: int = field(default=2, metadata={"help": "Layers of the tiny GPT-2."})
-    n_head: int = field(default=4, metadata={"help": "Attention heads of the tiny GPT-2."})
+    architecture: str = field(default="gpt2", metadata={"help": "The tiny model: 'gpt2' or 'qwen2'."})
+    n_embd: int = field(default=128, metadata={"help": "Width of the tiny model."})
+    n_layer: int = field(default=2, metadata={"help": "Layers of the tiny model."})
+    n_head: int = field(default=4, metadata={"help": "Attention heads of the tiny model (Qwen2: 2 key/value heads)."})
+    lora_rank: int = field(
+        default=0,
+        metadata={"help": "> 0: GRPO trains a LoRA adapter of this rank on the SFT model (PEFT); 0: all weights."},
+    )
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of the GRPO rollouts."})
     max_tries: int = field(default=8, metadata={"help": "Dynamic sampling: generate-and-score calls per step at most."})
     eval_every: int = field(default=25, metadata={"help": "Held-out greedy accuracy every this many GRPO steps."})
@@ -98,6 +114,10 @@ class ScriptArguments:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)}.")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be a float > 0, got {self.temperature}.")
+        if self.architecture not in ("gpt2", "qwen2"):
+            raise ValueError(f"architecture must be 'gpt2' or 'qwen2', got {self.architecture!r}.")
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank must be an int >= 0, got {self.lora_rank}.")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be an int >= 0, got {self.max_staleness}.")
         if self.num_sft + self.num_grpo + self.num_heldout > len(unordered_pairs()):
@@ -159,8 +179,18 @@ def exact_match_reward(prompt: str, completion: str) -> float:
     return 1.0 if completion == f"{int(match[1]) + int(match[2])}{EOS}" else 0.0
 
 
-def build_model(args: ScriptArguments, tokenizer: PreTrainedTokenizerFast) -> GPT2LMHeadModel:
-    """A tiny GPT-2 from a config; dropout off so that GRPO's first ratio is exactly 1."""
+def build_model(args: ScriptArguments, tokenizer: PreTrainedTokenizerFast) -> PreTrainedModel:
+    """A tiny GPT-2 or Qwen2 from a config; dropout off so that GRPO's first ratio is exactly 1."""
+    if args.architecture == "qwen2":
+        config = Qwen2Config(
+            vocab_size=len(tokenizer), hidden_size=args.n_embd, intermediate_size=4 * args.n_embd,
+            num_hidden_layers=args.n_layer, num_attention_heads=args.n_head, num_key_value_heads=2,
+            max_position_embeddings=16, tie_word_embeddings=True, bos_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
+        model = Qwen2ForCausalLM(config)
+        model.config.architectures = ["Qwen2ForCausalLM"]
+        return model
     config = GPT2Config(
         vocab_size=len(tokenizer), n_positions=16, n_embd=args.n_embd, n_layer=args.n_layer, n_head=args.n_head,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=tokenizer.eos_token_id,
@@ -170,6 +200,15 @@ def build_model(args: ScriptArguments, tokenizer: PreTrainedTokenizerFast) -> GP
     # transformers 5 finds the loss by the class name, which names none for GPT-2 (it warns, then uses this one).
     model.loss_type = "ForCausalLM"
     return model
+
+
+def with_lora(model: PreTrainedModel, args: ScriptArguments):
+    """The SFT model with a fresh LoRA adapter of rank ``args.lora_rank`` on every attention and MLP projection."""
+    targets = ["c_attn", "c_proj", "c_fc"] if args.architecture == "gpt2" else [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # fmt: skip
+    lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=targets, lora_dropout=0.0,
+                      fan_in_fan_out=args.architecture == "gpt2", task_type="CAUSAL_LM")  # fmt: skip
+    return get_peft_model(model, lora)
 
 
 def sft_rows(problems: list[tuple[int, int]], tokenizer: PreTrainedTokenizerFast) -> Dataset:
@@ -402,6 +441,8 @@ def run(args: ScriptArguments, config: PPOConfig) -> dict:
     sft_seconds = time.perf_counter() - sft_start
     model.save_pretrained(output_dir / "sft_model")
     tokenizer.save_pretrained(output_dir / "sft_model")
+    if args.lora_rank:
+        model = with_lora(model, args)
 
     with warnings.catch_warnings():
         # Its reminder that step() takes batches of batch_size rows: DynamicSampler's batches are.
@@ -423,7 +464,9 @@ def run(args: ScriptArguments, config: PPOConfig) -> dict:
         "heldout_accuracy_before": before, "heldout_accuracy_after": after, "num_heldout": len(problems["heldout"]),
         "sft_steps": args.sft_steps, "sft_seconds": sft_seconds, "sft_final_loss": sft_loss,
         "grpo_steps": config.steps, "grpo_seconds": grpo_seconds, "total_seconds": time.perf_counter() - start_time,
-        "use_vllm": config.use_vllm, "max_staleness": args.max_staleness if args.async_rollouts else None,
+        "use_vllm": config.use_vllm, "architecture": args.architecture, "lora_rank": args.lora_rank,
+        "last_push_bytes": trainer.generation.last_push_bytes if config.use_vllm else None,
+        "max_staleness": args.max_staleness if args.async_rollouts else None,
         "evaluations": evaluations, "records": records,
     }  # fmt: skip
     (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))

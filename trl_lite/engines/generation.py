@@ -4,7 +4,9 @@
 responses come from a :class:`~.engines.TransformersEngine` (transformers ``generate`` on the trained
 model) or a :class:`~.engines.VLLMEngine` (colocated or server), and reference responses always
 from a transformers engine on the reference. An engine with its own copy of the weights is pushed
-the policy's weights lazily: before the first ``generate`` after the policy changed, once.
+the policy's weights lazily: before the first ``generate`` after the policy changed, once - for a
+LoRA policy the engine serves as an adapter (``vllm_lora_sync``, :mod:`.lora_sync`), the base weights
+with the first push and the adapter alone after that.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from contextlib import contextmanager
 import torch
 
 from .base import GenerationEngine
+from .lora_sync import AdapterSpec, AdapterSync, AdapterUpdate, ByteTally, adapter_spec, resolve_lora_sync
 from .transformers_engine import TransformersEngine, eval_mode
 from .vllm_engine import VLLMEngine, build_vllm_backend, check_vllm_can_load, require_vllm
 from .vllm_options import engine_placement
@@ -31,10 +34,13 @@ class RolloutGeneration:
         engine: generates the policy's responses.
         reference_engine: generates the reference's responses (``generate_ref_response=True``).
         timer: the trainer's :class:`~trl_lite.trainer.timing.PhaseTimer` (``rollout/generate``, ``rollout/weight_sync``).
-        policy_weights: called for each push; yields the policy's ``(name, tensor)`` pairs.
+        policy_weights: called for each push; yields the policy's ``(name, tensor)`` pairs, or gives an
+            :class:`~.lora_sync.AdapterUpdate` (an adapter push).
         version: counts policy updates; None for an engine that needs no pushes.
         push: takes ``policy_weights()`` to the engine; default ``engine.load_weights`` (see
-            :func:`build_generation` for a server shared by several processes).
+            :func:`build_generation` for adapter pushes and a server shared by several processes).
+
+    ``last_push_bytes``: the bytes of the tensors the last push read (0 before any).
     """
 
     def __init__(self, engine: GenerationEngine, reference_engine: GenerationEngine, timer,
@@ -47,6 +53,7 @@ class RolloutGeneration:
         self.push = engine.load_weights if push is None else push
         self.version = version
         self._held_version = None
+        self.last_push_bytes = 0
         self._awake_depth = 0  # nesting of awake()
         if engine.sleeps:
             # It holds nothing worth keeping yet: the first generate wakes it and pushes the weights.
@@ -106,7 +113,10 @@ class RolloutGeneration:
 
     @torch.no_grad()  # merged LoRA weights are computed for the push, not for a backward pass
     def _push(self) -> None:
-        self.push(self.policy_weights())
+        tally = ByteTally()
+        weights = self.policy_weights()
+        self.push(weights.counted(tally) if isinstance(weights, AdapterUpdate) else tally.wrap(weights))
+        self.last_push_bytes = tally.bytes
         self._held_version = self.version.version
 
     def weights_changed(self) -> None:
@@ -185,6 +195,10 @@ def build_generation(config, *, model, unwrapped, accelerator, tokenizer, pad_to
     if not model_config.architectures:
         model_config.architectures = [type(transformers_model).__name__]
     check_vllm_can_load(model_config, is_encoder_decoder)
+    spec, reason = adapter_spec(lm, model_config.architectures) if config.vllm_lora_sync is not False else (None, None)
+    lora = None
+    if config.vllm_mode == "colocate":
+        lora = resolve_lora_sync(config.vllm_lora_sync, spec, reason)
     placement = None
     if config.vllm_mode == "colocate":
         # Every process's engine on the process's own device; engines differ in seed, or they would sample alike.
@@ -197,24 +211,46 @@ def build_generation(config, *, model, unwrapped, accelerator, tokenizer, pad_to
     backend = build_vllm_backend(
         config, model_config, getattr(transformers_model, "generation_config", None),
         policy_dtype=next(transformers_model.parameters()).dtype, mixed_precision=accelerator.mixed_precision,
-        placement=placement,
+        placement=placement, max_lora_rank=None if lora is None else lora.engine_rank,
     )  # fmt: skip
+    if config.vllm_mode == "server":
+        if spec is not None:
+            reason = _server_lora_blocker(backend, spec)
+            spec = None if reason else spec
+        lora = resolve_lora_sync(config.vllm_lora_sync, spec, reason)
     eos = tokenizer.eos_token_id if tokenizer is not None else getattr(model_config, "eos_token_id", None)
     engine = VLLMEngine(backend, eos, pad_token_id, getattr(transformers_model, "generation_config", None))
-    push = None
+    if lora is not None:
+        adapter_sync = AdapterSync(lm, lora, engine, is_zero3)
+        policy_weights, push = adapter_sync.updates, adapter_sync.push
+    else:
+        policy_weights, push = (lambda: named_policy_weights(lm, is_zero3)), engine.load_weights
     if config.vllm_mode == "server" and accelerator.num_processes > 1:
+        send = push
 
         def push(weights):
             """One server for all processes: the main process sends, the others only join the ZeRO-3
             gathers; nobody generates before the new weights are in."""
             if accelerator.is_main_process:
-                engine.load_weights(weights)
+                send(weights)
             else:
                 for _ in weights:
                     pass
             accelerator.wait_for_everyone()
 
-    return RolloutGeneration(
-        engine, reference, timer, lambda: named_policy_weights(lm, is_zero3), WeightVersion(optimizer),
-        push=push,
-    )  # fmt: skip
+    return RolloutGeneration(engine, reference, timer, policy_weights, WeightVersion(optimizer), push=push)
+
+
+def _server_lora_blocker(client, spec: AdapterSpec) -> str | None:
+    """Why the server cannot take ``spec``'s adapter, or None."""
+    if client.shared_dir is None:
+        return f"the server at {client.base_url} cannot read this machine's files, and adapters travel as files"
+    served = client.max_lora_rank()
+    if served is None:
+        return (
+            f"the server at {client.base_url} was launched without LoRA "
+            f"(python -m trl_lite.vllm_server ... --max-lora-rank {spec.engine_rank})"
+        )
+    if spec.rank > served:
+        return f"the adapter's rank {spec.rank} is over the server's --max-lora-rank {served}"
+    return None

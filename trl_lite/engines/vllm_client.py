@@ -9,6 +9,11 @@ can read this machine's files (the handshake checks: same machine, shared tempor
 else its bytes, base64 in the JSON body - which costs several times longer (encoding, decoding and
 copies through vLLM's processes).
 
+A LoRA policy's adapter (:mod:`.lora_sync`; the server launched with ``--max-lora-rank``) travels
+as a PEFT adapter directory written in that shared directory and loaded with vLLM's
+``/v1/load_lora_adapter`` under a new name per version; the previous version is unloaded, and
+generation requests name the current one.
+
 Every request has ``timeout`` seconds to answer: a server that is gone or stuck raises an error
 naming its URL, never a hang.
 """
@@ -28,6 +33,8 @@ import requests
 import torch
 from safetensors.torch import save as save_safetensors
 from safetensors.torch import save_file
+
+from .lora_sync import write_peft_adapter
 
 # The launcher's weight-transfer backend and the chunk encoding both sides agree on.
 WEIGHT_TRANSFER_BACKEND = "trl_lite_http"
@@ -60,6 +67,8 @@ class VLLMServerClient:
         self._session.mount("http://", adapter)
         self._session.mount("https://", adapter)
         self._pushes = 0
+        self._adapter = None  # (name, directory) of the adapter generation runs with
+        self._adapter_versions = 0
         self._wait_until_up()
         self.shared_dir = self._handshake()
 
@@ -119,7 +128,8 @@ class VLLMServerClient:
             raise RuntimeError(
                 f"the vLLM server at {url} refused {what}: HTTP {response.status_code}: {response.text[:2000]}"
             )
-        return response.json() if response.content else {}
+        # JSON, except vLLM's adapter endpoints, which answer in plain text.
+        return response.json() if "json" in response.headers.get("content-type", "") else {}
 
     def generate(self, prompts: list[list[int]], sampling_params: list[dict]) -> list[list[tuple]]:
         """Per prompt its ``n`` completions as ``(token ids, log-probs of exactly those tokens or None)``.
@@ -128,8 +138,10 @@ class VLLMServerClient:
         """
 
         def one(prompt, params):
-            body = self._post("/inference/v1/generate", what="generate",
-                              json={"token_ids": prompt, "sampling_params": params})  # fmt: skip
+            request = {"token_ids": prompt, "sampling_params": params}
+            if self._adapter is not None:
+                request["model"] = self._adapter[0]
+            body = self._post("/inference/v1/generate", what="generate", json=request)
             answers = []
             for choice in sorted(body["choices"], key=lambda c: c["index"]):
                 tokens = list(choice["token_ids"])
@@ -192,6 +204,39 @@ class VLLMServerClient:
                 chunk, size = {}, 0
         if chunk:
             yield chunk
+
+    def max_lora_rank(self) -> int | None:
+        """The largest adapter rank the server serves; None when it was launched without LoRA."""
+        url = f"{self.base_url}/server_info"
+        try:
+            response = self._session.get(url, params={"config_format": "json"}, timeout=self.timeout)
+        except requests.RequestException as error:
+            raise ConnectionError(f"lost the vLLM server at {self.base_url} during /server_info: {error}") from error
+        if not response.ok:
+            raise RuntimeError(f"the vLLM server at {url} refused its configuration: HTTP {response.status_code}.")
+        lora = (response.json().get("vllm_config") or {}).get("lora_config")
+        return None if not lora else int(lora["max_lora_rank"])
+
+    def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config) -> None:
+        """Load a new adapter version (PEFT names, ``LoraConfig``) from the shared directory under a new
+        name, then unload the previous one; generation waits meanwhile."""
+        if self.shared_dir is None:
+            raise RuntimeError(f"the vLLM server at {self.base_url} cannot read this machine's files: no adapter push.")
+        self._adapter_versions += 1
+        name = f"trl_lite-policy-{self._adapter_versions}"
+        directory = os.path.join(self.shared_dir, f"adapter-{self._adapter_versions}")
+        write_peft_adapter(directory, named_tensors, config)
+        self._post("/pause", what="pausing for an adapter push", params={"mode": "wait"})
+        try:
+            body = {"lora_name": name, "lora_path": directory}
+            self._post("/v1/load_lora_adapter", what="an adapter push", json=body)
+            previous, self._adapter = self._adapter, (name, directory)
+            if previous is not None:
+                self._post("/v1/unload_lora_adapter", what="unloading the previous adapter",
+                           json={"lora_name": previous[0]})  # fmt: skip
+                shutil.rmtree(previous[1], ignore_errors=True)
+        finally:
+            self._post("/resume", what="resuming after an adapter push")
 
     def close(self) -> None:
         """Close the connections; the server keeps running (it is the user's process)."""

@@ -10,6 +10,10 @@ here, or the server client of :mod:`.vllm_client`):
 - ``load_weights(named_tensors)``: replace the engine's weights (transformers ``state_dict`` names);
 - ``close()``;
 
+and, for a LoRA policy whose adapter the engine serves (:mod:`.lora_sync`), ``load_adapter(named_tensors,
+config)``: a new adapter version (PEFT names and ``LoraConfig``) that replaces the one before it, with
+which generation runs from then on.
+
 and, where it has them, ``max_model_len`` (the longest prompt + response it takes: longer rollouts
 are refused before they are cut short) and ``sleep_mode`` with ``sleep()`` / ``wake_up(tags)``.
 """
@@ -29,6 +33,7 @@ import numpy as np
 import torch
 
 from .base import GenerationEngine
+from .lora_sync import write_peft_adapter
 from .vllm_logging import configure_vllm_logging
 from .vllm_options import (
     EnginePlacement,
@@ -216,6 +221,9 @@ class VLLMEngine(GenerationEngine):
     def load_weights(self, named_tensors):
         self.backend.load_weights(named_tensors)
 
+    def load_adapter(self, named_tensors, config):
+        self.backend.load_adapter(named_tensors, config)
+
     def close(self):
         self.backend.close()
 
@@ -269,19 +277,21 @@ class ColocatedVLLM:
     the engine has (:mod:`.vllm_options`); the processes of a group then answer the union of their
     prompts together, each keeping its own rows, and each pushes the full weights into its shard.
     With ``enable_sleep_mode`` the engine can release its memory between rollouts (:meth:`sleep`,
-    :meth:`wake_up`).
+    :meth:`wake_up`). With ``max_lora_rank`` it serves one LoRA adapter (:meth:`load_adapter`).
 
     Args:
         model_config: the policy's transformers config (``architectures`` must name a vLLM model).
         generation_config: saved beside it (vLLM reads generation defaults from it).
         dtype, max_model_len, enforce_eager, gpu_memory_utilization, kv_cache_gb, enable_sleep_mode:
             the ``PPOConfig.vllm_*`` fields; ``seed``: the run's seed (see
-            :func:`~.vllm_options.colocated_llm_options`); ``placement``: default one process alone.
+            :func:`~.vllm_options.colocated_llm_options`); ``placement``: default one process alone;
+        max_lora_rank: the largest adapter rank it serves (None: no LoRA).
     """
 
     def __init__(self, model_config, generation_config, *, dtype: str = "auto", max_model_len: int | None = None,
                  enforce_eager: bool = True, gpu_memory_utilization: float = 0.3, kv_cache_gb: float | None = None,
-                 seed: int = 0, placement: EnginePlacement | None = None, enable_sleep_mode: bool = False):  # fmt: skip
+                 seed: int = 0, placement: EnginePlacement | None = None, enable_sleep_mode: bool = False,
+                 max_lora_rank: int | None = None):  # fmt: skip
         vllm = require_vllm()
         placement = engine_placement(0, 0, 1, 1) if placement is None else placement
         # The trainer reaches the model runner to push weights: the engine core must live in this process.
@@ -307,8 +317,9 @@ class ColocatedVLLM:
         options = colocated_llm_options(
             self._dir, placement, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_sleep_mode=enable_sleep_mode,
-            on_gpu=torch.cuda.is_available(),
+            on_gpu=torch.cuda.is_available(), max_lora_rank=max_lora_rank,
         )  # fmt: skip
+        self._lora = None  # the LoRARequest generation runs with
         self._shares_process_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         threads = torch.get_num_threads()
         # An in-process vLLM seeds the global random generators; the trainer's seeded state must survive it.
@@ -363,7 +374,7 @@ class ColocatedVLLM:
     def _generate(self, prompts: list[list[int]], sampling_params: list[dict]):
         requests = [{"prompt_token_ids": prompt} for prompt in prompts]
         params = [self._sampling_params(**p) for p in sampling_params]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora)
         return [
             [(list(c.token_ids), _sampled_logprobs(c.token_ids, c.logprobs)) for c in output.outputs]
             for output in outputs
@@ -385,6 +396,26 @@ class ColocatedVLLM:
         runner = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
         runner.reload_weights(weights_iterator=iter(named_tensors))
         self.llm.reset_prefix_cache()
+
+    def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config) -> None:
+        """Load a new adapter version under a new LoRA id, written in PEFT's format in this engine's
+        directory (vLLM loads adapters from one), and remove the previous version: the engine holds one."""
+        from vllm.lora.request import LoRARequest
+
+        previous = self._lora
+        version = 1 if previous is None else previous.lora_int_id + 1
+        directory = os.path.join(self._dir, f"adapter-{version}")
+        write_peft_adapter(directory, named_tensors, config)
+        request = LoRARequest(f"trl_lite-policy-{version}", version, directory)
+        self.llm.llm_engine.add_lora(request)  # loads it now: a refusal shows here, not at the next generate
+        self._lora = request
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    def adapter_ids(self) -> set[int]:
+        """The LoRA ids the engine holds."""
+        return set(self.llm.llm_engine.list_loras())
 
     def close(self) -> None:
         """Shut the engine down now, unless it shares this process's ``torch.distributed`` world (under
@@ -416,13 +447,15 @@ def _sampled_logprobs(token_ids, logprobs) -> list[float] | None:
 
 
 def build_vllm_backend(config, model_config, generation_config, *, policy_dtype: torch.dtype = torch.float32,
-                       mixed_precision: str | None = None, placement: EnginePlacement | None = None):  # fmt: skip
+                       mixed_precision: str | None = None, placement: EnginePlacement | None = None,
+                       max_lora_rank: int | None = None):  # fmt: skip
     """The backend ``config.vllm_mode`` names: a colocated engine, or the client of a running server.
 
     Colocated: ``vllm_dtype='auto'`` resolves against ``policy_dtype`` and accelerate's
     ``mixed_precision`` (:func:`~.vllm_options.engine_dtype`); ``placement``: this process's place
     among the engines (default: alone, :func:`~.vllm_options.engine_placement`); sleep mode as
-    ``vllm_enable_sleep_mode`` says, where vLLM has it (:func:`~.vllm_options.resolve_sleep_mode`).
+    ``vllm_enable_sleep_mode`` says, where vLLM has it (:func:`~.vllm_options.resolve_sleep_mode`);
+    with LoRA up to ``max_lora_rank`` (None: without).
     A server's engine settings (dtype, KV cache, lengths, parallelism, sleep) are those it was launched with
     (``python -m trl_lite.vllm_server``); the trainer only needs ``vllm_server_url`` and ``vllm_server_timeout``.
     """
@@ -443,4 +476,5 @@ def build_vllm_backend(config, model_config, generation_config, *, policy_dtype:
         model_config, generation_config, dtype=dtype, max_model_len=config.vllm_max_model_len,
         enforce_eager=config.vllm_enforce_eager, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
         kv_cache_gb=config.vllm_kv_cache_gb, seed=config.seed, placement=placement, enable_sleep_mode=sleep,
+        max_lora_rank=max_lora_rank,
     )  # fmt: skip

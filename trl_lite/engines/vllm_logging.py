@@ -24,12 +24,14 @@ DEFAULT_LEVEL = "WARNING"
 
 class Unactionable(NamedTuple):
     """A vLLM warning that needs nothing from the user: the ``logger`` it comes from, how its message
-    (the format string) starts, and for a warning with a traceback, text its exception must contain."""
+    (the format string) starts, for a warning with a traceback, text its exception must contain, and
+    for a warning about one kind of layer, how the first argument of its message (the layer's class) ends."""
 
     logger: str
     message: str
     reason: str
     exception: str | None = None
+    argument_suffix: str | None = None
 
 
 NOT_ACTIONABLE = (
@@ -57,6 +59,12 @@ NOT_ACTIONABLE = (
     # tokenizer (trl_lite's engines send token ids) there is nothing to warm up.
     Unactionable("vllm.renderers.base", "Chat template warmup failed", "no tokenizer, no chat template",
                  exception="skip_tokenizer_init"),
+    # At every weight push of a rotary model (Qwen2, Llama, ...): vLLM's layer-wise reload counts the
+    # rotary layer's cos/sin cache (a non-persistent buffer computed from the config, in no checkpoint
+    # and not loadable by name) as a weight to load, finds none, and puts the cache it had back.
+    Unactionable("vllm.model_executor.model_loader.reload.layerwise", "%s: Failed to load weights",
+                 "the rotary cos/sin cache is computed from the config; the reload keeps it",
+                 argument_suffix="RotaryEmbedding"),
 )
 
 
@@ -70,8 +78,11 @@ class _DropUnactionable(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = str(record.msg)
         error = str(record.exc_info[1]) if record.exc_info and record.exc_info[1] is not None else ""
+        first = str(record.args[0]) if isinstance(record.args, tuple) and record.args else ""
         return not any(
-            message.startswith(entry.message) and (entry.exception is None or entry.exception in error)
+            message.startswith(entry.message)
+            and (entry.exception is None or entry.exception in error)
+            and (entry.argument_suffix is None or first.endswith(entry.argument_suffix))
             for entry in self.entries
         )
 

@@ -91,14 +91,15 @@ def engine_placement(rank: int, local_rank: int, world_size: int, tensor_paralle
 
 def colocated_llm_options(model_dir: str, placement: EnginePlacement, *, dtype: str, max_model_len: int | None,
                           enforce_eager: bool, gpu_memory_utilization: float, seed: int, enable_sleep_mode: bool,
-                          on_gpu: bool) -> dict:  # fmt: skip
+                          on_gpu: bool, max_lora_rank: int | None = None) -> dict:  # fmt: skip
     """The ``vllm.LLM`` keyword arguments of the engine ``placement`` describes.
 
     The engine starts without weights (``load_format='dummy'``; the trainer pushes them) and without
     a tokenizer (token ids in and out). ``seed``: the run's seed; the engine's is ``seed`` plus its
     group index, so that the processes of one engine sample alike and different engines do not.
     ``gpu_memory_utilization`` is passed on a GPU only (on CPU the KV cache is sized by
-    ``VLLM_CPU_KVCACHE_SPACE``).
+    ``VLLM_CPU_KVCACHE_SPACE``). ``max_lora_rank``: serve one LoRA adapter of up to that rank (the
+    policy's, :mod:`.lora_sync`); None: no LoRA.
     """
     options = dict(
         model=model_dir, skip_tokenizer_init=True, load_format="dummy", dtype=dtype, enforce_eager=enforce_eager,
@@ -113,6 +114,9 @@ def colocated_llm_options(model_dir: str, placement: EnginePlacement, *, dtype: 
         options["distributed_executor_backend"] = placement.executor
     if enable_sleep_mode:
         options["enable_sleep_mode"] = True
+    if max_lora_rank is not None:
+        # One adapter slot, on the device and in the CPU cache: a new version evicts the old one.
+        options.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1, max_cpu_loras=1)
     return options
 
 

@@ -14,8 +14,14 @@ from contextlib import nullcontext
 import torch
 
 
-def named_policy_weights(model: torch.nn.Module, is_zero3: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def named_policy_weights(model: torch.nn.Module, is_zero3: bool = False,
+                         merge_adapters: bool = True) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """``(name, tensor)`` pairs of ``model``'s persistent state with transformers' names, merged for PEFT.
+
+    ``merge_adapters=False``: a PEFT model's base weights alone, its adapters left out (an engine
+    that serves the adapter itself; under ZeRO-3 only the base layer of an adapted layer is gathered).
+    A layer PEFT trains whole (``modules_to_save``) is given as its active trained copy, under the
+    layer's own name.
 
     ``model``: a transformers ``PreTrainedModel`` or a ``PeftModel`` of one (not a value-head wrapper:
     pass its ``pretrained_model``). A tensor shared by two modules (tied embeddings) is given under
@@ -28,9 +34,22 @@ def named_policy_weights(model: torch.nn.Module, is_zero3: bool = False) -> Iter
     for prefix, module in base.named_modules():
         if inside_adapted and prefix.startswith(inside_adapted):
             continue  # the adapted layer's base_layer and lora_A/lora_B were handled with it
+        if _is_trained_copy_wrapper(module):
+            inside_adapted = (f"{prefix}.",)
+            layer = _active_copy(module)
+            tensors = list(layer.named_parameters()) + _persistent_buffers(layer)
+            with gathered([t for _, t in tensors if isinstance(t, torch.nn.Parameter)], is_zero3):
+                for name, tensor in tensors:
+                    yield f"{prefix}.{name}", tensor.detach()
+            continue
         if _is_adapted_layer(module):
             inside_adapted = (f"{prefix}.",)
-            with _gathered(list(module.parameters()), is_zero3):
+            if not merge_adapters:
+                base_layer = module.get_base_layer()
+                with gathered(list(base_layer.parameters()), is_zero3):
+                    yield from _base_layer(prefix, base_layer)
+                continue
+            with gathered(list(module.parameters()), is_zero3):
                 yield from _merged_layer(prefix, module)
             continue
         tensors = [(n, p) for n, p in module.named_parameters(recurse=False)]
@@ -39,13 +58,37 @@ def named_policy_weights(model: torch.nn.Module, is_zero3: bool = False) -> Iter
         ]
         if not tensors:
             continue
-        with _gathered([t for _, t in tensors if isinstance(t, torch.nn.Parameter)], is_zero3):
+        with gathered([t for _, t in tensors if isinstance(t, torch.nn.Parameter)], is_zero3):
             for name, tensor in tensors:
                 yield (f"{prefix}.{name}" if prefix else name), tensor.detach()
 
 
 def _is_adapted_layer(module: torch.nn.Module) -> bool:
     return hasattr(module, "base_layer") and hasattr(module, "active_adapters")
+
+
+def _is_trained_copy_wrapper(module: torch.nn.Module) -> bool:
+    """PEFT's ``ModulesToSaveWrapper``: the original layer and a trained copy per adapter."""
+    return hasattr(module, "original_module") and isinstance(getattr(module, "modules_to_save", None),
+                                                             torch.nn.ModuleDict)  # fmt: skip
+
+
+def _active_copy(wrapper: torch.nn.Module) -> torch.nn.Module:
+    """The copy the wrapper's forward runs: the active adapter's, else the original layer."""
+    if not getattr(wrapper, "disable_adapters", False):
+        for adapter in wrapper.active_adapters:
+            if adapter in wrapper.modules_to_save:
+                return wrapper.modules_to_save[adapter]
+    return wrapper.original_module
+
+
+def _persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [
+        (f"{owner}.{name}" if owner else name, buffer)
+        for owner, sub in module.named_modules()
+        for name, buffer in sub.named_buffers(recurse=False)
+        if name not in sub._non_persistent_buffers_set
+    ]
 
 
 def _merged_layer(prefix: str, layer) -> Iterator[tuple[str, torch.Tensor]]:
@@ -62,11 +105,22 @@ def _merged_layer(prefix: str, layer) -> Iterator[tuple[str, torch.Tensor]]:
             if adapter in getattr(layer, "lora_A", {}) or adapter in getattr(layer, "lora_embedding_A", {}):
                 weight = weight + layer.get_delta_weight(adapter).to(weight.dtype)
     yield f"{prefix}.weight", weight
+    yield from _bias(prefix, base_layer)
+
+
+def _base_layer(prefix: str, base_layer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """An adapted layer's own weight and bias, without its adapters."""
+    yield f"{prefix}.weight", base_layer.weight.detach()
+    yield from _bias(prefix, base_layer)
+
+
+def _bias(prefix: str, base_layer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     if getattr(base_layer, "bias", None) is not None:
         yield f"{prefix}.bias", base_layer.bias.detach()
 
 
-def _gathered(params: list, is_zero3: bool):
+def gathered(params: list, is_zero3: bool):
+    """Under ZeRO-3, ``params`` gathered whole for the ``with`` block; otherwise nothing to do."""
     if not is_zero3 or not params:
         return nullcontext()
     import deepspeed

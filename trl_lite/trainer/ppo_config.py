@@ -214,6 +214,13 @@ class PPOConfig:
     vllm_enforce_eager: bool = field(
         default=True, metadata={"help": "Run the engine without CUDA graphs / compilation (faster start)."}
     )
+    vllm_lora_sync: bool | None = field(
+        default=None,
+        metadata={"help": "A PEFT LoRA policy on vLLM: the engine serves the adapter, takes the base weights once and "
+                  "after each update only the adapter (in server mode the server needs --max-lora-rank). None: on "
+                  "where vLLM can serve the adapter, else the merged model is pushed (the reason is warned once); "
+                  "True: on, or ValueError with the reason; False: always push the merged model."},
+    )
     vllm_enable_sleep_mode: bool | None = field(
         default=None,
         metadata={"help": "Colocated engine: release its weights and KV cache (vLLM sleep level 2) after each "
@@ -424,6 +431,8 @@ class PPOConfig:
         if self.vllm_max_model_len is not None:
             _check_positive_int("vllm_max_model_len", self.vllm_max_model_len)
         _check_positive_int("vllm_tensor_parallel_size", self.vllm_tensor_parallel_size)
+        if self.vllm_lora_sync is not None and not isinstance(self.vllm_lora_sync, bool):
+            raise TypeError(f"vllm_lora_sync must be None, True or False, got {self.vllm_lora_sync!r}.")
         if self.vllm_enable_sleep_mode not in (None, True, False):
             raise TypeError(f"vllm_enable_sleep_mode must be None, True or False, got {self.vllm_enable_sleep_mode!r}.")
         if self.vllm_enable_sleep_mode and self.vllm_mode == "server":
