@@ -190,8 +190,8 @@ def matmul_peak_gflops(seconds: float = 2.0) -> float:
 
 WORKLOAD_GROUPS = {"w1": lambda: [W1], "w2": lambda: [W2], "w3": lambda: [W3], "sweep": sweep_workloads}
 WORKLOAD_GROUPS["long"] = long_workloads
-# `long` at 1/8 of its lengths and 2 layers: what a 2-core CPU measures in minutes (same widths and vocabulary).
-WORKLOAD_GROUPS["long-small"] = lambda: long_workloads(scale=8)
+# `long` at 1/16 of its lengths and 2 layers: what a shared 2-core CPU measures in minutes (same width and vocabulary).
+WORKLOAD_GROUPS["long-small"] = lambda: long_workloads(scale=16)
 WORKLOAD_GROUPS["objectives"] = lambda: [W1] + [
     dataclasses.replace(W1, name=f"w1-{name}", options=json.dumps(options)) for name, options in OBJECTIVE_OPTIONS.items()
 ]
