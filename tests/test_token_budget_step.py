@@ -166,15 +166,19 @@ def test_rollout_passes_follow_the_budget_and_match_the_row_split():
         rows = trainer.forward.make_rows(queries, responses, None)
         passes = list(trainer.forward.minibatches(rows))
         inputs = trainer.prepare_model_inputs(queries, responses)
-        results[budget] = (trainer.experience_maker.passes(rows), trainer.batched_forward_pass(trainer.model, queries, responses, inputs))
+        classic = trainer.batched_forward_pass(trainer.model, queries, responses, inputs)
+        results[budget] = (trainer.experience_maker.passes(rows), classic)
         if budget is None:
             assert len(passes) == 1 and rows.buffer_rows == sum(len(r) for r in responses)
         else:
             assert len(passes) > 1 and sorted(i for index, _ in passes for i in index) == list(range(8))
             assert all(sum(rows.tokens(i) for i in index) <= budget for index, _ in passes)
             assert rows.buffer_rows == max(budget, max(len(r) for r in responses))
-    for got, want in zip(results[24][0][:3] + results[24][1][:1] + results[24][1][2:], results[None][0][:3] + results[None][1][:1] + results[None][1][2:]):
+    (rollout, classic), (rollout_by_rows, classic_by_rows) = results[24], results[None]
+    for got, want in zip(rollout[:3], rollout_by_rows[:3]):  # log-probs, reference log-probs, values
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for i in (0, 2, 3):  # batched_forward_pass: log-probs, values, masks
+        torch.testing.assert_close(classic[i], classic_by_rows[i], rtol=1e-5, atol=1e-6)
 
 
 def test_a_row_over_the_budget_gets_its_own_pass_with_one_warning():
