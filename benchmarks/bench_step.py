@@ -110,6 +110,49 @@ W3 = Workload(
 )  # fmt: skip
 
 
+# --- long: rows of very different lengths, in passes by token budget (issue 36) --------------------
+@dataclasses.dataclass(frozen=True)
+class LongWorkload(Workload):
+    """`Workload` whose rows `long_rows` (spread through the batch) get responses drawn from `long_len`:
+    a few long rows among many short ones, the case a token budget is for (docs/algorithm.md section 18)."""
+
+    long_rows: int = 4
+    long_len: tuple = (4096, 8192)
+
+
+def long_workloads(scale: int = 1) -> list:
+    """GPT-2 small (12 layers; ``scale > 1``: 2 layers, every length divided by ``scale``), 16 rows of responses
+    256-8192 tokens, 4 of them 4096-8192 long, one PPO epoch, one optimizer step (16 rows of accumulation):
+
+    - `-rows4`, `-rows1`: the row split, 4 rows and 1 row per pass;
+    - `-budget`: passes of at most `T` = the longest possible row's tokens (`max_tokens_per_minibatch`);
+    - `-one-pass`: a step over one row of `T` tokens: the peak of one pass of the budget, the reference
+      the budget's peak is held to (within 1.25x).
+    """
+    name = "long" if scale == 1 else f"long-small{scale}"
+    query, short, long = (16 // scale, 64 // scale), (256 // scale, 1024 // scale), (4096 // scale, 8192 // scale)
+    budget = query[1] + long[1]
+    base = LongWorkload(
+        name, n_layer=12 if scale == 1 else 2, n_embd=768, n_head=12, batch_size=16, mini_batch_size=4, ppo_epochs=1,
+        query_len=query, response_len=short, long_len=long,
+    )  # fmt: skip
+
+    def variant(suffix: str, mini_batch_size: int, **options):
+        options = {"gradient_accumulation_steps": base.batch_size // mini_batch_size, **options}
+        return dataclasses.replace(base, name=f"{name}-{suffix}", mini_batch_size=mini_batch_size, options=json.dumps(options))
+
+    one_pass = dataclasses.replace(
+        base, name=f"{name}-one-pass", batch_size=1, mini_batch_size=1, long_rows=1, query_len=(query[1], query[1]),
+        long_len=(long[1], long[1]),
+    )  # fmt: skip
+    return [
+        variant("rows4", mini_batch_size=4),
+        variant("rows1", mini_batch_size=1),
+        variant("budget", mini_batch_size=4, max_tokens_per_minibatch=budget),
+        one_pass,
+    ]
+
+
 def needed_flops(workload: Workload) -> float:
     """Floating-point operations of the model work one PPO step on the workload's batch needs.
 
@@ -148,6 +191,9 @@ def matmul_peak_gflops(seconds: float = 2.0) -> float:
 # --- end of w3 block ------------------------------------------------------------------------------
 
 WORKLOAD_GROUPS = {"w1": lambda: [W1], "w2": lambda: [W2], "w3": lambda: [W3], "sweep": sweep_workloads}
+WORKLOAD_GROUPS["long"] = long_workloads
+# `long` at 1/16 of its lengths and 2 layers: what a shared 2-core CPU measures in minutes (same width and vocabulary).
+WORKLOAD_GROUPS["long-small"] = lambda: long_workloads(scale=16)
 WORKLOAD_GROUPS["objectives"] = lambda: [W1] + [
     dataclasses.replace(W1, name=f"w1-{name}", options=json.dumps(options)) for name, options in OBJECTIVE_OPTIONS.items()
 ]
@@ -163,9 +209,12 @@ def make_batch(workload: Workload) -> tuple:
         return grouped_batch(workload)
     g = torch.Generator().manual_seed(workload.seed)
     queries, responses, scores = [], [], []
-    for _ in range(workload.batch_size):
+    # LongWorkload: rows every batch_size // long_rows apart take the long lengths.
+    long_every = workload.batch_size // workload.long_rows if getattr(workload, "long_rows", 0) else 0
+    for i in range(workload.batch_size):
+        lengths = workload.long_len if long_every and i % long_every == long_every - 1 else workload.response_len
         lq = int(torch.randint(workload.query_len[0], workload.query_len[1] + 1, (1,), generator=g))
-        lr = int(torch.randint(workload.response_len[0], workload.response_len[1] + 1, (1,), generator=g))
+        lr = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g))
         queries.append(torch.randint(0, workload.vocab_size - 1, (lq,), generator=g))
         responses.append(torch.randint(0, workload.vocab_size - 1, (lr,), generator=g))
         scores.append(torch.randn((), generator=g))
@@ -177,7 +226,7 @@ def make_lm(workload: Workload, device: str, dtype: torch.dtype):
     last_id = workload.vocab_size - 1
     config = GPT2Config(
         vocab_size=workload.vocab_size,
-        n_positions=max(1024, workload.query_len[1] + workload.response_len[1]),
+        n_positions=max(1024, workload.query_len[1] + max(workload.response_len[1], getattr(workload, "long_len", (0, 0))[1])),
         n_embd=workload.n_embd,
         n_layer=workload.n_layer,
         n_head=workload.n_head,
@@ -794,7 +843,7 @@ def worker_main(spec_json: str) -> None:
     """Entry point of a measuring subprocess: build, then answer `step`, `profile`, `finish` lines."""
     spec = json.loads(spec_json)
     fields = spec.pop("workload")
-    kind = CriticFreeWorkload if "advantage_estimator" in fields else Workload
+    kind = CriticFreeWorkload if "advantage_estimator" in fields else LongWorkload if "long_rows" in fields else Workload
     workload = kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
     runner = StepRunner(workload, **spec)
     print(RESULT_MARKER + json.dumps({"ready": True}), flush=True)
@@ -923,6 +972,8 @@ def describe_workloads(workloads: list) -> str:
         f"- `{w.name}`: GPT-2 {w.n_layer} x {w.n_embd} ({w.n_head} heads), vocabulary {w.vocab_size}, "
         f"batch {w.batch_size}, mini-batch {w.mini_batch_size}, {w.ppo_epochs} PPO epochs, "
         f"queries {w.query_len[0]}-{w.query_len[1]}, responses {w.response_len[0]}-{w.response_len[1]} tokens"
+        + (f", {w.long_rows} of {w.long_len[0]}-{w.long_len[1]}" if isinstance(w, LongWorkload) else "")
+        + (f", {w.options}" if w.options != "{}" else "")
         for w in workloads
     )
 

@@ -1,6 +1,7 @@
 """Keeps `benchmarks/bench_step.py` working: the floor's arithmetic, its pass count, and a 1-step run."""
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -175,3 +176,20 @@ def test_greedy_loop_benchmark_gives_both_loops_the_same_work(monkeypatch):
     assert all(len(times[name]) == 2 for name in ("trl_lite", "plain"))
     table = bench_loop.format_loop_table("loop-test", times)
     assert table.count("\n") == 3 and "| loop-test | plain |" in table
+
+
+def test_long_workloads_hold_a_few_long_rows_and_a_budget_of_the_longest():
+    """`long` (issue 36): 16 rows of which 4 are long, the row splits of 4 and 1 rows, the budget run whose passes
+    hold the longest possible row, and a one-row step of exactly the budget's tokens (its peak reference)."""
+    rows4, rows1, budget, one_pass = bench.long_workloads()
+    queries, responses, _ = bench.make_batch(budget)
+    lengths = [len(r) for r in responses]
+    assert len(lengths) == 16 and sum(n >= 4096 for n in lengths) == 4 and min(lengths) >= 256 and max(lengths) <= 8192
+    options = json.loads(budget.options)
+    assert options["max_tokens_per_minibatch"] == 64 + 8192 and options["gradient_accumulation_steps"] == 4
+    assert json.loads(rows1.options)["gradient_accumulation_steps"] == 16 and rows1.mini_batch_size == 1
+    assert bench.make_batch(rows4)[1][3].tolist() == responses[3].tolist()  # the same batch for every variant
+    (q,), (r,), _ = bench.make_batch(one_pass)
+    assert len(q) + len(r) == options["max_tokens_per_minibatch"]
+    small = bench.WORKLOAD_GROUPS["long-small"]()
+    assert [w.n_layer for w in small] == [2] * 4 and json.loads(small[2].options)["max_tokens_per_minibatch"] == 4 + 512

@@ -76,6 +76,9 @@ BAD_CONFIGS = [
     (dict(tracker_kwargs=["a"]), TypeError, ["tracker_kwargs", "dict", "list"]),
     (dict(accelerator_kwargs=None), TypeError, ["accelerator_kwargs", "dict", "NoneType"]),
     (dict(keep_freed_cpu_memory="yes"), TypeError, ["keep_freed_cpu_memory", "True or False", "'yes'"]),
+    (dict(max_tokens_per_minibatch=0), ValueError, ["max_tokens_per_minibatch", "None or a positive int", "got 0"]),
+    (dict(max_tokens_per_minibatch=512.0), TypeError, ["max_tokens_per_minibatch", "None or a positive int", "512.0"]),
+    (dict(max_tokens_per_minibatch=True), TypeError, ["max_tokens_per_minibatch", "positive int", "True", "bool"]),
 ]  # fmt: skip
 
 
@@ -104,6 +107,8 @@ def test_good_edge_values_are_accepted():
         learning_rate=1, kl_penalty="full", log_with="tensorboard", use_score_scaling=True, use_score_norm=True,
     )  # fmt: skip
     assert config.backward_batch_size == 1
+    assert PPOConfig().max_tokens_per_minibatch is None
+    assert PPOConfig(max_tokens_per_minibatch=1).max_tokens_per_minibatch == 1
 
 
 def test_validate_catches_fields_changed_after_construction():

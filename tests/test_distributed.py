@@ -198,6 +198,29 @@ def test_global_token_mean_takes_the_same_step_on_two_processes_as_on_one(tmp_pa
         assert results[name]["loss"] == pytest.approx(results["one"]["loss"], rel=1e-4, abs=1e-6), name
 
 
+def test_token_budget_passes_line_up_and_take_the_step_of_one_process(tmp_path):
+    """max_tokens_per_minibatch=16 with global_token_mean on 2 processes whose rows alone would take 2 and 3
+    passes (the script checks): under ZeRO-2, ZeRO-3 and DDP both make 3 passes (rollout and training), nothing
+    hangs, and the step is the one
+    of 1 process on all 8 rows in one mini-batch without a budget (docs/algorithm.md section 18)."""
+    split = ("--mini_batch_size", "2", "--gradient_accumulation_steps", "2", "--max_tokens_per_minibatch", "16")
+    runs = {"one": ("single_gpu", 1, ("--mini_batch_size", "8")), "zero2": ("deepspeed_zero2", 2, split),
+            "zero3": ("deepspeed_zero3", 2, split), "ddp": ("multi_gpu", 2, split)}  # fmt: skip
+    results = {}
+    for name, (config, processes, args) in runs.items():
+        out = tmp_path / name
+        out.mkdir()
+        launch(config, SCRIPTS / "global_token_mean_step.py", "--output_dir", str(out), *args, num_processes=processes)
+        results[name] = torch.load(out / "result.pt")
+    want = results["one"]["named_parameters"]
+    for name in ("zero2", "zero3", "ddp"):
+        assert results[name]["minibatches"] == 3, name
+        got = results[name]["named_parameters"]
+        max_diff = max((got[k] - want[k]).abs().max().item() for k in want)
+        assert max_diff <= 1e-5, f"{name}: max abs weight difference {max_diff:.3g}"
+        assert results[name]["loss"] == pytest.approx(results["one"]["loss"], rel=1e-4, abs=1e-6), name
+
+
 def test_sentiment_example_trains_and_saves_under_zero3(tmp_path):
     """The demo, shortened, under ZeRO-3 on 2 processes: it trains, logs every step and saves a loadable policy."""
     launch(

@@ -4,26 +4,34 @@
         tests/distributed/global_token_mean_step.py --output_dir OUT --mini_batch_size 2 --gradient_accumulation_steps 2
     accelerate launch --config_file accelerate_configs/single_gpu.yaml \\
         tests/distributed/global_token_mean_step.py --output_dir OUT --mini_batch_size 8
+    accelerate launch --config_file accelerate_configs/deepspeed_zero2.yaml --num_processes 2 \\
+        tests/distributed/global_token_mean_step.py --output_dir OUT --mini_batch_size 2 \\
+        --gradient_accumulation_steps 2 --max_tokens_per_minibatch 16
 
 Process r of n takes rows [r * 8/n, (r+1) * 8/n); each process's rows form one backward batch
 (`batch_size = mini_batch_size * gradient_accumulation_steps`), one PPO epoch, REINFORCE++ (no
 value loss, advantages whitened over all processes), an entropy bonus (aggregated the same way), SGD. The responses have different lengths,
 so the processes hold different numbers of action tokens: only a loss that divides by the action
 tokens of all processes (docs/algorithm.md section 13) takes the step of one process on all 8 rows.
-Rank 0 writes OUT/result.pt: its full weights after the step, the step's policy loss and the policy's
-calls without grad. `--init_kl_coef 0` makes the step on-policy (docs/algorithm.md section 3: no pass
-without grad); `--every_pass` runs both passes whatever the config (today's path).
+With ``--max_tokens_per_minibatch`` each process's backward batch goes into passes of that many tokens
+(docs/algorithm.md section 18); the rows are such that the processes alone would need different numbers
+of passes (checked here), so the run also shows that they make the same number and their collectives line up.
+`--init_kl_coef 0` makes the step on-policy (docs/algorithm.md section 3: no pass without grad); `--every_pass`
+runs both passes whatever the config (today's path).
+Rank 0 writes OUT/result.pt: its full weights after the step, the step's policy loss, ``ppo/minibatches`` and the
+policy's calls without grad.
 """
 
 import argparse
 import os
 
 import torch
-from common import finish, full_named_parameters
+from common import finish, full_named_parameters, gather_across_processes
 
 from tiny_models import make_gpt2, make_tokenizer, random_batch
 from trl_lite import PPOConfig, PPOTrainer, set_seed
 from trl_lite.trainer.rollout_plan import EVERY_PASS
+from trl_lite.trainer.token_budget import split_by_tokens
 
 GLOBAL_BATCH = 8
 
@@ -36,6 +44,7 @@ def main() -> None:
     parser.add_argument("--loss_type", default="global_token_mean")
     parser.add_argument("--init_kl_coef", type=float, default=0.2)
     parser.add_argument("--every_pass", action="store_true")
+    parser.add_argument("--max_tokens_per_minibatch", type=int, default=None)
     args = parser.parse_args()
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -52,6 +61,7 @@ def main() -> None:
         entropy_coef=0.05,
         init_kl_coef=args.init_kl_coef,
         max_grad_norm=None,
+        max_tokens_per_minibatch=args.max_tokens_per_minibatch,
         seed=0,
     )
     set_seed(0)
@@ -71,11 +81,19 @@ def main() -> None:
     rows = slice(rank * per_process, (rank + 1) * per_process)
     tokens = [sum(len(r) for r in responses[i * per_process : (i + 1) * per_process]) for i in range(world_size)]
     assert world_size == 1 or len(set(tokens)) > 1, tokens  # the processes hold different numbers of tokens
+    if args.max_tokens_per_minibatch is not None and world_size > 1:
+        costs = [len(q) + len(r) for q, r in zip(queries[rows], responses[rows])]
+        alone = len(split_by_tokens(costs, args.max_tokens_per_minibatch))
+        counts = gather_across_processes(torch.tensor(float(alone)), trainer.accelerator.device)
+        assert len(set(float(c) for c in counts)) > 1, counts  # the processes alone would make unequal passes
     stats = trainer.step(queries[rows], responses[rows], scores[rows])
 
     named = full_named_parameters(trainer, trainer.accelerator.unwrap_model(trainer.model).pretrained_model)
     if rank == 0:
-        result = {"named_parameters": named, "loss": stats["ppo/loss/policy"], "no_grad_calls": len(no_grad_calls)}
+        result = {
+            "named_parameters": named, "loss": stats["ppo/loss/policy"], "minibatches": stats["ppo/minibatches"],
+            "no_grad_calls": len(no_grad_calls),
+        }  # fmt: skip
         torch.save(result, os.path.join(args.output_dir, "result.pt"))
     finish(trainer)
 

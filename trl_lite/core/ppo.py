@@ -168,6 +168,7 @@ def aggregate_loss(
     loss_type: str = "token_mean",
     max_response_length: int | None = None,
     tokens_per_minibatch: float | torch.Tensor | None = None,
+    denominator: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One number from the per-token losses of a mini-batch (docs/algorithm.md section 13, ``loss_type``).
 
@@ -179,8 +180,22 @@ def aggregate_loss(
       tokens of the whole backward batch on all processes divided by the number of mini-batches that
       are averaged into one update (gradient accumulation steps times processes), so that the update
       is ``sum M l / N`` over all of them.
+
+    ``denominator``: when given, the rows are one part of a larger batch and the result is their share of
+    its loss (docs/algorithm.md section 18): ``sum M l / denominator`` for the token-summing types and the
+    sum of the row means (rows with an action token) ``/ denominator`` for ``"seq_mean_token_mean"``, the
+    caller giving the larger batch's count (its action tokens, rows with an action token, ``rows *
+    max_response_length``, or for ``"global_token_mean"`` the action tokens of all processes over the
+    process count). Shares of disjoint parts add up to the loss of their union.
     Shape: ``(B, L)`` twice -> ``()``.
     """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}.")
+    if denominator is not None:
+        if loss_type == "seq_mean_token_mean":
+            row_means = (losses * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+            return row_means.sum() / denominator
+        return (losses * mask).sum() / denominator
     if loss_type == "token_mean":
         return masked_mean(losses, mask)
     if loss_type == "seq_mean_token_mean":
@@ -193,11 +208,9 @@ def aggregate_loss(
         if max_response_length is None:
             raise ValueError("loss_type='seq_mean_token_sum_norm' needs max_response_length, got None.")
         return (losses * mask).sum() / (losses.shape[0] * max_response_length)
-    if loss_type == "global_token_mean":
-        if tokens_per_minibatch is None:
-            raise ValueError("loss_type='global_token_mean' needs tokens_per_minibatch, got None.")
-        return (losses * mask).sum() / tokens_per_minibatch
-    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}.")
+    if tokens_per_minibatch is None:
+        raise ValueError("loss_type='global_token_mean' needs tokens_per_minibatch, got None.")
+    return (losses * mask).sum() / tokens_per_minibatch
 
 
 def ppo_policy_loss(
@@ -213,12 +226,13 @@ def ppo_policy_loss(
     max_response_length: int | None = None,
     tokens_per_minibatch: float | torch.Tensor | None = None,
     token_weights: torch.Tensor | None = None,
+    denominator: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate policy loss (docs/algorithm.md sections 6 and 13), aggregated by ``loss_type``.
 
     Defaults give section 6: ``masked_mean(max(-A ratio, -A clamp(ratio, 1 +- eps)))``.
     ``token_weights`` (detached, e.g. the TIS weights of section 15) multiply each token's loss
-    before aggregation. Shape: ``(B, L)`` four times (and ``token_weights``) -> loss ``()`` and
+    before aggregation; ``denominator``: see :func:`aggregate_loss`. Shape: ``(B, L)`` four times (and ``token_weights``) -> loss ``()`` and
     detached statistics ``()``: clipfrac, clipfrac_low, clipfrac_high, dual_clipfrac, approxkl
     (``0.5 masked_mean((lp - lp_old)^2)``), policykl (``masked_mean(lp_old - lp)``), ratio (masked
     mean of the ratio the loss used).
@@ -227,7 +241,7 @@ def ppo_policy_loss(
     losses, regions = clipped_surrogate(ratio, advantages, cliprange, cliprange_high, dual_clip)
     if token_weights is not None:
         losses = losses * token_weights
-    loss = aggregate_loss(losses, mask, loss_type, max_response_length, tokens_per_minibatch)
+    loss = aggregate_loss(losses, mask, loss_type, max_response_length, tokens_per_minibatch, denominator)
     with torch.no_grad():
         log_ratio = logprobs - old_logprobs
         fraction = {k: masked_mean(v.to(logprobs.dtype), mask) for k, v in regions.items()}
@@ -249,16 +263,20 @@ def ppo_value_loss(
     returns: torch.Tensor,
     mask: torch.Tensor,
     cliprange_value: float,
+    denominator: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss (docs/algorithm.md section 6).
 
-    ``v_clip = clamp(v, v_old +- c)``; loss ``= 0.5 masked_mean(max((v - R)^2, (v_clip - R)^2))``.
+    ``v_clip = clamp(v, v_old +- c)``; loss ``= 0.5 masked_mean(max((v - R)^2, (v_clip - R)^2))``, or with
+    ``denominator`` (the action tokens of a larger batch these rows are part of, section 18) the masked sum
+    divided by it instead of by the rows' own action tokens.
     Shape: ``(B, L)`` four times -> loss ``()`` and detached clipfrac ``()``.
     """
     vpred_clipped = clip_by_value(vpreds, old_values - cliprange_value, old_values + cliprange_value)
     loss_unclipped = (vpreds - returns) ** 2
     loss_clipped = (vpred_clipped - returns) ** 2
-    loss = 0.5 * masked_mean(torch.max(loss_unclipped, loss_clipped), mask)
+    worst = torch.max(loss_unclipped, loss_clipped)
+    loss = 0.5 * (masked_mean(worst, mask) if denominator is None else (worst * mask).sum() / denominator)
     with torch.no_grad():
         stats = {"clipfrac": masked_mean((loss_clipped > loss_unclipped).to(vpreds.dtype), mask)}
     return loss, stats

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -18,7 +19,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from ..core import full_kl_from_logits, logprobs_from_hidden, logprobs_from_logits
 from ..models import PreTrainedModelWrapper
 from ..models.packed_attention import ROW_LENGTHS, attend_per_row, takes_row_lengths
-from .rows import InputLayout, Rows, at_positions, make_rows, to_compact
+from .rows import InputLayout, Rows, at_positions, make_rows, to_compact, to_device
+from .token_budget import split_by_tokens
 
 
 class ForwardPass:
@@ -31,6 +33,8 @@ class ForwardPass:
         layout: pad id, padding side and position ids of model inputs.
         is_encoder_decoder: whether the policy is an encoder-decoder.
         mini_batch_size: rows per pass.
+        max_tokens: the token budget of a pass (``PPOConfig.max_tokens_per_minibatch``), or None: passes
+            of ``mini_batch_size`` rows.
         pack: whether the passes of the models in ``models`` (and the critic) take packed rows.
         row_attention: the prepared modules whose packed passes attend per row (see
             :func:`~trl_lite.models.packed_attention.takes_row_lengths`); others attend through
@@ -41,7 +45,7 @@ class ForwardPass:
 
     def __init__(self, accelerator, models: list[tuple], layout: InputLayout, *, is_encoder_decoder: bool,
                  mini_batch_size: int, pack: bool = False, row_attention: dict | None = None,
-                 reuse_logits_buffer: bool = False):  # fmt: skip
+                 reuse_logits_buffer: bool = False, max_tokens: int | None = None):  # fmt: skip
         self.accelerator = accelerator
         self.device = accelerator.device
         self.models = models
@@ -51,7 +55,9 @@ class ForwardPass:
         self.pack = pack
         self.row_attention = row_attention or {}
         self.reuse_logits_buffer = reuse_logits_buffer
+        self.max_tokens = max_tokens
         self._logits_buffer = None
+        self._warned_long_row = False
 
     @classmethod
     def build(cls, accelerator, policy, reference, critic, tokenizer, config, pack: bool) -> ForwardPass:
@@ -74,7 +80,7 @@ class ForwardPass:
         reuse = accelerator.device.type == "cpu" and config.keep_freed_cpu_memory
         return cls(accelerator, models, layout, is_encoder_decoder=unwrapped.is_encoder_decoder,
                    mini_batch_size=config.mini_batch_size, pack=pack, row_attention=row_attention,
-                   reuse_logits_buffer=reuse)  # fmt: skip
+                   reuse_logits_buffer=reuse, max_tokens=config.max_tokens_per_minibatch)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------
     # Rows and mini-batches
@@ -82,13 +88,50 @@ class ForwardPass:
     def make_rows(self, queries, responses, response_masks=None) -> Rows:
         """One batch on the device with its compact action mask (see :func:`~.rows.make_rows`)."""
         return make_rows(queries, responses, response_masks, device=self.device,
-                         is_encoder_decoder=self.is_encoder_decoder, mini_batch_size=self.mini_batch_size)  # fmt: skip
+                         is_encoder_decoder=self.is_encoder_decoder, mini_batch_size=self.mini_batch_size,
+                         max_tokens=self.max_tokens)  # fmt: skip
 
-    def minibatches(self, n: int):
-        """Consecutive mini-batches over rows ``0 .. n - 1``: ``(index, idx)``, a host list and the same on the device."""
-        for start in range(0, n, self.mini_batch_size):
-            stop = min(start + self.mini_batch_size, n)
-            yield list(range(start, stop)), torch.arange(start, stop, device=self.device)
+    def minibatches(self, rows: Rows):
+        """The no-grad passes over every row of ``rows``: ``(index, idx)``, a host list and the same on the device.
+
+        Consecutive runs of ``mini_batch_size`` rows, or under a token budget the balanced split of
+        :meth:`split` (the same number of passes on every process).
+        """
+        if self.max_tokens is None:
+            for start in range(0, len(rows), self.mini_batch_size):
+                stop = min(start + self.mini_batch_size, len(rows))
+                yield list(range(start, stop)), torch.arange(start, stop, device=self.device)
+            return
+        for index in self.split([list(range(len(rows)))], [rows.tokens(i) for i in range(len(rows))])[0]:
+            yield index, to_device(index, self.device)
+
+    def split(self, groups: list[list[int]], costs) -> list[list[list[int]]]:
+        """Each group of row numbers split into passes of at most ``max_tokens`` tokens (docs/algorithm.md
+        section 18): per group, a list of passes, each a list of row numbers. ``costs[i]``: row ``i``'s tokens.
+
+        Under several processes every process makes, for each group, the largest number of passes any
+        of them needs (one collective): each pass runs collectives (ZeRO-3 gathers parameters in the
+        forward, ZeRO-2 reduces gradients in each backward, the learner's skip check reduces flags), and
+        they must line up. A group of ``n`` rows never needs more than ``n`` passes, and every process
+        holds as many rows, so the larger count can always be met.
+        """
+        splits = [split_by_tokens([costs[i] for i in group], self.max_tokens) for group in groups]
+        if self.accelerator.num_processes > 1 and splits:
+            counts = torch.tensor([len(s) for s in splits], device=self.device)
+            counts = self.accelerator.reduce(counts, reduction="max").tolist()
+            splits = [
+                s if len(s) == count else split_by_tokens([costs[i] for i in group], self.max_tokens, count)
+                for s, count, group in zip(splits, counts, groups)
+            ]  # fmt: skip
+        longest = max((costs[i] for group in groups for i in group), default=0)
+        if longest > self.max_tokens and not self._warned_long_row:
+            self._warned_long_row = True
+            warnings.warn(
+                f"A row of {longest} prompt+response tokens exceeds max_tokens_per_minibatch={self.max_tokens}: "
+                "it gets a forward/backward pass of its own, larger than the budget.",
+                stacklevel=3,
+            )
+        return [[[group[j] for j in part] for part in s] for s, group in zip(splits, groups)]
 
     def unwrapped(self, model):
         return next((inner for known, inner in self.models if model is known), None) or self.accelerator.unwrap_model(model)
@@ -209,7 +252,7 @@ class ForwardPass:
         if critic is not None:
             critic.eval()
         with self.per_row_attention():
-            for index, idx in self.minibatches(batch):
+            for index, idx in self.minibatches(rows):
                 if policy_pass:
                     logprobs, values, logits, slots, w = self.logprobs(
                         policy, rows, index, idx, return_logits=full_kl, return_values=policy_values, critic=critic
@@ -268,7 +311,7 @@ class ForwardPass:
         masks = torch.zeros_like(logprobs)
         logits_out = None
         model.eval()
-        for index, idx in self.minibatches(batch):
+        for index, idx in self.minibatches(rows):
             with self.per_row_attention():
                 lp, val, logits, slots, w = self.logprobs(model, rows, index, idx, return_logits=return_logits)
             ok = valid[idx, :w] & rows.action_mask[idx, :w].bool()

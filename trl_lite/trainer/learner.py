@@ -4,12 +4,14 @@
 each a forward pass with grad, the policy's loss (the :class:`~.objective.PolicyObjective`, sections
 6, 12, 13 and 15), the value loss, the PTX loss (section 10), a guarded backward (policy before critic)
 and, at each accumulation boundary, clipped optimizer steps and the EMA update (section 11), with
-early stopping on the policy's KL.
+early stopping on the policy's KL. Under ``max_tokens_per_minibatch`` each backward batch is trained in
+passes by token budget, every loss taken over the whole backward batch (section 18, :mod:`.pass_plan`).
 """
 
 from __future__ import annotations
 
 import warnings
+from contextlib import ExitStack, contextmanager
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -26,6 +28,7 @@ from ..core import (
 )
 from .experience import Experience, Minibatch
 from .forward import ForwardPass
+from .pass_plan import PassPlan, combine_pass_stats, plan_epoch
 from .rows import to_compact, to_device
 
 _POLICY_STAT_KEYS = (
@@ -78,12 +81,15 @@ class Learner:
     # Epochs (section 6)
     # ------------------------------------------------------------------------------------------
     def train(self, experience: Experience) -> tuple[dict, torch.Tensor | None]:
-        """``ppo_epochs`` epochs of shuffled mini-batches over ``experience``; returns the averaged
-        ``ppo/*`` statistics, the ratios of every trained token and ``ppo/skipped_minibatches`` - and, when
-        the experience has no rollout log-probs (:class:`~.rollout_plan.RolloutPlan`), the training
-        forwards' log-probs ``(B, L)``, detached, which were ``lp_old`` (else None)."""
+        """``ppo_epochs`` epochs of shuffled backward batches over ``experience``, each in the passes of its
+        :class:`~.pass_plan.PassPlan`; returns the averaged ``ppo/*`` statistics (per mini-batch, or per
+        backward batch under a token budget), the ratios of every trained token,
+        ``ppo/skipped_minibatches``, and the passes' count and tokens (``ppo/minibatches``,
+        ``ppo/tokens_per_minibatch/mean|max``) - and, when the experience has no rollout log-probs
+        (:class:`~.rollout_plan.RolloutPlan`), the training forwards' log-probs ``(B, L)``, detached, which
+        were ``lp_old`` (else None)."""
         config = self.config
-        minibatch_stats, ratios, masks = [], [], []
+        minibatch_stats, ratios, masks, pass_tokens = [], [], [], []
         width = experience.action_mask.shape[1]
         forward_logprobs = torch.zeros_like(experience.action_mask) if experience.logprobs is None else None
         skipped_before = self.skipped_minibatches
@@ -94,19 +100,28 @@ class Learner:
             for _ in range(config.ppo_epochs):
                 # Drawn on the host from torch's global generator: the same permutation on every run and process.
                 order = torch.randperm(len(experience)).tolist()
-                tokens = self.tokens_per_minibatch(experience, order)
                 epoch_policykl = []
-                for i, start in enumerate(range(0, len(order), config.mini_batch_size)):
-                    minibatch = experience.minibatch(order[start : start + config.mini_batch_size])
-                    n_tokens = None if tokens is None else tokens[i // config.gradient_accumulation_steps]
-                    stats, ratio, old_logprobs = self.train_rows(experience, minibatch, n_tokens)
-                    if forward_logprobs is not None:
-                        forward_logprobs[minibatch.idx, : old_logprobs.shape[1]] = old_logprobs
-                    if stats is not None:
-                        minibatch_stats.append(stats)
+                for plan in plan_epoch(config, self.accelerator, self.forward, self.objective, experience, order):
+                    parts = []  # under a budget: (statistics, action tokens) of each trained pass
+                    for j, index in enumerate(plan.passes):
+                        minibatch = experience.minibatch(index)
+                        stats, ratio, old_logprobs = self.train_rows(experience, minibatch, plan, j)
+                        pass_tokens.append(plan.tokens[j])
+                        if forward_logprobs is not None:
+                            forward_logprobs[minibatch.idx, : old_logprobs.shape[1]] = old_logprobs
+                        if stats is None:
+                            continue
                         ratios.append(torch.nn.functional.pad(ratio, (0, width - ratio.shape[1])))
                         masks.append(torch.nn.functional.pad(minibatch.mask, (0, width - ratio.shape[1])))
-                        epoch_policykl.append(stats["policy/policykl"])
+                        if plan.by_tokens:
+                            parts.append((stats, plan.actions[j]))
+                        else:
+                            minibatch_stats.append(stats)
+                            epoch_policykl.append(stats["policy/policykl"])
+                    combined = combine_pass_stats(parts) if plan.by_tokens else None
+                    if combined is not None:
+                        minibatch_stats.append(combined)
+                        epoch_policykl.append(combined["policy/policykl"])
                 if config.early_stopping and self.should_stop(epoch_policykl):
                     break
         if minibatch_stats:
@@ -120,25 +135,10 @@ class Learner:
         stats["ppo/skipped_minibatches"] = torch.tensor(float(self.skipped_minibatches - skipped_before))
         if experience.kl_in_loss and experience.ref_logprobs is None:
             stats["ppo/policy/kl_loss"] = torch.tensor(float("nan"))  # its coefficient is 0: not measured
+        stats["ppo/minibatches"] = torch.tensor(float(len(pass_tokens)))
+        stats["ppo/tokens_per_minibatch/mean"] = torch.tensor(sum(pass_tokens) / max(len(pass_tokens), 1))
+        stats["ppo/tokens_per_minibatch/max"] = torch.tensor(float(max(pass_tokens, default=0)))
         return stats, forward_logprobs
-
-    def tokens_per_minibatch(self, experience: Experience, order: list[int]) -> torch.Tensor | None:
-        """For ``global_token_mean``: per backward batch of this epoch's ``order``, the action tokens of
-        that backward batch on all processes divided by the mini-batches averaged into its update
-        (gradient accumulation steps x processes); None for the other loss types. One collective per epoch.
-
-        accelerate divides each mini-batch's loss by the accumulation steps and DDP (or DeepSpeed)
-        averages gradients over processes, so dividing each mini-batch's token sum by this number makes
-        the update ``sum M l / N`` over the whole backward batch, whatever its split.
-        """
-        if not self.objective.needs_global_token_count:
-            return None
-        config, accelerator = self.config, self.accelerator
-        mask = experience.action_mask[to_device(order, experience.action_mask.device)]
-        counts = torch.stack([part.sum() for part in mask.split(config.backward_batch_size)])
-        if accelerator.num_processes > 1:
-            counts = accelerator.reduce(counts, reduction="sum")
-        return counts / (config.gradient_accumulation_steps * accelerator.num_processes)
 
     def should_stop(self, epoch_policykl: list) -> bool:
         """Early stopping: the epoch's mean policykl over all processes above 1.5 * target_kl."""
@@ -157,14 +157,14 @@ class Learner:
     # ------------------------------------------------------------------------------------------
     # One mini-batch
     # ------------------------------------------------------------------------------------------
-    def train_rows(self, experience: Experience, mb: Minibatch, tokens_per_minibatch=None):
-        """One mini-batch: forward with grad, losses, guarded backward and optimizer step(s).
+    def train_rows(self, experience: Experience, mb: Minibatch, plan: PassPlan, j: int):
+        """Pass ``j`` of ``plan`` (rows ``mb``): forward with grad, losses, guarded backward and optimizer step(s).
 
         Returns its statistics (None when skipped), the per-token ratios ``(b, L_mb)`` the loss used (None
         when skipped) and ``lp_old`` ``(b, L_mb)``.
         """
-        rows, forward = experience.rows, self.forward
-        with self.accelerator.accumulate(*self.trained_models()):
+        rows, forward, shares = experience.rows, self.forward, plan.denominators
+        with self.pass_context(plan, j):
             head = forward.linear_head(self.model)
             outputs, targets, vpreds, slots, width = forward.head_inputs(
                 self.model, rows, mb.index, mb.idx, head is not None, return_values=self.policy_values, critic=self.critic
@@ -191,18 +191,42 @@ class Learner:
             pg_loss, vf_loss, stats = self.loss(
                 old_logprobs, mb.old_values, None, vpreds, logprobs, mb.mask, mb.advantages, mb.returns,
                 entropy=entropy, ref_logprobs=mb.ref_logprobs, kl_coef=experience.kl_coef,
-                token_weights=token_weights, tokens_per_minibatch=tokens_per_minibatch,
+                token_weights=token_weights, tokens_per_minibatch=plan.tokens_per_minibatch, denominators=shares,
             )  # fmt: skip
-            ptx_loss = self.ptx_loss(mb.ptx) if mb.ptx is not None else None
+            ptx_loss = self.ptx_loss(mb.ptx, None if shares is None else shares.ptx) if mb.ptx is not None else None
             policy_loss, critic_loss = self.split_losses(pg_loss, vf_loss, stats, ptx_loss)
-            if not self.guarded_update(policy_loss, critic_loss, stats, mb.mask):
+            if shares is not None:
+                # accelerate (DeepSpeed) divides each backward's loss by the accumulation steps; the passes'
+                # shares already add up to the backward batch's loss (docs/algorithm.md section 18).
+                scale = self.config.gradient_accumulation_steps
+                policy_loss = policy_loss * scale
+                critic_loss = None if critic_loss is None else critic_loss * scale
+            if not self.guarded_update(policy_loss, critic_loss, stats, mb.mask, shares):
                 return None, None, old_logprobs
         with torch.no_grad():
             ratio = importance_ratio(logprobs, old_logprobs, mb.mask, self.config.importance_sampling_level)
         return stats, ratio, old_logprobs
 
+    @contextmanager
+    def pass_context(self, plan: PassPlan, j: int):
+        """The block of pass ``j`` of ``plan``: accelerate's accumulation for mini-batches; under a token
+        budget, whose pass count varies per backward batch, the boundary set here: gradients sync and the
+        optimizers step after the last pass only (accelerate's optimizer wrappers and DeepSpeed's
+        accumulation boundary follow ``sync_gradients``; DDP skips the all-reduce under ``no_sync``)."""
+        if not plan.by_tokens:
+            with self.accelerator.accumulate(*self.trained_models()):
+                yield
+            return
+        last = j == len(plan.passes) - 1
+        self.accelerator.sync_gradients = last
+        with ExitStack() as stack:
+            if not last:
+                for model in self.trained_models():
+                    stack.enter_context(self.accelerator.no_sync(model))
+            yield
+
     def loss(self, old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns, entropy=None,
-             ref_logprobs=None, kl_coef=0.0, token_weights=None, tokens_per_minibatch=None):  # fmt: skip
+             ref_logprobs=None, kl_coef=0.0, token_weights=None, tokens_per_minibatch=None, denominators=None):  # fmt: skip
         """PPO losses of one mini-batch (sections 6 and 13), with their statistics.
 
         Shapes: every per-token argument ``(b, L)``, logits ``(b, L, V)``. The entropy comes from
@@ -210,17 +234,22 @@ class Learner:
         else from the logits. Returns the policy loss (the objective: clipped surrogate plus the KL-in-loss
         and entropy terms where on), the value loss and a dict of detached 0-d statistics, with
         ``loss/total = policy loss + vf_coef * value loss``. Critic-free (``values``, ``vpreds``,
-        ``returns`` None): the value loss is None and no value statistic is made.
+        ``returns`` None): the value loss is None and no value statistic is made. ``denominators``: under a
+        token budget, the :class:`~.pass_plan.Denominators` of the pass's backward batch (section 18): every
+        loss is then the pass's share of the backward batch's.
         """
+        policy_share = None if denominators is None else denominators.policy
+        value_share = None if denominators is None else denominators.value
         if entropy is None:
             entropy = entropy_from_logits(logits if self.config.entropy_coef else logits.detach())
         pg_loss, stats = self.objective(
-            logprobs, old_logprobs, advantages, mask, entropy, ref_logprobs, kl_coef, token_weights, tokens_per_minibatch
+            logprobs, old_logprobs, advantages, mask, entropy, ref_logprobs, kl_coef, token_weights, tokens_per_minibatch,
+            policy_share,
         )
         stats["loss/total"] = pg_loss.detach()
         if vpreds is None:
             return pg_loss, None, stats
-        vf_loss, vf_stats = ppo_value_loss(vpreds, values, returns, mask, self.config.cliprange_value)
+        vf_loss, vf_stats = ppo_value_loss(vpreds, values, returns, mask, self.config.cliprange_value, value_share)
         with torch.no_grad():
             stats.update({
                 "loss/value": vf_loss.detach(),
@@ -252,7 +281,7 @@ class Learner:
             return policy_loss, vf_loss
         return policy_loss + self.config.vf_coef * vf_loss, None
 
-    def guarded_update(self, policy_loss, critic_loss, stats: dict, mask) -> bool:
+    def guarded_update(self, policy_loss, critic_loss, stats: dict, mask, denominators=None) -> bool:
         """Backward and (at an accumulation boundary) optimizer steps, unless the mini-batch must be skipped.
 
         False when it was skipped (counted in ``skipped_minibatches``, with a warning) - before the backward
@@ -260,8 +289,11 @@ class Learner:
         gradients). Under gradient accumulation a mini-batch skipped before the last of its backward batch
         drops only its own part; one skipped at the boundary drops the whole backward batch (its gradients
         are zeroed): under DDP the boundary's backward is the one that synchronises them, and no process ran it.
+        Under a token budget (``denominators`` given) passes take the place of mini-batches, and a pass without
+        action tokens carries a zero share and trains: only a backward batch with none on any process is skipped.
         """
-        reason = self.skip_reason(stats["loss/total"], stats["policy/ratio"], mask)
+        actions = None if denominators is None else denominators.actions
+        reason = self.skip_reason(stats["loss/total"], stats["policy/ratio"], mask, actions)
         if reason is not None:
             self.skip(reason)
             if self.accelerator.sync_gradients:
@@ -269,17 +301,26 @@ class Learner:
             return False
         return self.backward_and_step(policy_loss, critic_loss)
 
-    def skip_reason(self, loss: torch.Tensor, mean_ratio: torch.Tensor, mask: torch.Tensor) -> str | None:
-        """Why this mini-batch must be skipped on every process, or None. One host sync."""
+    def skip_reason(self, loss: torch.Tensor, mean_ratio: torch.Tensor, mask: torch.Tensor,
+                    backward_batch_actions: float | None = None) -> str | None:  # fmt: skip
+        """Why this mini-batch (or pass) must be skipped on every process, or None. One host sync.
+
+        ``backward_batch_actions``: under a token budget, the action tokens of the pass's backward batch on
+        this process; the pass is then skipped for lack of actions only when every process has none.
+        """
+        if backward_batch_actions is None:
+            empty, needed = mask.sum() == 0, 1
+        else:
+            empty, needed = torch.tensor(backward_batch_actions == 0, device=loss.device), self.accelerator.num_processes
         flags = torch.stack([
-            (mask.sum() == 0).float(),
+            empty.float(),
             (~torch.isfinite(loss)).float(),
             (mean_ratio > self.config.ratio_threshold).float(),
         ])  # fmt: skip
         if self.accelerator.num_processes > 1:
             flags = self.accelerator.reduce(flags, reduction="sum")
         no_actions, not_finite, ratio_high = flags.tolist()
-        if no_actions:
+        if no_actions >= needed:
             # Its masked means are 0 / 0: there is nothing to learn from, and no finite loss.
             return "it has no action tokens (every response in it is masked out or too short)"
         if not_finite:
@@ -370,9 +411,10 @@ class Learner:
     # ------------------------------------------------------------------------------------------
     # PTX (section 10)
     # ------------------------------------------------------------------------------------------
-    def ptx_loss(self, seqs: list[torch.Tensor]) -> torch.Tensor:
+    def ptx_loss(self, seqs: list[torch.Tensor], denominator: float | None = None) -> torch.Tensor:
         """Mean next-token cross-entropy of the policy over every token (but the first) of ``seqs``
-        (1-D token tensors on the device), 0-d and differentiable.
+        (1-D token tensors on the device), 0-d and differentiable; with ``denominator`` (the predicted PTX
+        tokens of the backward batch, docs/algorithm.md section 18) the sum divided by it instead: this pass's share.
 
         Right-padded with explicit position ids; the LM head runs only at the N predicting positions.
         """
@@ -396,7 +438,7 @@ class Learner:
             # Not the forward part's shared logits buffer: it holds the PPO pass's softmax until the backward.
             with self.forward.head_autocast():
                 logprobs, _ = logprobs_and_entropy_from_hidden(outputs, head.weight, head.bias, targets, total)
-        return -logprobs.mean()
+        return -logprobs.mean() if denominator is None else -logprobs.sum() / denominator
 
     # ------------------------------------------------------------------------------------------
     # The classic train_minibatch

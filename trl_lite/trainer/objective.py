@@ -47,9 +47,9 @@ class PolicyObjective:
         """Whether the loss divides by the action tokens of the whole backward batch (``global_token_mean``)."""
         return self.loss_type == "global_token_mean"
 
-    def aggregate(self, losses: torch.Tensor, mask: torch.Tensor, tokens_per_minibatch=None) -> torch.Tensor:
+    def aggregate(self, losses: torch.Tensor, mask: torch.Tensor, tokens_per_minibatch=None, denominator=None) -> torch.Tensor:
         """``losses (b, L)`` of a mini-batch as one number, by ``loss_type`` (:func:`trl_lite.core.aggregate_loss`)."""
-        return aggregate_loss(losses, mask, self.loss_type, self.max_response_length, tokens_per_minibatch)
+        return aggregate_loss(losses, mask, self.loss_type, self.max_response_length, tokens_per_minibatch, denominator)
 
     def __call__(
         self,
@@ -62,6 +62,7 @@ class PolicyObjective:
         kl_coef: float = 0.0,
         token_weights: torch.Tensor | None = None,
         tokens_per_minibatch: float | torch.Tensor | None = None,
+        denominator: float | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The policy's loss of one mini-batch and its detached statistics.
 
@@ -70,19 +71,22 @@ class PolicyObjective:
         and ``entropy`` (differentiable) needed when ``entropy_coef > 0``. ``tokens_per_minibatch``:
         see :func:`trl_lite.core.aggregate_loss` (``global_token_mean`` only; None: the mini-batch is its
         own backward batch, as in a lone ``train_minibatch`` call, and its action tokens are the count).
+        ``denominator``: these rows are one pass of a backward batch split by a token budget, and every
+        term is their share of the backward batch's (docs/algorithm.md section 18, see
+        :func:`trl_lite.core.aggregate_loss`).
         Shapes: every tensor ``(b, L)``. Statistics: ``loss/policy`` (the clipped surrogate alone),
         ``policy/clipfrac[_low|_high]``, ``policy/dual_clipfrac``, ``policy/approxkl``, ``policy/policykl``,
         ``policy/ratio``, ``policy/advantages_mean``, ``policy/entropy``, and ``policy/kl_loss`` /
         ``policy/entropy_loss`` when those terms are on.
         """
-        if self.needs_global_token_count and tokens_per_minibatch is None:
+        if self.needs_global_token_count and tokens_per_minibatch is None and denominator is None:
             tokens_per_minibatch = mask.sum()
         if self.entropy_coef and entropy is None:
             raise ValueError(f"entropy_coef={self.entropy_coef} needs the entropy of every action token, got None.")
         pg_loss, pg_stats = ppo_policy_loss(
             logprobs, old_logprobs, advantages, mask, self.cliprange, self.cliprange_high, self.dual_clip,
             self.importance_sampling_level, self.loss_type, self.max_response_length, tokens_per_minibatch,
-            token_weights,
+            token_weights, denominator,
         )  # fmt: skip
         loss = pg_loss
         stats = {"loss/policy": pg_loss.detach()}
@@ -92,11 +96,11 @@ class PolicyObjective:
             if entropy is not None:
                 stats["policy/entropy"] = masked_mean(entropy.detach(), mask)
         if ref_logprobs is not None:
-            kl_loss = self.aggregate(k3_kl(logprobs, ref_logprobs), mask, tokens_per_minibatch)
+            kl_loss = self.aggregate(k3_kl(logprobs, ref_logprobs), mask, tokens_per_minibatch, denominator)
             loss = loss + kl_coef * kl_loss
             stats["policy/kl_loss"] = kl_loss.detach()
         if self.entropy_coef:
-            entropy_loss = self.aggregate(entropy, mask, tokens_per_minibatch)
+            entropy_loss = self.aggregate(entropy, mask, tokens_per_minibatch, denominator)
             loss = loss - self.entropy_coef * entropy_loss
             stats["policy/entropy_loss"] = entropy_loss.detach()
         return loss, stats

@@ -242,6 +242,16 @@ class PPOConfig:
     )
     mini_batch_size: int = field(default=128, metadata={"help": "Rows per forward/backward pass."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Mini-batches per optimizer step."})
+    max_tokens_per_minibatch: int | None = field(
+        default=None,
+        metadata={
+            "help": "Token budget of one forward/backward pass (prompt + response tokens). None: mini-batches of "
+            "mini_batch_size rows. A number: the rows of each backward batch (mini_batch_size * "
+            "gradient_accumulation_steps rows, one optimizer step) go into as few balanced passes as fit it, "
+            "and every loss is taken over the whole backward batch, so the update does not depend on the split; "
+            "a row longer than the budget gets a pass of its own. Also bounds the rollout's passes."
+        },
+    )
     world_size: int | None = field(default=None, metadata={"help": "Set by the trainer: number of processes."})
     ppo_epochs: int = field(default=4, metadata={"help": "Optimisation epochs over each batch."})
     max_grad_norm: float | None = field(default=None, metadata={"help": "Clip the global gradient norm to this."})
@@ -330,6 +340,11 @@ class PPOConfig:
                      "grpo_scale_rewards", "compute_reference_kl"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        budget = self.max_tokens_per_minibatch
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
+            raise TypeError(f"max_tokens_per_minibatch must be None or a positive int, got {budget!r} ({type(budget).__name__}).")
+        if budget is not None and budget < 1:
+            raise ValueError(f"max_tokens_per_minibatch must be None or a positive int, got {budget}.")
         if self.padding_free not in (None, True, False):
             raise TypeError(f"padding_free must be None, True or False, got {self.padding_free!r}.")
         if self.mini_batch_size > self.batch_size:

@@ -64,8 +64,8 @@ class Rows:
     ``queries``/``responses``: lists of 1-D tensors; ``sequences``: per row query+response (decoder-only,
     else None); ``query_len``/``response_len``: ``(B,)`` on the device; ``action_mask``: ``(B, L)``
     float; ``shift``: 1 for encoder-decoders (column k predicts decoder token k + 1), else 0;
-    ``buffer_rows``: the most token slots any mini-batch of these rows can have (the LM-head buffers
-    of the step are sized to it).
+    ``buffer_rows``: the most token slots any mini-batch (or pass under a token budget) of these rows
+    can have (the LM-head buffers of the step are sized to it).
     """
 
     queries: list
@@ -84,13 +84,22 @@ class Rows:
         """How many compact columns of row ``i`` predict one of its response tokens."""
         return max(len(self.responses[i]) - self.shift, 0)
 
+    def tokens(self, i: int) -> int:
+        """Prompt + response tokens of row ``i``: its cost under a token budget (docs/algorithm.md section 18)."""
+        return len(self.queries[i]) + len(self.responses[i])
+
     def width(self, index: list[int]) -> int:
         """Compact length ``L_mb`` of rows ``index``: their longest response (minus ``shift``), at least 1."""
         return max(max(len(self.responses[i]) for i in index) - self.shift, 1)
 
 
-def make_rows(queries, responses, response_masks, *, device, is_encoder_decoder: bool, mini_batch_size: int) -> Rows:
-    """Move one batch to ``device`` and build its compact action mask ``(B, L)``."""
+def make_rows(queries, responses, response_masks, *, device, is_encoder_decoder: bool, mini_batch_size: int,
+              max_tokens: int | None = None) -> Rows:  # fmt: skip
+    """Move one batch to ``device`` and build its compact action mask ``(B, L)``.
+
+    ``max_tokens``: the token budget of a pass (None: passes of ``mini_batch_size`` rows), which bounds
+    ``buffer_rows``.
+    """
     queries = [q.to(device=device, dtype=torch.long) for q in queries]
     responses = [r.to(device=device, dtype=torch.long) for r in responses]
     response_lengths = [len(r) for r in responses]
@@ -102,7 +111,11 @@ def make_rows(queries, responses, response_masks, *, device, is_encoder_decoder:
     # Every mini-batch's LM-head buffer gets this many rows, so the memory freed by one mini-batch
     # fits the next exactly (see core.logprobs._lm_head_logits).
     counts = sorted((max(len(r) - shift, 0) for r in responses), reverse=True)
-    return Rows(queries, responses, sequences, query_len, response_len, mask, shift, sum(counts[:mini_batch_size]))
+    buffer_rows = sum(counts[:mini_batch_size])
+    if max_tokens is not None:
+        # A pass of several rows holds at most max_tokens tokens, so as many slots; a longer row is alone.
+        buffer_rows = max(min(max_tokens, sum(counts)), counts[0])
+    return Rows(queries, responses, sequences, query_len, response_len, mask, shift, buffer_rows)
 
 
 def token_slots(rows: Rows, index: list[int], width: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,9 @@ _DIST_STATS = (
 )
 # Scalars whose value over processes is the smallest or largest of theirs, not the mean.
 _MIN_STATS = ("env/response_length/min",)
-_MAX_STATS = ("env/response_length/max", "rollout/logprob_diff/max", "rollout/staleness/max")
+_MAX_STATS = (
+    "env/response_length/max", "rollout/logprob_diff/max", "rollout/staleness/max", "ppo/tokens_per_minibatch/max",
+)  # fmt: skip
 # Fractions whose parts differ in size between processes: given as (numerator, denominator), summed
 # over processes before dividing.
 _RATIO_STATS = ("env/frac_groups_zero_std",)
