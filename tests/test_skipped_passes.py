@@ -183,6 +183,7 @@ def test_peft_policy_runs_no_adapter_disabled_pass():
 # ----------------------------------------------------------------------------------------------
 # The update without the passes: the float64 reference's, and today's path's
 # ----------------------------------------------------------------------------------------------
+WHOLE_BATCH = dict(mini_batch_size=BATCH_SIZE, gradient_accumulation_steps=1)
 CASES = {
     "token_mean_grad_accum": dict(),
     "seq_mean_token_mean": dict(loss_type="grpo"),
@@ -193,6 +194,13 @@ CASES = {
     "gspo_clip_higher_entropy": dict(importance_sampling_level="sequence", cliprange_high=0.3, entropy_coef=0.05),
     "kl_in_loss": dict(init_kl_coef=0.3, loss_type="dapo"),  # the reference runs, the policy's pass does not
     "rloo_kl_in_reward_at_zero": dict(advantage_estimator="rloo", kl_in_reward=True),
+    # Passes by token budget (docs/algorithm.md section 18): one optimizer step after the last pass, so every
+    # pass's forward is still the rollout policy's. The reference takes the backward batch as one mini-batch,
+    # since a budget's statistics are the backward batch's, not means over mini-batches.
+    "dapo_token_budget": dict(loss_type="dapo", **WHOLE_BATCH, max_tokens_per_minibatch=24),
+    "seq_mean_token_budget": dict(loss_type="grpo", **WHOLE_BATCH, max_tokens_per_minibatch=24),
+    "tis_token_budget": dict(loss_type="dapo", importance_sampling_correction="tis", importance_sampling_cap=1.1,
+                             generation_noise=0.3, **WHOLE_BATCH, max_tokens_per_minibatch=24),  # fmt: skip
 }
 COMPARED = ("ppo/loss/policy", "ppo/policy/entropy", "ppo/policy/clipfrac", "ppo/policy/approxkl", "objective/entropy")
 
@@ -236,6 +244,8 @@ def _compare_updates(got_trainer, forced, plain, config, case, initial):
             np.testing.assert_allclose(got[key], want[key], rtol=2e-5, atol=2e-6, err_msg=f"float64 {key}")
             np.testing.assert_allclose(got[key], today[key], rtol=1e-5, atol=1e-6, err_msg=f"today's path {key}")
         assert (got["ppo/policy/ratio"] == 1.0).all()  # lp_old is the training forward's own log-prob
+        if config.max_tokens_per_minibatch is not None:
+            assert got["ppo/minibatches"] > 1  # the backward batch really went in several passes
 
     named = [dict(t.accelerator.unwrap_model(t.model).pretrained_model.named_parameters()) for t in (got_trainer, forced)]
     moved = 0.0
