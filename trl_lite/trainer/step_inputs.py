@@ -246,7 +246,9 @@ def validate_step_inputs(
 
 
 def scores_tensor(scores, device) -> torch.Tensor:
-    """A list of B scalars (numbers or 0-d tensors) as a float32 ``(B,)`` tensor on ``device``."""
+    """A list of B scalars (numbers or 0-d tensors), or a ``(B,)`` tensor, as a float32 ``(B,)`` tensor on ``device``."""
+    if isinstance(scores, torch.Tensor):
+        return scores.to(device=device, dtype=torch.float32).reshape(-1)
     return torch.stack([torch.as_tensor(s, dtype=torch.float32).to(device).reshape(()) for s in scores])
 
 
