@@ -4,6 +4,8 @@ logging, completions tables included: the :class:`StepStatistics` part of ``PPOT
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from accelerate.utils import gather_object
@@ -81,14 +83,14 @@ class StepStatistics:
         return {
             "objective/kl": kl_per_row.mean(),
             "objective/kl_dist": kl_per_row,
-            "objective/logprobs": experience.logprobs[is_action],
-            "objective/ref_logprobs": experience.ref_logprobs[is_action],
+            "objective/logprobs": Selected(experience.logprobs, is_action),
+            "objective/ref_logprobs": Selected(experience.ref_logprobs, is_action),
             "objective/kl_coef": torch.tensor(experience.kl_coef),
             "objective/entropy": (-experience.logprobs * mask).sum(-1).mean(),
             "ppo/mean_non_score_reward": masked_mean(experience.non_score_reward, mask),
             "ppo/mean_scores": scores.mean(),
             "ppo/std_scores": scores.std() if len(scores) > 1 else torch.tensor(0.0),
-            "ppo/policy/advantages": experience.advantages[is_action],
+            "ppo/policy/advantages": Selected(experience.advantages, is_action),
             "tokens/queries_len_mean": query_len.mean(),
             "tokens/queries_len_std": query_len.std() if len(rows) > 1 else torch.tensor(0.0),
             "tokens/queries_dist": query_len,
@@ -136,8 +138,10 @@ class StepStatistics:
         ratio_keys = [k for k in _RATIO_STATS if k in stats]
         scalars = stack_scalars([stats[k] for k in scalar_keys], device)
         ratios = torch.stack([stats[k].to(device, torch.float32) for k in ratio_keys]) if ratio_keys else None
-        dists = {k: stats[k].float().flatten().to(device) for k in _DIST_STATS if k in stats}
+        dists = {k: stats[k] for k in _DIST_STATS if k in stats}
         if accelerator.num_processes > 1:
+            dists = {k: (v.values[v.mask] if isinstance(v, Selected) else v).float().flatten().to(device)
+                     for k, v in dists.items()}  # fmt: skip
             # One summed reduction for means and ratio parts, one max reduction for the extremes
             # (a minimum is the negated maximum of the negated values).
             n_scalars = len(scalar_keys)
@@ -158,10 +162,19 @@ class StepStatistics:
                 gathered = accelerator.gather(padded)
                 dists[key] = gathered[~torch.isnan(gathered)]
         ratio_values = ratios[:, 0] / ratios[:, 1] if ratios is not None else scalars.new_zeros(0)
-        host = to_host_together([scalars, ratio_values, *dists.values()])
-        out = dict(zip(scalar_keys, host[0].tolist()))
-        out.update(zip(ratio_keys, host[1].tolist()))
-        out.update(stats_to_np(dict(zip(dists, host[2:]))))
+        parts = [scalars, ratio_values]
+        for value in dists.values():
+            pair = (value.values, value.mask) if isinstance(value, Selected) else (value,)
+            parts += [t.float().flatten().to(device) for t in pair]
+        host = iter(part.numpy() for part in to_host_together(parts))
+        out = dict(zip(scalar_keys, next(host).tolist()))
+        out.update(zip(ratio_keys, next(host).tolist()))
+        distributions = {}
+        for key, value in dists.items():
+            distributions[key] = next(host)
+            if isinstance(value, Selected):
+                distributions[key] = distributions[key][next(host).astype(bool)]
+        out.update(stats_to_np(distributions))
         return out
 
     def log(self, step: int, stats: dict, batch: dict, rewards, columns_to_log=("query", "response")) -> None:
@@ -212,6 +225,18 @@ class StepStatistics:
             elif tracker.name == "tensorboard" and to_tensorboard:
                 tracker.writer.add_text(_COMPLETIONS_KEY, _markdown_table(header, rows), global_step=step)
                 tracker.writer.flush()
+
+
+@dataclass(frozen=True)
+class Selected:
+    """A distribution statistic: the entries of ``values`` where ``mask`` is true (both ``(B, L)``).
+
+    Selected on the host after the statistics' one copy: a boolean selection on the device reads
+    the number of entries back, one sync for each.
+    """
+
+    values: torch.Tensor
+    mask: torch.Tensor
 
 
 def _markdown_table(header: list, rows: list) -> str:
