@@ -124,3 +124,39 @@ def test_a_step_moves_its_batch_in_one_copy_and_reads_its_statistics_back_in_one
     assert reads == {**train_reads, ("cpu", "trainer/transfer.py"): 1}
     # The budget: at most 2 per training mini-batch (the permutation's .tolist() is a host read).
     assert (sum(before.values()) - config.ppo_epochs) / minibatches <= 2
+
+
+@pytest.mark.parametrize("options", [{}, {"gradient_accumulation_steps": 2}, {"use_score_scaling": True, "early_stopping": True}])
+def test_sync_budget_covers_every_read_of_a_step(count_reads, options):
+    """``sync_budget`` (what ``make gpu-check``'s sync row compares with) against the reads of trl_lite's
+    own code in a step on the CPU: equal, but the permutations' host ``.tolist()`` (one per epoch)."""
+    from trl_lite.trainer.transfer import sync_budget
+
+    config = PPOConfig(batch_size=8, mini_batch_size=2, ppo_epochs=2, max_grad_norm=1.0, target_kl=1e9, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = PPOTrainer(config, AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2()), tokenizer=make_tokenizer())
+    batch = trainer._check_step_inputs(*random_batch(8), None, None, None, None, None)
+    count_reads.clear()
+    experience = trainer.experience_maker.make(batch)
+    trainer.statistics.step_stats(experience, trainer.learner.train(experience))
+    reads = sum(count_reads.values()) - config.ppo_epochs
+    budget = sync_budget(config)
+    # The statistics' copy back is a .cpu() (not in READS): counted here by the budget, not by the reads.
+    assert reads + 1 == budget["total"]
+    assert budget["per_minibatch"] <= 2 and budget["minibatches"] == 8
+
+
+def test_the_input_checks_read_the_host_once_per_kind_of_input_whatever_the_rows(count_reads):
+    from trl_lite.trainer.step_inputs import validate_generation_logprobs, validate_step_inputs
+
+    counts = []
+    for rows in (8, 16):
+        queries, responses, scores = random_batch(rows)
+        masks = [(torch.arange(len(r)) % 2) for r in responses]
+        count_reads.clear()
+        validate_step_inputs(queries, responses, scores, masks, batch_size=rows, vocab_size=100, is_encoder_decoder=False)
+        validate_generation_logprobs([-torch.rand(len(r)) for r in responses], responses)
+        counts.append(dict(count_reads))
+    # queries, responses, scores, masks, their action count, generation log-probs: one read each.
+    assert counts[0] == counts[1] and sum(counts[0].values()) == 6

@@ -4,14 +4,12 @@ logging, completions tables included: the :class:`StepStatistics` part of ``PPOT
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 from accelerate.utils import gather_object
 
 from ..core import groups_with_equal_scores, masked_mean, stats_to_np
-from .transfer import stack_scalars, to_host_together
+from .transfer import Selected, stack_scalars, to_host_together
 
 # Statistics that are distributions (1-D arrays): concatenated over processes instead of averaged.
 _DIST_STATS = (
@@ -225,18 +223,6 @@ class StepStatistics:
             elif tracker.name == "tensorboard" and to_tensorboard:
                 tracker.writer.add_text(_COMPLETIONS_KEY, _markdown_table(header, rows), global_step=step)
                 tracker.writer.flush()
-
-
-@dataclass(frozen=True)
-class Selected:
-    """A distribution statistic: the entries of ``values`` where ``mask`` is true (both ``(B, L)``).
-
-    Selected on the host after the statistics' one copy: a boolean selection on the device reads
-    the number of entries back, one sync for each.
-    """
-
-    values: torch.Tensor
-    mask: torch.Tensor
 
 
 def _markdown_table(header: list, rows: list) -> str:

@@ -6,20 +6,23 @@ its rows one by one and reads its statistics one by one pays that per row and pe
 host tensors of a step are laid end to end in one pinned buffer and copied with one non-blocking copy
 (:func:`to_device_together`); the statistics come back in one copy (:func:`to_host_together`).
 
-The host syncs of one ``step()`` on a GPU, all of them (``tests/test_host_syncs.py`` counts them):
+The host syncs of one ``step()`` on a GPU, all of them (:func:`sync_budget` counts them for a config;
+``tests/test_host_syncs.py`` counts them on the CPU):
 
-- per step: the statistics' one copy back (:meth:`~.statistics.StepStatistics.reduce`);
+- per step: the statistics' one copy back (:meth:`~.statistics.StepStatistics.reduce`; distributions
+  are selected on the host after it, see :class:`Selected`);
 - per training mini-batch: the skip guard's flags (``Learner.skip_reason``, a decision every process
   takes alike);
 - per optimizer update (each mini-batch without gradient accumulation): whether the clipped gradients
   are finite (``Learner.backward_and_step``);
 - only where configured: one per epoch with ``early_stopping`` (the epoch's policy KL), two per step
-  with ``use_score_scaling`` (the running moments), one per epoch with ``global_token_mean`` over
-  several processes (the token counts' reduction), and the inputs' checks when ``step()`` is given
-  device tensors (their token-id range, read back once).
+  with ``use_score_scaling`` (the running moments);
+- only for inputs given on the device: one per kind of input (queries, responses, masks and the
+  count of their actions, scores, generation log-probs) for ``step()``'s checks of their values.
 
 The batch's copy and the packed passes' offsets (:func:`~trl_lite.models.varlen_attention.packed_rows`)
-are non-blocking and no sync.
+are non-blocking from pinned memory: no sync. Neither are the packed passes' masks (see
+:func:`~trl_lite.models.packed_attention.rows_mask`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,18 @@ import torch
 # Each piece starts at a multiple of this many bytes in the buffer, so a piece of any dtype up to
 # 8 bytes per element can be viewed in place on the device.
 _ALIGN = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Selected:
+    """A distribution statistic: the entries of ``values`` where ``mask`` is true (both ``(B, L)``).
+
+    Selected on the host after the statistics' one copy: a boolean selection on the device reads
+    the number of entries back, one sync for each.
+    """
+
+    values: torch.Tensor
+    mask: torch.Tensor
 
 
 def to_device_together(tensors: list, device) -> list:
@@ -128,3 +143,22 @@ def batch_to_device(batch, device, ends_with_eos: torch.Tensor | None = None):
         staleness=moved[-2],
     )  # fmt: skip
     return batch, moved[-1]
+
+
+def sync_budget(config, device_inputs: int = 0) -> dict:
+    """The host syncs one ``step()`` of ``config`` makes on a GPU in one process: the itemised list of
+    this module's docstring. ``device_inputs``: how many kinds of input ``step()`` is given on the
+    device (0 when all come from the host; a mask list counts 2: its values and its actions).
+
+    Returns ``{"per_step": ..., "per_minibatch": ..., "minibatches": ..., "total": ...}``; the total is
+    what one step may make, ``per_minibatch`` (2 at most) what each training mini-batch adds.
+    """
+    minibatches = config.ppo_epochs * -(-config.batch_size // config.mini_batch_size)
+    per_update = 1 / config.gradient_accumulation_steps
+    per_step = 1 + device_inputs + (2 if config.use_score_scaling else 0)
+    per_step += config.ppo_epochs if config.early_stopping else 0
+    per_minibatch = 1 + per_update
+    return {
+        "per_step": per_step, "per_minibatch": per_minibatch, "minibatches": minibatches,
+        "total": per_step + round(per_minibatch * minibatches),
+    }  # fmt: skip
