@@ -43,15 +43,20 @@ def count_reads(monkeypatch):
     return counts
 
 
+def _trainer_and_batch(config):
+    """A trainer of ``config`` on a tiny GPT-2 and a checked batch of 8 random rows for it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = PPOTrainer(config, AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2()), tokenizer=make_tokenizer())
+    return trainer, trainer._check_step_inputs(*random_batch(8), None, None, None, None, None)
+
+
 @pytest.mark.parametrize("padding_free", [False, True])
 @pytest.mark.parametrize("gradient_accumulation_steps", [1, 2])
 def test_one_sync_per_minibatch_and_one_per_update(count_reads, padding_free, gradient_accumulation_steps):
     config = PPOConfig(batch_size=8, mini_batch_size=2, ppo_epochs=2, max_grad_norm=1.0, padding_free=padding_free,
                        gradient_accumulation_steps=gradient_accumulation_steps)  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = PPOTrainer(config, AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2()), tokenizer=make_tokenizer())
-    batch = trainer._check_step_inputs(*random_batch(8), None, None, None, None, None)
+    trainer, batch = _trainer_and_batch(config)
     count_reads.clear()
     experience = trainer.experience_maker.make(batch)
     # Making the experience reads nothing back per mini-batch or per row (single process: no reductions).
@@ -80,10 +85,7 @@ def test_a_step_moves_its_batch_in_one_copy_and_reads_its_statistics_back_in_one
     import trl_lite.trainer.transfer as transfer
 
     config = PPOConfig(batch_size=8, mini_batch_size=2, ppo_epochs=2, max_grad_norm=1.0, padding_free=padding_free)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = PPOTrainer(config, AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2()), tokenizer=make_tokenizer())
-    batch = trainer._check_step_inputs(*random_batch(8), None, None, None, None, None)
+    trainer, batch = _trainer_and_batch(config)
     user = {id(t) for t in _user_tensors(batch)}
     host_copies, packs, moves, reads = set(), [], [], collections.Counter()
 
@@ -133,10 +135,7 @@ def test_sync_budget_covers_every_read_of_a_step(count_reads, options):
     from trl_lite.trainer.transfer import sync_budget
 
     config = PPOConfig(batch_size=8, mini_batch_size=2, ppo_epochs=2, max_grad_norm=1.0, target_kl=1e9, **options)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = PPOTrainer(config, AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2()), tokenizer=make_tokenizer())
-    batch = trainer._check_step_inputs(*random_batch(8), None, None, None, None, None)
+    trainer, batch = _trainer_and_batch(config)
     count_reads.clear()
     experience = trainer.experience_maker.make(batch)
     trainer.statistics.step_stats(experience, trainer.learner.train(experience))

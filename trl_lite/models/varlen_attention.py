@@ -97,8 +97,12 @@ def packed_rows(lengths, device) -> PackedRows:
 
 @functools.lru_cache(maxsize=8)
 def _keywords(function) -> frozenset:
-    """The keyword parameters ``function`` takes (read once per function)."""
-    return frozenset(inspect.signature(function).parameters)
+    """The keyword parameters ``function`` takes (read once per function); none when its signature
+    cannot be read (then :func:`varlen_unsupported` finds no way to ask for causal attention)."""
+    try:
+        return frozenset(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
 
 
 def varlen_unsupported(query: torch.Tensor, rows: PackedRows, module, kwargs: dict) -> str | None:
