@@ -15,6 +15,7 @@ import types
 
 import pytest
 import torch
+import numpy as np
 from test_packing import _assert_same_steps, _steps
 from tiny_models import VOCAB_SIZE, make_gpt2, make_gpt2_critic, make_tokenizer, random_batch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -250,3 +251,40 @@ def test_a_separate_critic_attends_on_the_kernel_with_the_policy_offsets(monkeyp
     assert [c[1] for c in counting.calls[:2]] == [c[1] for c in counting.calls[2:4]]
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """A bf16 Accelerator needs accelerate's process-wide state fresh, and leaves it fresh for other tests."""
+    from test_mixed_precision import _reset_accelerate_state
+
+    _reset_accelerate_state()
+    yield _reset_accelerate_state
+    _reset_accelerate_state()
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_amp_and_bf16_weights_attend_on_the_kernel(monkeypatch, fresh_accelerate_state, weights):
+    """Under bf16 autocast (float32 weights) and with bf16 weights the attention inputs are bf16: a
+    kernel of 16-bit dtypes takes every layer of every pass, and the step's log-probs, values and
+    statistics are those of per-row attention within bf16 rounding."""
+
+    def step():
+        fresh_accelerate_state()
+        lm = _qwen2().pretrained_model
+        policy = AutoModelForCausalLMWithValueHead.from_pretrained(lm.to(torch.bfloat16) if weights == "bf16" else lm)
+        config = PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=1, accelerator_kwargs={"mixed_precision": "bf16"})
+        trainer = PPOTrainer(config, policy, tokenizer=make_tokenizer())
+        queries, responses, scores = random_batch(8, seed=3, query_len=(1, 7), response_len=(1, 9))
+        rows = trainer.forward.make_rows(queries, responses, None)
+        return trainer.experience_maker.passes(rows)[:3], trainer.step(queries, responses, scores)
+
+    (expected_passes, expected_stats) = step()
+    counting = _on_cpu(monkeypatch, dtypes=(torch.bfloat16, torch.float16))
+    passes, stats = step()
+    # Rollout of make_rows (2 mini-batches, policy and reference), then the step's rollout and training.
+    assert len(counting.calls) == (2 * 2 + 2 * 2 + 2) * 2
+    for got, expected in zip(passes, expected_passes):
+        torch.testing.assert_close(got, expected, rtol=0, atol=2e-2)
+    for key in ("objective/kl", "ppo/loss/total", "ppo/policy/clipfrac", "objective/entropy"):
+        np.testing.assert_allclose(stats[key], expected_stats[key], rtol=2e-2, atol=2e-2, err_msg=key)

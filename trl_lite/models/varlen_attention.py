@@ -113,10 +113,11 @@ def varlen_unsupported(query: torch.Tensor, rows: PackedRows, module, kwargs: di
         return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (it came with torch 2.10)"
     if query.device.type not in kernel.device_types:
         return f"the varlen kernel does not run on {query.device.type}"
-    if query.dtype not in kernel.dtypes:
+    dtype = attention_dtype(query)
+    if dtype not in kernel.dtypes:
         allowed = "/".join(sorted(str(d).removeprefix("torch.") for d in kernel.dtypes))
         return (
-            f"the attention inputs are {str(query.dtype).removeprefix('torch.')} and the varlen kernel takes {allowed} "
+            f"the attention inputs are {str(dtype).removeprefix('torch.')} and the varlen kernel takes {allowed} "
             "(train under AMP or with 16-bit weights)"
         )
     if rows.cu_seqlens is None or rows.cu_seqlens.device != query.device:
@@ -131,16 +132,27 @@ def varlen_unsupported(query: torch.Tensor, rows: PackedRows, module, kwargs: di
     return None
 
 
+def attention_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype attention computes in: autocast's where it is on for the query's device (it casts
+    sdpa's inputs so; rotary position embeddings in float32 may have promoted the query back), else
+    the query's own."""
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return query.dtype
+
+
 def varlen_attention(query, key, value, rows: PackedRows, scaling: float | None) -> torch.Tensor:
     """Causal attention within each row of ``rows`` in one :data:`KERNEL` call.
 
     ``query (1, Hq, N, D)``, ``key``/``value`` ``(1, Hkv, N, D)`` with ``Hq`` a multiple of ``Hkv``
     (query head ``h`` reads key/value head ``h // (Hq / Hkv)``, as transformers' ``repeat_kv``);
-    ``scaling``: the softmax scale (None: ``1 / sqrt(D)``). Returns ``(1, N, Hq, D)``, the layout of
-    transformers' sdpa attention output.
+    ``scaling``: the softmax scale (None: ``1 / sqrt(D)``). Computed in :func:`attention_dtype`.
+    Returns ``(1, N, Hq, D)``, the layout of transformers' sdpa attention output.
     """
     function, keywords = KERNEL.function, _keywords(KERNEL.function)
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, H, D)
+    dtype = attention_dtype(query)
+    q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))  # (N, H, D)
     options = {}
     if "window_size" in keywords:
         options["window_size"] = (-1, 0)  # causal: every key to the left, none to the right
