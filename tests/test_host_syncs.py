@@ -81,8 +81,8 @@ def test_a_step_moves_its_batch_in_one_copy_and_reads_its_statistics_back_in_one
     """The sync budget of trainer/transfer.py, counted by site over a whole step without its input checks:
     per mini-batch the skip guard, per update the gradients' finiteness, per step one copy back. Reads of
     the host copy are free (host memory on a GPU too) and not counted; nor are host lists' ``.tolist()``."""
-    import trl_lite.trainer.statistics as statistics
-    import trl_lite.trainer.transfer as transfer
+    from trl_lite.trainer import statistics
+    from trl_lite.trainer import transfer
 
     config = PPOConfig(batch_size=8, mini_batch_size=2, ppo_epochs=2, max_grad_norm=1.0, padding_free=padding_free)
     trainer, batch = _trainer_and_batch(config)

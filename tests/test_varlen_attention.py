@@ -13,15 +13,15 @@ import inspect
 import logging
 import types
 
+import numpy as np
 import pytest
 import torch
-import numpy as np
 from test_packing import _assert_same_steps, _steps
 from tiny_models import VOCAB_SIZE, make_gpt2, make_gpt2_critic, make_tokenizer, random_batch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-import trl_lite.models.varlen_attention as varlen_attention
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+from trl_lite.models import varlen_attention
 from trl_lite.models.packed_attention import ROW_LENGTHS, packed_sdpa_attention_forward, rows_mask
 from trl_lite.models.varlen_attention import VarlenKernel, packed_rows, varlen_unsupported
 
