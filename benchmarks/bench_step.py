@@ -526,6 +526,8 @@ class PackedFloorPPO(FloorPPO):
 
 def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtype):
     """Build the models for `method` and return a function `(queries, responses, scores) -> None`."""
+    if method == PACKED_FLOOR and not packed_floor_supported(workload):
+        raise ValueError(f"method {PACKED_FLOOR!r} exists for the value-head workloads, not {workload.name!r}")
     if isinstance(workload, CriticFreeWorkload) and workload.advantage_estimator != "gae":
         return make_critic_free_step_fn(method, workload, device, dtype)
     if workload.name in CRITIC_WORKLOADS:
@@ -884,6 +886,16 @@ def measure_workload(
     return results
 
 
+def packed_floor_supported(workload: Workload) -> bool:
+    """Whether `floor-packed` exists for `workload`: the value-head PPO workloads (not the critic or critic-free ones)."""
+    return not isinstance(workload, CriticFreeWorkload) and workload.name not in CRITIC_WORKLOADS
+
+
+def methods_for(workload: Workload, methods) -> list:
+    """`methods` that exist for `workload` (`floor-packed` is left out where it does not)."""
+    return [m for m in methods if m != PACKED_FLOOR or packed_floor_supported(workload)]
+
+
 def run_benchmark(
     workloads: list, methods=METHODS, steps: int = 3, warmup: int = 1, device="cpu", dtype="fp32", peak_gflops=None,
     tensor_peak: bool = True,
@@ -894,7 +906,7 @@ def run_benchmark(
     """
     results = []
     for workload in workloads:
-        for result in measure_workload(workload, list(methods), steps, warmup, device, dtype, tensor_peak):
+        for result in measure_workload(workload, methods_for(workload, methods), steps, warmup, device, dtype, tensor_peak):
             if peak_gflops:
                 result["peak_fraction"] = result["gflops_per_s"] / peak_gflops
             print(

@@ -224,3 +224,13 @@ def test_greedy_loop_benchmark_gives_both_loops_the_same_work(monkeypatch):
     assert all(len(times[name]) == 2 for name in ("trl_lite", "plain"))
     table = bench_loop.format_loop_table("loop-test", times)
     assert table.count("\n") == 3 and "| loop-test | plain |" in table
+
+
+def test_the_packed_floor_is_left_out_where_it_does_not_exist():
+    methods = (*bench.METHODS, bench.PACKED_FLOOR)
+    assert bench.methods_for(TINY_W4, methods) == list(methods)
+    assert bench.methods_for(bench.GRPO_W1, methods) == list(bench.METHODS)
+    assert bench.methods_for(bench.CRITIC_WORKLOADS["critic"], methods) == list(bench.METHODS)
+    with pytest.raises(ValueError, match="'floor-packed' exists for the value-head workloads, not 'grpo-w1'"):
+        bench.make_step_fn(bench.PACKED_FLOOR, bench.GRPO_W1, "cpu", torch.float32)
+    assert bench.parse_args(["--device", "cpu"]).methods == list(bench.METHODS)
