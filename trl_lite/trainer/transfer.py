@@ -18,7 +18,11 @@ The host syncs of one ``step()`` on a GPU, all of them (:func:`sync_budget` coun
 - only where configured: one per epoch with ``early_stopping`` (the epoch's policy KL), two per step
   with ``use_score_scaling`` (the running moments);
 - only for inputs given on the device: one per kind of input (queries, responses, masks and the
-  count of their actions, scores, generation log-probs) for ``step()``'s checks of their values.
+  count of their actions, scores, generation log-probs) for ``step()``'s checks of their values;
+- only when it happens: a mini-batch skipped for its ratio reads the mean ratio for its warning.
+
+That is one process; with several, the collectives (whitening, the statistics' reductions, the skip
+guard's) wait as well.
 
 The batch's copy and the packed passes' offsets (:func:`~trl_lite.models.varlen_attention.packed_rows`)
 are non-blocking from pinned memory: no sync. Neither are the packed passes' masks (see
