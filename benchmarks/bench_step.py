@@ -14,8 +14,8 @@ see `benchmarks/README.md` for how time, tokens/s and peak memory are defined.
 
 Usage:
     python benchmarks/bench_step.py [--workloads w1 w2 sweep] [--steps 3] [--warmup 1]
-        [--device cpu|cuda] [--dtype fp32|bf16] [--methods step floor] [--threads N]
-        [--output benchmarks/RESULTS.md]
+        [--device cpu|cuda] [--dtype fp32|bf16] [--methods step floor floor-packed] [--threads N]
+        [--peak-gflops G] [--output benchmarks/RESULTS.md]
 """
 
 import argparse
@@ -44,6 +44,9 @@ RESULT_MARKER = "BENCH_RESULT "
 METHODS = ("step", "step-padded", "floor")
 # Methods only some workloads have, never run by default: "step-every-pass" (grpo-beta0) forces both passes.
 EXTRA_METHODS = ("step-every-pass",)
+# The floor over packed mini-batches with the trainer's packed attention (one varlen kernel call per
+# layer on CUDA): "step vs floor-packed" compares the same attention on both sides. Default on CUDA.
+PACKED_FLOOR = "floor-packed"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # Classic PPO defaults (the same values PPOConfig uses), written here so the floor needs no trl_lite.
@@ -157,8 +160,8 @@ def needed_flops(workload: Workload) -> float:
     """Floating-point operations of the model work one PPO step on the workload's batch needs.
 
     Per row of T = query + response tokens, R of them response tokens, a forward needs
-    24 d^2 T per layer for its matrix products (QKV 3 d^2, output projection d^2, MLP 8 d^2, 2 FLOPs
-    per multiply-add), 2 d T(T+1) per layer for causal attention (Q K^T and the weighted sum of V,
+    2 W T per layer for its matrix products of W weights (`layer_matmul_weights`: 12 d^2 for GPT-2;
+    2 FLOPs per multiply-add), 2 d T(T+1) per layer for causal attention (Q K^T and the weighted sum of V,
     each over the T(T+1)/2 pairs a token may see: no padding, no other rows), 2 d V R for the LM head
     at the R positions that predict a response token, and 2 d T for the value head. A backward costs
     twice its forward. The step is a policy and a reference forward without grad, then
@@ -167,11 +170,24 @@ def needed_flops(workload: Workload) -> float:
     """
     d, layers, vocab = workload.n_embd, workload.n_layer, workload.vocab_size
     queries, responses, _ = make_batch(workload)
+    per_token = 2 * layer_matmul_weights(workload)
     forward = 0.0
     for q, r in zip(queries, responses):
         t, n = len(q) + len(r), len(r)
-        forward += layers * (24 * d * d * t + 2 * d * t * (t + 1)) + 2 * d * vocab * n + 2 * d * t
+        forward += layers * (per_token * t + 2 * d * t * (t + 1)) + 2 * d * vocab * n + 2 * d * t
     return forward * (2 + 3 * workload.ppo_epochs)
+
+
+def layer_matmul_weights(workload: Workload) -> int:
+    """Weights of one layer's matrix products (each token multiplies each once): GPT-2's 12 d^2
+    (QKV 3 d^2, output projection d^2, MLP 8 d^2); a Qwen2 layer's query and output projections
+    2 d^2, key and value projections onto its grouped heads 2 d (d / heads x kv_heads), and gated
+    MLP 3 d x intermediate."""
+    d = workload.n_embd
+    if isinstance(workload, Qwen2Workload):
+        kv_dim = d // workload.n_head * workload.n_kv_head
+        return 2 * d * d + 2 * d * kv_dim + 3 * d * workload.intermediate_size
+    return 12 * d * d
 
 
 def matmul_peak_gflops(seconds: float = 2.0) -> float:
@@ -190,7 +206,50 @@ def matmul_peak_gflops(seconds: float = 2.0) -> float:
 
 # --- end of w3 block ------------------------------------------------------------------------------
 
-WORKLOAD_GROUPS = {"w1": lambda: [W1], "w2": lambda: [W2], "w3": lambda: [W3], "sweep": sweep_workloads}
+# --- w4: a 0.5B-class model at GPU scale (issue 33) -----------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Qwen2Workload(Workload):
+    """A workload on a random-init Qwen2 (grouped key/value heads, gated MLP, tied embeddings).
+
+    ``n_kv_head``: key/value heads; ``intermediate_size``: the MLP's width; ``response_spread``:
+    "log-uniform" draws response lengths with a uniform logarithm (many short responses, a few long
+    ones, as sampled RLHF responses are spread), "uniform" as the GPT-2 workloads.
+    """
+
+    n_kv_head: int = 2
+    intermediate_size: int = 4864
+    response_spread: str = "log-uniform"
+
+
+# Qwen2-0.5B's shape (its config, built locally: no weights are downloaded); 64 rows per step. Its
+# numbers come from a GPU (bf16 weights): never run it full-size on a CPU.
+W4 = Qwen2Workload(
+    "w4", n_layer=24, n_embd=896, n_head=14, n_kv_head=2, intermediate_size=4864, vocab_size=151936,
+    batch_size=64, mini_batch_size=16, ppo_epochs=2, query_len=(64, 256), response_len=(64, 1024),
+)  # fmt: skip
+# The dense bf16 peak of an H100 SXM (TFLOP/s x 1000): the default "x peak" (MFU) reference on CUDA.
+H100_BF16_PEAK_GFLOPS = 989_000.0
+
+
+def make_qwen2(workload: Qwen2Workload, device: str, dtype: torch.dtype):
+    """A random-init Qwen2ForCausalLM of the workload's shape, without dropout."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    last_id = workload.vocab_size - 1
+    config = Qwen2Config(
+        vocab_size=workload.vocab_size, hidden_size=workload.n_embd, intermediate_size=workload.intermediate_size,
+        num_hidden_layers=workload.n_layer, num_attention_heads=workload.n_head,
+        num_key_value_heads=workload.n_kv_head, tie_word_embeddings=True, rms_norm_eps=1e-6, attention_dropout=0.0,
+        max_position_embeddings=max(2048, workload.query_len[1] + workload.response_len[1]),
+        bos_token_id=last_id, eos_token_id=last_id, pad_token_id=last_id,
+    )  # fmt: skip
+    torch.manual_seed(workload.seed)
+    return Qwen2ForCausalLM(config).to(device=device, dtype=dtype)
+
+
+# --- end of w4 block ------------------------------------------------------------------------------
+
+WORKLOAD_GROUPS = {"w1": lambda: [W1], "w2": lambda: [W2], "w3": lambda: [W3], "w4": lambda: [W4], "sweep": sweep_workloads}
 WORKLOAD_GROUPS["long"] = long_workloads
 # `long` at 1/16 of its lengths and 2 layers: what a shared 2-core CPU measures in minutes (same width and vocabulary).
 WORKLOAD_GROUPS["long-small"] = lambda: long_workloads(scale=16)
@@ -214,7 +273,11 @@ def make_batch(workload: Workload) -> tuple:
     for i in range(workload.batch_size):
         lengths = workload.long_len if long_every and i % long_every == long_every - 1 else workload.response_len
         lq = int(torch.randint(workload.query_len[0], workload.query_len[1] + 1, (1,), generator=g))
-        lr = int(torch.randint(lengths[0], lengths[1] + 1, (1,), generator=g))
+        low, high = lengths
+        if getattr(workload, "response_spread", "uniform") == "log-uniform":
+            lr = round(low * (high / low) ** float(torch.rand((), generator=g)))
+        else:
+            lr = int(torch.randint(low, high + 1, (1,), generator=g))
         queries.append(torch.randint(0, workload.vocab_size - 1, (lq,), generator=g))
         responses.append(torch.randint(0, workload.vocab_size - 1, (lr,), generator=g))
         scores.append(torch.randn((), generator=g))
@@ -222,8 +285,11 @@ def make_batch(workload: Workload) -> tuple:
 
 
 def make_lm(workload: Workload, device: str, dtype: torch.dtype):
-    """A random-init GPT2LMHeadModel of the workload's size, without dropout (same model for both methods)."""
+    """A random-init GPT2LMHeadModel (or Qwen2ForCausalLM for a `Qwen2Workload`) of the workload's size,
+    without dropout (same model for both methods)."""
     last_id = workload.vocab_size - 1
+    if isinstance(workload, Qwen2Workload):
+        return make_qwen2(workload, device, dtype)
     config = GPT2Config(
         vocab_size=workload.vocab_size,
         n_positions=max(1024, workload.query_len[1] + max(workload.response_len[1], getattr(workload, "long_len", (0, 0))[1])),
@@ -334,11 +400,13 @@ def response_logprobs(lm, batch: dict, v_head=None, buffer=None) -> tuple:
     predict a response token, not the padding of shorter responses.
     """
     # No key/value cache: building one is work that a training forward does not need.
-    inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-    hidden = lm.transformer(**inputs).last_hidden_state
+    inputs = batch.get("model_inputs") or dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    hidden = lm.base_model(**inputs, use_cache=False).last_hidden_state
+    mask = batch["mask"]
+    # A packed batch is one row (1, N_total) shared by the n rows of `positions`.
+    hidden = hidden.expand(mask.shape[0], -1, -1)
     index = batch["positions"].unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
     picked = hidden.gather(1, index)  # (n, K, H)
-    mask = batch["mask"]
     h, weight, targets = picked[mask], lm.lm_head.weight, batch["targets"][mask]  # h: (N, H)
     if torch.is_grad_enabled():
         chosen = HeadLogProb.apply(h, weight, targets, buffer)
@@ -391,7 +459,7 @@ class FloorPPO:
         self.lm = lm.train()
         self.ref = copy.deepcopy(lm).eval().requires_grad_(False)
         param = next(lm.parameters())
-        self.v_head = nn.Linear(lm.config.n_embd, 1).to(device=param.device, dtype=param.dtype)
+        self.v_head = nn.Linear(lm.config.hidden_size, 1).to(device=param.device, dtype=param.dtype)
         if param.device.type == "cpu":  # as the trainer: on CPU, after its models, before its optimizer
             keep_freed_heap()
         self.optimizer = torch.optim.Adam([*lm.parameters(), *self.v_head.parameters()], lr=LEARNING_RATE, fused=True)
@@ -467,6 +535,46 @@ class FloorPPO:
                 self._train_minibatch(queries, responses, order[start : start + self.mini_batch_size], old)
 
 
+class PackedFloorPPO(FloorPPO):
+    """The floor over packed mini-batches: each mini-batch is one row ``(1, N_total)`` of its rows'
+    tokens with position ids restarting per row, so no padding token is computed, and attends within
+    each row through trl_lite's packed attention - one varlen kernel call per layer on CUDA, sdpa per
+    row elsewhere: the attention of the packed step, so the two differ by overhead only."""
+
+    def _pack(self, queries, responses, rows):
+        from trl_lite.models.packed_attention import ROW_LENGTHS, rows_mask
+        from trl_lite.models.varlen_attention import packed_rows
+
+        seqs = [torch.cat([queries[i], responses[i]]) for i in rows]
+        lengths = [len(s) for s in seqs]
+        starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+        q_lens = torch.tensor([len(queries[i]) for i in rows])
+        r_lens = torch.tensor([len(responses[i]) for i in rows])
+        k = torch.arange(int(r_lens.max())).unsqueeze(0)
+        mask = k < r_lens.unsqueeze(1)
+        # Padded slots point at the last response-predicting position of their row: valid, and masked out.
+        positions = (starts + q_lens - 1).unsqueeze(1) + torch.minimum(k, r_lens.unsqueeze(1) - 1)
+        input_ids = torch.cat(seqs)
+        batch = {"positions": positions, "targets": input_ids[positions + 1], "mask": mask}
+        batch = {name: t.to(self.device) for name, t in batch.items()}
+        attention = packed_rows(lengths, self.device)
+        batch["model_inputs"] = {
+            "input_ids": input_ids.unsqueeze(0).to(self.device),
+            "position_ids": torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).to(self.device),
+            ROW_LENGTHS: attention,
+        }
+        mask_4d = rows_mask(attention, self.device)
+        if mask_4d is not None:
+            batch["model_inputs"]["attention_mask"] = mask_4d
+        return batch
+
+    def step(self, queries: list, responses: list, scores: list) -> None:
+        from trl_lite.models.packed_attention import attend_per_row
+
+        with attend_per_row([self.lm, self.ref]):
+            super().step(queries, responses, scores)
+
+
 def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtype):
     """Build the models for `method` and return a function `(queries, responses, scores) -> None`."""
     # Any workload named grpo-beta0* (the tests' smaller one too) is stepped like grpo-beta0.
@@ -474,6 +582,8 @@ def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtyp
         return make_grpo_beta0_step_fn(method, workload, device, dtype)
     if method in EXTRA_METHODS:
         raise ValueError(f"method {method!r} applies to the grpo-beta0 workload, not {workload.name!r}")
+    if method == PACKED_FLOOR and not packed_floor_supported(workload):
+        raise ValueError(f"method {PACKED_FLOOR!r} exists for the value-head workloads, not {workload.name!r}")
     if isinstance(workload, CriticFreeWorkload) and workload.advantage_estimator != "gae":
         return make_critic_free_step_fn(method, workload, device, dtype)
     if workload.name in CRITIC_WORKLOADS:
@@ -481,6 +591,8 @@ def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtyp
     lm = make_lm(workload, device, dtype)
     if method == "floor":
         return FloorPPO(lm, workload.mini_batch_size, workload.ppo_epochs).step
+    if method == PACKED_FLOOR:
+        return PackedFloorPPO(lm, workload.mini_batch_size, workload.ppo_epochs).step
     # Imported here so that `--methods floor` runs without trl_lite.
     from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 
@@ -843,7 +955,10 @@ def worker_main(spec_json: str) -> None:
     """Entry point of a measuring subprocess: build, then answer `step`, `profile`, `finish` lines."""
     spec = json.loads(spec_json)
     fields = spec.pop("workload")
-    kind = CriticFreeWorkload if "advantage_estimator" in fields else LongWorkload if "long_rows" in fields else Workload
+    kind = (
+        CriticFreeWorkload if "advantage_estimator" in fields else LongWorkload if "long_rows" in fields
+        else Qwen2Workload if "n_kv_head" in fields else Workload
+    )  # fmt: skip
     workload = kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
     runner = StepRunner(workload, **spec)
     print(RESULT_MARKER + json.dumps({"ready": True}), flush=True)
@@ -906,8 +1021,19 @@ def measure_workload(
         if method in tensor_peaks:
             result["tensor_peak_mb"] = tensor_peaks[method]
         result["gflops_per_s"] = flops / min(times[method]) / 1e9
+        result["tflops_per_s"] = result["gflops_per_s"] / 1e3
         results.append({**result, **finals[method]})
     return results
+
+
+def packed_floor_supported(workload: Workload) -> bool:
+    """Whether `floor-packed` exists for `workload`: the value-head PPO workloads (not the critic or critic-free ones)."""
+    return not isinstance(workload, CriticFreeWorkload) and workload.name not in CRITIC_WORKLOADS
+
+
+def methods_for(workload: Workload, methods) -> list:
+    """`methods` that exist for `workload` (`floor-packed` is left out where it does not)."""
+    return [m for m in methods if m != PACKED_FLOOR or packed_floor_supported(workload)]
 
 
 def run_benchmark(
@@ -920,7 +1046,7 @@ def run_benchmark(
     """
     results = []
     for workload in workloads:
-        for result in measure_workload(workload, list(methods), steps, warmup, device, dtype, tensor_peak):
+        for result in measure_workload(workload, methods_for(workload, methods), steps, warmup, device, dtype, tensor_peak):
             if peak_gflops:
                 result["peak_fraction"] = result["gflops_per_s"] / peak_gflops
             print(
@@ -939,7 +1065,8 @@ TABLE_COLUMNS = (
     ("min_s", "min s", ".4f", True),
     ("tokens_per_s", "tokens/s", ".0f", False),
     ("gflops_per_s", "GFLOP/s", ".1f", False),
-    ("peak_fraction", "x peak", ".3f", False),
+    ("tflops_per_s", "TFLOP/s", ".2f", False),
+    ("peak_fraction", "MFU (x peak)", ".3f", False),
     ("peak_mb", "peak MB", ".1f", True),
     ("tensor_peak_mb", "tensor peak MB", ".1f", True),
     ("rollout_passes", "passes w/o grad per step", ".1f", False),
@@ -950,10 +1077,14 @@ TABLE_COLUMNS = (
 def format_table(results: list) -> str:
     """A markdown table: one row per (workload, method), ratios against the floor of the same workload."""
     floors = {r["workload"]: r for r in results if r["method"] == "floor"}
+    # With the packed floor measured: the median time over it too (the same attention on both sides).
+    packed_floors = {r["workload"]: r for r in results if r["method"] == PACKED_FLOOR}
     titles, aligns = ["workload", "method"], ["---", "---"]
     for _, title, _, with_ratio in TABLE_COLUMNS:
         titles += [title, "x floor"] if with_ratio else [title]
         aligns += ["---:", "---:"] if with_ratio else ["---:"]
+    if packed_floors:
+        titles, aligns = titles + ["median x floor-packed"], aligns + ["---:"]
     lines = ["| " + " | ".join(titles) + " |", "| " + " | ".join(aligns) + " |"]
     for r in results:
         floor = floors.get(r["workload"])
@@ -962,17 +1093,27 @@ def format_table(results: list) -> str:
             cells.append(format(r[key], fmt) if key in r else "-")
             if with_ratio:
                 cells.append(f"{r[key] / floor[key]:.2f}" if floor and floor.get(key) and key in r else "-")
+        if packed_floors:
+            packed = packed_floors.get(r["workload"])
+            cells.append(f"{r['median_s'] / packed['median_s']:.2f}" if packed else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def describe_workloads(workloads: list) -> str:
     """One markdown bullet per workload with its shapes."""
+    def model(w: Workload) -> str:
+        if isinstance(w, Qwen2Workload):
+            return (f"Qwen2 {w.n_layer} x {w.n_embd} ({w.n_head} heads over {w.n_kv_head} key/value heads, "
+                    f"MLP {w.intermediate_size}, tied embeddings)")  # fmt: skip
+        return f"GPT-2 {w.n_layer} x {w.n_embd} ({w.n_head} heads)"
+
     return "\n".join(
-        f"- `{w.name}`: GPT-2 {w.n_layer} x {w.n_embd} ({w.n_head} heads), vocabulary {w.vocab_size}, "
+        f"- `{w.name}`: {model(w)}, vocabulary {w.vocab_size}, "
         f"batch {w.batch_size}, mini-batch {w.mini_batch_size}, {w.ppo_epochs} PPO epochs, "
         f"queries {w.query_len[0]}-{w.query_len[1]}, responses {w.response_len[0]}-{w.response_len[1]} tokens"
         + (f", {w.long_rows} of {w.long_len[0]}-{w.long_len[1]}" if isinstance(w, LongWorkload) else "")
+        + (f" ({w.response_spread})" if isinstance(w, Qwen2Workload) else "")
         + (f", {w.options}" if w.options != "{}" else "")
         for w in workloads
     )
@@ -1023,7 +1164,10 @@ def _int_at_least(minimum: int):
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", nargs="+", default=["w1", "w2", "sweep"], choices=sorted(WORKLOAD_GROUPS))
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + EXTRA_METHODS)
+    parser.add_argument(
+        "--methods", nargs="+", default=None, choices=(*METHODS, PACKED_FLOOR, *EXTRA_METHODS),
+        help=f"default: {' '.join(METHODS)}, and {PACKED_FLOOR} on cuda",
+    )  # fmt: skip
     parser.add_argument("--steps", type=_int_at_least(1), default=3, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=_int_at_least(0), default=1, help="untimed steps before timing")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -1033,7 +1177,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--peak-gflops", type=float, default=None,
-        help="the machine's matrix-product peak for the 'x peak' column (default: measured at start on CPU)",
+        help="the machine's matrix-product peak for the MFU ('x peak') column (default: measured at start on CPU "
+        "in fp32; on cuda the dense bf16 peak of an H100 SXM, 989 TFLOP/s)",
     )  # fmt: skip
     parser.add_argument(
         "--no-tensor-peak", action="store_true",
@@ -1045,6 +1190,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.device == "cuda" and not args.worker and not torch.cuda.is_available():
         parser.error("--device cuda was given but torch.cuda.is_available() is False")
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    args.methods = args.methods or [*METHODS, *([PACKED_FLOOR] if args.device == "cuda" else [])]
     return args
 
 
@@ -1121,10 +1267,12 @@ def main(argv=None) -> None:
     workloads = [w for group in args.workloads for w in WORKLOAD_GROUPS[group]()]
     machine = machine_description(args.device)
     peak = args.peak_gflops
+    source = "given"
     if peak is None and args.device == "cpu" and args.dtype == "fp32":
-        peak = matmul_peak_gflops()
+        peak, source = matmul_peak_gflops(), "measured at start: best 1536^3 fp32 product"
+    elif peak is None and args.device == "cuda":
+        peak, source = H100_BF16_PEAK_GFLOPS, "dense bf16 peak of an H100 SXM, the default on cuda"
     if peak:
-        source = "given" if args.peak_gflops else "measured at start: best 1536^3 fp32 product"
         machine += f"; matmul peak {peak:.0f} GFLOP/s ({source})"
     print(f"machine: {machine}", flush=True)
     results = run_benchmark(workloads, args.methods, args.steps, args.warmup, args.device, args.dtype, peak, not args.no_tensor_peak)

@@ -1,5 +1,6 @@
 """Keeps `benchmarks/bench_step.py` working: the floor's arithmetic, its pass count, and a 1-step run."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -7,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import trl_lite.models.packed_attention as packed_attention
 
 BENCH_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_step.py"
 _spec = importlib.util.spec_from_file_location("bench_step", BENCH_PATH)
@@ -108,26 +111,76 @@ def test_one_step_benchmark_reports_step_and_floor(tmp_path):
     assert "## cpu fp32: other\n\nkept" in text and "| tiny | step |" in text
 
 
-def test_needed_flops_match_torch_flop_counter_on_each_row_alone():
+# w4 shrunken: a Qwen2 with w4's head grouping (14 query heads over 2 key/value heads), tied embeddings
+# and spread of response lengths, small enough for the CPU.
+TINY_W4 = dataclasses.replace(
+    bench.W4, name="tiny-w4", n_layer=2, n_embd=56, intermediate_size=64, vocab_size=97, batch_size=4,
+    mini_batch_size=2, ppo_epochs=2, query_len=(4, 8), response_len=(4, 16),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("workload", [TINY, TINY_W4], ids=["gpt2", "qwen2"])
+def test_needed_flops_match_torch_flop_counter_on_each_row_alone(workload):
     # torch's FlopCounterMode counts the matrix products of a forward + backward of each row alone
     # (eager attention: the full T x T scores, where the needed work is the causal half).
     from torch.utils.flop_counter import FlopCounterMode
 
-    lm = bench.make_lm(TINY, "cpu", torch.float32)
+    lm = bench.make_lm(workload, "cpu", torch.float32)
     lm.set_attn_implementation("eager")
-    v_head = torch.nn.Linear(TINY.n_embd, 1)
-    d, layers, epochs = TINY.n_embd, TINY.n_layer, TINY.ppo_epochs
+    v_head = torch.nn.Linear(workload.n_embd, 1)
+    d, layers, epochs = workload.n_embd, workload.n_layer, workload.ppo_epochs
     expected = 0.0
-    for q, r in zip(*bench.make_batch(TINY)[:2]):
+    for q, r in zip(*bench.make_batch(workload)[:2]):
         ids, t = torch.cat((q, r)).unsqueeze(0), len(q) + len(r)
         with FlopCounterMode(display=False) as counter:
-            hidden = lm.transformer(input_ids=ids, use_cache=False).last_hidden_state
+            hidden = lm.base_model(input_ids=ids, use_cache=False).last_hidden_state
             logits = lm.lm_head(hidden[0, len(q) - 1 : t - 1])
             (logits.sum() + v_head(hidden).sum()).backward()
         forward = counter.get_total_flops() / 3  # a backward is two forwards' products
         forward -= layers * (4 * d * t * t - 2 * d * t * (t + 1))  # full scores -> causal half
         expected += (2 + 3 * epochs) * forward  # policy + reference rollout, epochs x (forward + backward)
-    assert bench.needed_flops(TINY) == pytest.approx(expected, rel=1e-9)
+    assert bench.needed_flops(workload) == pytest.approx(expected, rel=1e-9)
+
+
+def test_w4_is_the_qwen2_half_billion_shape_with_rlhf_lengths():
+    # Built on the meta device: the shape only. Qwen2-0.5B has 494,032,768 parameters (embeddings tied).
+    with torch.device("meta"):
+        lm = bench.make_lm(bench.W4, "meta", torch.bfloat16)
+    assert sum(p.numel() for p in lm.parameters()) == 494_032_768
+    config = lm.config
+    assert (config.num_attention_heads, config.num_key_value_heads, config.tie_word_embeddings) == (14, 2, True)
+    assert bench.W4.batch_size == 64 and bench.W4.mini_batch_size == 16 and bench.W4.ppo_epochs == 2
+    queries, responses, _ = bench.make_batch(bench.W4)
+    q_lens, r_lens = [len(q) for q in queries], sorted(len(r) for r in responses)
+    assert 64 <= min(q_lens) and max(q_lens) <= 256 and 64 <= r_lens[0] and r_lens[-1] <= 1024
+    # Log-uniform: about as many responses below 256 tokens (the geometric middle) as above.
+    assert 20 <= sum(n < 256 for n in r_lens) <= 44 and r_lens[-1] > 700
+
+
+def test_the_packed_floor_gives_the_padded_floors_logprobs_and_values():
+    lm = bench.make_lm(TINY_W4, "cpu", torch.float32)
+    padded, packed = bench.FloorPPO(lm, 2, 1), bench.PackedFloorPPO(lm, 2, 1)
+    queries, responses, _ = bench.make_batch(TINY_W4)
+    rows = [2, 0, 3]
+    with torch.no_grad():
+        want = bench.response_logprobs(lm, padded._pack(queries, responses, rows), padded.v_head)
+        with packed_attention.attend_per_row([lm]):
+            got = bench.response_logprobs(lm, packed._pack(queries, responses, rows), padded.v_head)
+    mask = padded._pack(queries, responses, rows)["mask"]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a * mask, b * mask, rtol=1e-5, atol=1e-5)
+
+
+def test_one_step_of_shrunken_w4_with_every_method():
+    methods = (*bench.METHODS, bench.PACKED_FLOOR)
+    results = bench.run_benchmark([TINY_W4], methods, steps=1, warmup=0, peak_gflops=1.0, tensor_peak=False)
+    assert [r["method"] for r in results] == list(methods)
+    for r in results:
+        assert math.isfinite(r["median_s"]) and r["median_s"] > 0 and r["tflops_per_s"] > 0
+        assert r["peak_fraction"] == pytest.approx(r["gflops_per_s"] / 1.0)
+    table = bench.format_table(results)
+    assert "median x floor-packed" in table and "| tiny-w4 | floor-packed |" in table and "MFU (x peak)" in table
+    assert "Qwen2 2 x 56 (14 heads over 2 key/value heads" in bench.describe_workloads([TINY_W4])
 
 
 def test_critic_floor_trains_policy_and_critic_apart():
@@ -193,3 +246,13 @@ def test_long_workloads_hold_a_few_long_rows_and_a_budget_of_the_longest():
     assert len(q) + len(r) == options["max_tokens_per_minibatch"]
     small = bench.WORKLOAD_GROUPS["long-small"]()
     assert [w.n_layer for w in small] == [2] * 4 and json.loads(small[2].options)["max_tokens_per_minibatch"] == 4 + 512
+
+
+def test_the_packed_floor_is_left_out_where_it_does_not_exist():
+    methods = (*bench.METHODS, bench.PACKED_FLOOR)
+    assert bench.methods_for(TINY_W4, methods) == list(methods)
+    assert bench.methods_for(bench.GRPO_W1, methods) == list(bench.METHODS)
+    assert bench.methods_for(bench.CRITIC_WORKLOADS["critic"], methods) == list(bench.METHODS)
+    with pytest.raises(ValueError, match="'floor-packed' exists for the value-head workloads, not 'grpo-w1'"):
+        bench.make_step_fn(bench.PACKED_FLOOR, bench.GRPO_W1, "cpu", torch.float32)
+    assert bench.parse_args(["--device", "cpu"]).methods == list(bench.METHODS)

@@ -301,8 +301,18 @@ def rollout(generate, tokenizer, batch: dict, rewards_of, length_sampler, gen_kw
         return_logprobs=engine_logprobs, **gen_kwargs,
     )  # fmt: skip
     response_tensors, logprobs = generated if engine_logprobs else (generated, None)
+    # To the host at once: decoding reads every row there, and step() moves the batch in one copy.
+    response_tensors = on_host(response_tensors)
+    logprobs = on_host(logprobs) if logprobs is not None else None
     rewards = rewards_of(decode_pairs(tokenizer, query_tensors, response_tensors))
     return {"queries": query_tensors, "responses": response_tensors, "scores": rewards, "generation_logprobs": logprobs}
+
+
+def on_host(rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """1-D tensors of one dtype on the host, moved in one copy when they are on a device (one sync, not one per row)."""
+    if not rows or all(r.device.type == "cpu" for r in rows):
+        return list(rows)
+    return list(torch.cat([r.to(rows[0].device) for r in rows]).cpu().split([len(r) for r in rows]))
 
 
 def step_and_log(trainer: PPOTrainer, arguments: dict) -> tuple:

@@ -31,7 +31,11 @@ def ends_with_stop(responses: Sequence[torch.Tensor], stop_token_ids: int | Sequ
     device = responses[0].device
     # -1 is no token id, so an empty response never matches.
     last = torch.cat([r[-1:] if r.numel() else r.new_full((1,), -1) for r in responses]).to(device)
-    return torch.isin(last, torch.tensor(ids, device=device, dtype=last.dtype))
+    # Compared with each id as a Python number: no tensor of ids to copy to the device.
+    ends = last == ids[0]
+    for stop in ids[1:]:
+        ends |= last == stop
+    return ends
 
 
 def missing_eos_penalty(scores: torch.Tensor, ends_with_eos: torch.Tensor, penalty: float) -> torch.Tensor:

@@ -9,10 +9,17 @@ GPUs without flash attention, :func:`packed_sdpa_attention_forward` does the sam
 causal sdpa on each row's slice of the queries, keys and values.
 
 It is registered with transformers under :data:`PACKED_SDPA`, and :func:`attend_per_row` switches
-models to it for a block of passes. The row lengths reach it as the forward keyword
-:data:`ROW_LENGTHS` (host ints: no device sync per layer). Without that keyword (a padded pass, or
-a model whose layers drop unknown keywords) it is plain sdpa with the mask it is given: for packed
-rows the block-diagonal one, slower but the same result.
+models to it for a block of passes. The rows reach it as the forward keyword :data:`ROW_LENGTHS`
+(a :class:`~.varlen_attention.PackedRows`, or a tuple of host ints: no device sync per layer). On
+CUDA with 16-bit inputs it attends with one varlen kernel call per layer instead of one sdpa call
+per row (:mod:`.varlen_attention`); elsewhere row by row, on CUDA with cuDNN attention excluded.
+Without that keyword (a padded pass, or a model whose layers drop unknown keywords) it is plain
+sdpa with the mask it is given: for packed rows the block-diagonal one, slower but the same result.
+
+On CUDA a packed pass also hands its model :func:`rows_mask` as ``attention_mask``: a 4-D
+placeholder that transformers' mask utilities pass through untouched. Without it they detect
+packed rows from the position ids and read the result on the host (``find_packed_sequence_indices``
+in ``transformers.masking_utils``): one device sync per model call.
 
 The mask function registered beside it (:func:`packed_sdpa_mask`) does not build the
 block-diagonal ``(1, 1, N, N)`` mask of a packed pass, which the per-row attention never reads
@@ -23,12 +30,15 @@ block-diagonal ``(1, 1, N, N)`` mask of a packed pass, which the per-row attenti
 from __future__ import annotations
 
 import inspect
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from . import varlen_attention
+from .varlen_attention import PackedRows, announce, varlen_unsupported
 
 PACKED_SDPA = "trl_lite_packed_sdpa"
 ROW_LENGTHS = "packed_row_lengths"
@@ -60,26 +70,69 @@ def packed_sdpa_mask(batch_size: int, q_length: int, kv_length: int, attention_m
 
 
 def packed_sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs):
-    """sdpa over each packed row alone when ``kwargs[ROW_LENGTHS]`` is given, else plain sdpa.
+    """Attention within each packed row when ``kwargs[ROW_LENGTHS]`` is given, else plain sdpa.
 
     ``query``/``key``/``value``: ``(1, heads, N_total, head_dim)`` for packed rows; the rows'
-    lengths sum to ``N_total``. Returns ``((1, N_total, heads, head_dim), None)`` like sdpa.
+    lengths sum to ``N_total``. One varlen kernel call where :func:`~.varlen_attention.varlen_unsupported`
+    allows it, else causal sdpa on each row's slice. Returns ``((1, N_total, heads, head_dim), None)``
+    like sdpa.
     """
-    lengths = kwargs.pop(ROW_LENGTHS, None)
+    rows = kwargs.pop(ROW_LENGTHS, None)
+    if rows is None:
+        rows = getattr(attention_mask, _ROWS_ATTRIBUTE, None)
+    if isinstance(rows, (tuple, list)):
+        rows = PackedRows(tuple(rows), max(rows))
     packed = (
-        lengths is not None
+        rows is not None
         and query.shape[0] == 1
-        and query.shape[2] == key.shape[2] == sum(lengths)
+        and query.shape[2] == key.shape[2] == rows.total
         and getattr(module, "is_causal", True)
     )
     if not packed:
         if isinstance(attention_mask, DeferredMask):
             attention_mask = attention_mask.build()
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    reason = varlen_unsupported(query, rows, module, kwargs)
+    announce("per-row" if reason else "varlen", reason, query.device.type)
+    if reason is None:
+        return varlen_attention.varlen_attention(query, key, value, rows, kwargs.get("scaling")), None
     kwargs["is_causal"] = True
+    lengths = list(rows.lengths)
     pieces = zip(query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2))
-    outputs = [sdpa_attention_forward(module, q, k, v, None, **kwargs)[0] for q, k, v in pieces]
+    with _without_cudnn(query):
+        outputs = [sdpa_attention_forward(module, q, k, v, None, **kwargs)[0] for q, k, v in pieces]
     return torch.cat(outputs, dim=1), None
+
+
+def _without_cudnn(query: torch.Tensor):
+    """On CUDA, sdpa without its cuDNN backend (which compiles a graph for every new row length);
+    elsewhere nothing changes."""
+    if query.device.type != "cuda":
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+_ROWS_ATTRIBUTE = "_trl_lite_packed_rows"
+
+
+def rows_mask(rows: PackedRows, device) -> torch.Tensor | None:
+    """The ``attention_mask`` a packed pass on ``device`` hands a model switched by :func:`attend_per_row`, or None.
+
+    On a device of the varlen kernel (CUDA): a ``(1, 1, N_total, N_total)`` uint8 tensor of zero
+    strides (one byte of memory, never read) carrying ``rows``. transformers returns a 4-D mask as it is, so
+    it skips its packed-sequence detection (a host read of a device value per model call), and
+    :func:`packed_sdpa_attention_forward` reads the rows from it even if a layer drops
+    :data:`ROW_LENGTHS`. uint8 is no mask dtype sdpa accepts: should any other attention get it, it
+    fails instead of attending everywhere. Elsewhere None (the model builds its mask as before).
+    """
+    device = torch.device(device)
+    if device.type not in varlen_attention.KERNEL.device_types:
+        return None
+    mask = torch.empty((), dtype=torch.uint8, device=device).expand(1, 1, rows.total, rows.total)
+    setattr(mask, _ROWS_ATTRIBUTE, rows)
+    return mask
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention_forward)

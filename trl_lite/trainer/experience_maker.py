@@ -30,6 +30,7 @@ from .forward import ForwardPass
 from .rollout_plan import EVERY_PASS, RolloutPlan
 from .rows import to_device
 from .step_inputs import scores_tensor
+from .transfer import batch_to_device
 
 
 class ExperienceMaker:
@@ -80,7 +81,9 @@ class ExperienceMaker:
 
         # Sections 14 and 2: the rollout's penalties, then scaling and clipping
         lengths = to_device([len(r) for r in batch.responses], self.device)
-        ends_with_eos = core.ends_with_stop(batch.responses, self.eos_ids).to(self.device) if self.eos_ids else None
+        ends_with_eos = core.ends_with_stop(batch.responses, self.eos_ids) if self.eos_ids else None
+        # The batch's tensors reach the device in one copy (see transfer.py for every sync of a step).
+        batch, ends_with_eos = batch_to_device(batch, self.device, ends_with_eos)
         scores = self.shape_scores(scores_tensor(batch.scores, self.device), lengths, ends_with_eos)
 
         # Section 3: forward passes without grad, and section 15: the gap to the generating engine

@@ -18,7 +18,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from ..core import full_kl_from_logits, logprobs_from_hidden, logprobs_from_logits
 from ..models import PreTrainedModelWrapper
-from ..models.packed_attention import ROW_LENGTHS, attend_per_row, takes_row_lengths
+from ..models.packed_attention import ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths
+from ..models.varlen_attention import packed_rows
 from .rows import InputLayout, Rows, at_positions, make_rows, to_compact, to_device
 from .token_budget import split_by_tokens
 
@@ -202,10 +203,16 @@ class ForwardPass:
         if lm_head_inputs:
             inputs["return_lm_head_inputs"] = True
         if packed:
-            lengths = tuple(len(rows.sequences[i]) for i in index)
+            # Built once for the pass and shared by its layers and the critic's: the offsets of the
+            # varlen kernel (one host-to-device copy) and, on CUDA, the mask that spares transformers'
+            # packed-row detection its host read (see models.packed_attention.rows_mask).
+            attention_rows = packed_rows((len(rows.sequences[i]) for i in index), self.device)
+            mask = rows_mask(attention_rows, self.device)
             for module, module_inputs in ((model, inputs), (critic, critic_inputs)):
                 if id(module) in self.row_attention:
-                    module_inputs[ROW_LENGTHS] = lengths
+                    module_inputs[ROW_LENGTHS] = attention_rows
+                    if mask is not None:
+                        module_inputs["attention_mask"] = mask
         outputs, _, values = model(**inputs, return_values=return_values and critic is None)
         if critic is not None:
             values = critic(**critic_inputs)

@@ -30,6 +30,7 @@ from .experience import Experience, Minibatch
 from .forward import ForwardPass
 from .pass_plan import PassPlan, combine_pass_stats, plan_epoch
 from .rows import to_compact, to_device
+from .transfer import Selected
 
 _POLICY_STAT_KEYS = (
     "loss/policy", "loss/total", "policy/entropy", "policy/approxkl", "policy/policykl",
@@ -130,8 +131,9 @@ class Learner:
             keys = self.stat_keys(experience.kl_in_loss) + (("loss/ptx",) if experience.ptx is not None else ())
             stacked = {k: torch.tensor(float("nan")) for k in keys}
         stats = {f"ppo/{k}": v for k, v in stacked.items()}
-        # The trained tokens' ratios, selected once for the whole step (a boolean selection syncs the host).
-        stats["ppo/policy/ratio"] = torch.cat(ratios)[torch.cat(masks).bool()] if ratios else torch.zeros(0)
+        # The trained tokens' ratios, selected on the host with the step's statistics (a boolean
+        # selection on the device would read its size back: one sync).
+        stats["ppo/policy/ratio"] = Selected(torch.cat(ratios), torch.cat(masks).bool()) if ratios else torch.zeros(0)
         stats["ppo/skipped_minibatches"] = torch.tensor(float(self.skipped_minibatches - skipped_before))
         if experience.kl_in_loss and experience.ref_logprobs is None:
             stats["ppo/policy/kl_loss"] = torch.tensor(float("nan"))  # its coefficient is 0: not measured

@@ -53,8 +53,21 @@ def padded_masks(response_masks: list[torch.Tensor] | None, device) -> torch.Ten
 
 
 def count_actions(responses: list[torch.Tensor], response_masks: list[torch.Tensor] | None, shift: int) -> int:
-    """Action tokens of a batch (see :func:`action_mask`), counted on the host."""
-    return int(action_mask([len(r) for r in responses], padded_masks(response_masks, "cpu"), shift).sum())
+    """Action tokens of a batch (see :func:`action_mask`): response tokens ``2 * shift ..`` with mask 1.
+
+    Without masks from the host lengths alone; with masks one read per device they are on.
+    """
+    if response_masks is None:
+        return sum(max(len(r) - 2 * shift, 0) for r in responses)
+    return sum(int(flat.sum()) for flat in concat_by_device([m[2 * shift :] for m in response_masks]))
+
+
+def concat_by_device(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` flattened and concatenated, one 1-D tensor per device they are on (in first-seen order)."""
+    by_device = {}
+    for tensor in tensors:
+        by_device.setdefault(tensor.device, []).append(tensor.reshape(-1))
+    return [torch.cat(parts) for parts in by_device.values()]
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import torch
 from accelerate.utils import gather_object
 
 from ..core import groups_with_equal_scores, masked_mean, stats_to_np
+from .transfer import Selected, stack_scalars, to_host_together
 
 # Statistics that are distributions (1-D arrays): concatenated over processes instead of averaged.
 _DIST_STATS = (
@@ -92,17 +93,17 @@ class StepStatistics:
             kl = {
                 "objective/kl": kl_per_row.mean(),
                 "objective/kl_dist": kl_per_row,
-                "objective/ref_logprobs": experience.ref_logprobs[is_action],
+                "objective/ref_logprobs": Selected(experience.ref_logprobs, is_action),
             }
         return {
             **kl,
-            "objective/logprobs": experience.logprobs[is_action],
+            "objective/logprobs": Selected(experience.logprobs, is_action),
             "objective/kl_coef": torch.tensor(experience.kl_coef),
             "objective/entropy": (-experience.logprobs * mask).sum(-1).mean(),
             "ppo/mean_non_score_reward": masked_mean(experience.non_score_reward, mask),
             "ppo/mean_scores": scores.mean(),
             "ppo/std_scores": scores.std() if len(scores) > 1 else torch.tensor(0.0),
-            "ppo/policy/advantages": experience.advantages[is_action],
+            "ppo/policy/advantages": Selected(experience.advantages, is_action),
             "tokens/queries_len_mean": query_len.mean(),
             "tokens/queries_len_std": query_len.std() if len(rows) > 1 else torch.tensor(0.0),
             "tokens/queries_dist": query_len,
@@ -141,16 +142,19 @@ class StepStatistics:
 
         Scalars are averaged, except those of ``_MIN_STATS``/``_MAX_STATS`` (the extreme over
         processes) and ``_RATIO_STATS`` (numerators and denominators summed, then divided);
-        the distributions of ``_DIST_STATS`` are concatenated.
+        the distributions of ``_DIST_STATS`` are concatenated. Everything comes back to the host in
+        one copy (:func:`~.transfer.to_host_together`), the step's one statistics sync.
         """
         accelerator = self.accelerator
         device = self.device
         scalar_keys = [k for k in stats if k not in _DIST_STATS and k not in _RATIO_STATS]
         ratio_keys = [k for k in _RATIO_STATS if k in stats]
-        scalars = torch.stack([torch.as_tensor(stats[k], dtype=torch.float32, device=device) for k in scalar_keys])
+        scalars = stack_scalars([stats[k] for k in scalar_keys], device)
         ratios = torch.stack([stats[k].to(device, torch.float32) for k in ratio_keys]) if ratio_keys else None
-        dists = {k: stats[k].float().flatten().to(device) for k in _DIST_STATS if k in stats}
+        dists = {k: stats[k] for k in _DIST_STATS if k in stats}
         if accelerator.num_processes > 1:
+            dists = {k: (v.values[v.mask] if isinstance(v, Selected) else v).float().flatten().to(device)
+                     for k, v in dists.items()}  # fmt: skip
             # One summed reduction for means and ratio parts, one max reduction for the extremes
             # (a minimum is the negated maximum of the negated values).
             n_scalars = len(scalar_keys)
@@ -161,7 +165,7 @@ class StepStatistics:
                 ratios = summed[n_scalars:].reshape(ratios.shape)
             sign = torch.tensor([-1.0 if k in _MIN_STATS else 1.0 for k in scalar_keys], device=device)
             extreme = torch.tensor([k in _MIN_STATS or k in _MAX_STATS for k in scalar_keys], device=device)
-            if extreme.any():
+            if any(k in _MIN_STATS or k in _MAX_STATS for k in scalar_keys):
                 extremes = accelerator.reduce(scalars * sign, reduction="max") * sign
                 scalars = torch.where(extreme, extremes, means)
             else:
@@ -170,10 +174,20 @@ class StepStatistics:
                 padded = accelerator.pad_across_processes(value, dim=0, pad_index=float("nan"))
                 gathered = accelerator.gather(padded)
                 dists[key] = gathered[~torch.isnan(gathered)]
-        out = dict(zip(scalar_keys, scalars.cpu().tolist()))
-        if ratios is not None:
-            out.update(zip(ratio_keys, (ratios[:, 0] / ratios[:, 1]).cpu().tolist()))
-        out.update(stats_to_np(dists))
+        ratio_values = ratios[:, 0] / ratios[:, 1] if ratios is not None else scalars.new_zeros(0)
+        parts = [scalars, ratio_values]
+        for value in dists.values():
+            pair = (value.values, value.mask) if isinstance(value, Selected) else (value,)
+            parts += [t.float().flatten().to(device) for t in pair]
+        host = iter(part.numpy() for part in to_host_together(parts))
+        out = dict(zip(scalar_keys, next(host).tolist()))
+        out.update(zip(ratio_keys, next(host).tolist()))
+        distributions = {}
+        for key, value in dists.items():
+            distributions[key] = next(host)
+            if isinstance(value, Selected):
+                distributions[key] = distributions[key][next(host).astype(bool)]
+        out.update(stats_to_np(distributions))
         return out
 
     def log(self, step: int, stats: dict, batch: dict, rewards, columns_to_log=("query", "response")) -> None:
@@ -198,20 +212,21 @@ class StepStatistics:
                     f"missing {missing}, batch has {list(batch)}."
                 )
         rewards = torch.stack([torch.as_tensor(r, dtype=torch.float32) for r in rewards]).to(self.device)
-        rewards = self.accelerator.gather(rewards.reshape(-1))
+        # Gathered on the device, then read back once.
+        rewards = self.accelerator.gather(rewards.reshape(-1)).cpu()
         logs = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
         logs["env/reward_mean"] = rewards.mean().item()
         logs["env/reward_std"] = rewards.std().item() if rewards.numel() > 1 else 0.0
         if config.log_with != "tensorboard":
             # An array that was not measured (all NaN, docs/algorithm.md section 8) makes no histogram.
             logs.update({k: v for k, v in stats.items() if isinstance(v, np.ndarray) and not (v.size and np.isnan(v).all())})
-            logs["env/reward_dist"] = rewards.cpu().numpy()
+            logs["env/reward_dist"] = rewards.numpy()
         self.accelerator.log(logs, step=step)
         if table_due:
             # Collective: every process sends its rows, in process order like the gathered rewards.
             columns = [gather_object([_cell(v) for v in batch[c]]) for c in columns_to_log]
             if self.accelerator.is_main_process:
-                rows = [[*cells, reward] for cells, reward in zip(zip(*columns), rewards.cpu().tolist())]
+                rows = [[*cells, reward] for cells, reward in zip(zip(*columns), rewards.tolist())]
                 self._log_completions(step, [*columns_to_log, "reward"], rows, to_tensorboard=every is not None)
 
     def _log_completions(self, step: int, header: list, rows: list, to_tensorboard: bool) -> None:

@@ -14,9 +14,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..models import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, ValueModel
 from ..models.modeling_base import is_peft_model
-from .ppo_config import PPOConfig
 from .forward import packing_unsupported
-from .rows import count_actions
+from .ppo_config import PPOConfig
+from .rows import concat_by_device, count_actions
 
 SUPPORTED_MODELS = (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead)
 # Estimators whose baseline comes from the other responses to the same query.
@@ -222,16 +222,15 @@ def validate_step_inputs(
                 raise TypeError(f"{name}[{i}] must hold integer token ids, got dtype {seq.dtype}.")
             if seq.numel() == 0:
                 raise ValueError(f"{name}[{i}] is empty; every query and response needs at least 1 token.")
-        if vocab_size is not None:
-            lows = torch.stack([s.min() for s in seqs]).cpu()
-            highs = torch.stack([s.max() for s in seqs]).cpu()
-            bad = ((lows < 0) | (highs >= vocab_size)).nonzero()
-            if len(bad):
-                i = int(bad[0])
-                raise ValueError(
-                    f"{name}[{i}] holds token ids outside [0, {vocab_size}) (the model's vocabulary): "
-                    f"min {int(lows[i])}, max {int(highs[i])}."
-                )
+        if vocab_size is not None and not _all_hold(seqs, lambda flat: (flat >= 0) & (flat < vocab_size)):
+            lows = torch.stack([s.min().cpu() for s in seqs])
+            highs = torch.stack([s.max().cpu() for s in seqs])
+            i = int(((lows < 0) | (highs >= vocab_size)).nonzero()[0])
+            raise ValueError(
+                f"{name}[{i}] holds token ids outside [0, {vocab_size}) (the model's vocabulary): "
+                f"min {int(lows[i])}, max {int(highs[i])}."
+            )
+    score_tensors = []
     for i, score in enumerate(scores):
         if isinstance(score, bool) or not isinstance(score, (torch.Tensor, int, float, np.number, np.ndarray)):
             raise TypeError(f"scores[{i}] must be a number or a 0-d tensor, got {type(score).__name__}.")
@@ -241,8 +240,10 @@ def validate_step_inputs(
             raise ValueError(
                 f"scores[{i}] must be one number: a float, a 0-d tensor or a 1-element 1-D tensor, got shape {tuple(score_t.shape)}."
             )
-        if not torch.isfinite(score_t.float()).all():
-            raise ValueError(f"scores[{i}] must be finite, got {score_t.item()}.")
+        score_tensors.append(score_t.float())
+    if not _all_hold(score_tensors, torch.isfinite):
+        i = next(i for i, t in enumerate(score_tensors) if not torch.isfinite(t).all())
+        raise ValueError(f"scores[{i}] must be finite, got {score_tensors[i].item()}.")
     if response_masks is not None:
         if not isinstance(response_masks, (list, tuple)) or len(response_masks) != n:
             given = len(response_masks) if isinstance(response_masks, (list, tuple)) else type(response_masks).__name__
@@ -254,8 +255,9 @@ def validate_step_inputs(
                 raise ValueError(
                     f"response_masks[{i}] must have the shape of responses[{i}], {tuple(r.shape)}, got {tuple(m.shape)}."
                 )
-            if not ((m == 0) | (m == 1)).all():
-                raise ValueError(f"response_masks[{i}] must hold only 0 and 1, got values {m.unique().tolist()}.")
+        if not _all_hold(response_masks, lambda flat: (flat == 0) | (flat == 1)):
+            i = next(i for i, m in enumerate(response_masks) if not ((m == 0) | (m == 1)).all())
+            raise ValueError(f"response_masks[{i}] must hold only 0 and 1, got values {response_masks[i].unique().tolist()}.")
     n_actions = count_actions(responses, response_masks, shift=1 if is_encoder_decoder else 0)
     if n_actions < 2:
         raise ValueError(
@@ -265,8 +267,16 @@ def validate_step_inputs(
         )
 
 
+def _all_hold(tensors: list, check) -> bool:
+    """Whether ``check`` (elementwise, to booleans) holds for every value of ``tensors``: one read of
+    the host per device the tensors are on (one when they share it), however many rows there are."""
+    return all(bool(check(flat).all()) for flat in concat_by_device(tensors))
+
+
 def scores_tensor(scores, device) -> torch.Tensor:
-    """A list of B scalars (numbers or 0-d tensors) as a float32 ``(B,)`` tensor on ``device``."""
+    """A list of B scalars (numbers or 0-d tensors), or a ``(B,)`` tensor, as a float32 ``(B,)`` tensor on ``device``."""
+    if isinstance(scores, torch.Tensor):
+        return scores.to(device=device, dtype=torch.float32).reshape(-1)
     return torch.stack([torch.as_tensor(s, dtype=torch.float32).to(device).reshape(()) for s in scores])
 
 
@@ -287,11 +297,16 @@ def validate_generation_logprobs(generation_logprobs, responses) -> None:
             raise ValueError(
                 f"generation_logprobs[{i}] must have the shape of responses[{i}], {tuple(r.shape)}, got {tuple(lp.shape)}."
             )
-        if not torch.isfinite(lp).all() or (lp > 1e-4).any():
-            raise ValueError(
-                f"generation_logprobs[{i}] must hold finite log-probabilities (<= 0), got values in "
-                f"[{lp.min().item()}, {lp.max().item()}]."
-            )
+
+    def log_probability(flat):
+        return torch.isfinite(flat) & (flat <= 1e-4)
+
+    if not _all_hold([lp.float() for lp in generation_logprobs], log_probability):
+        i, lp = next((i, lp) for i, lp in enumerate(generation_logprobs) if not log_probability(lp.float()).all())
+        raise ValueError(
+            f"generation_logprobs[{i}] must hold finite log-probabilities (<= 0), got values in "
+            f"[{lp.min().item()}, {lp.max().item()}]."
+        )
 
 
 def validate_ptx_inputs(ptx_inputs, config, is_encoder_decoder: bool, vocab_size: int) -> None:
