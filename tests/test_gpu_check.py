@@ -170,6 +170,8 @@ def test_the_sync_budget_is_per_training_minibatch():
     assert gpu_check.sync_verdict(50, 2) == ("FAIL", 25.0)  # the H100 run of 2026-11-26
     assert gpu_check.sync_verdict(4, 2) == ("PASS", 2.0)
     assert gpu_check.sync_verdict(5, 2) == ("FAIL", 2.5)
+    assert gpu_check.sync_verdict(5, 2, per_step=1) == ("PASS", 2.0)  # a step's own sync set aside
+    assert gpu_check.sync_verdict(50, 2, per_step=1) == ("FAIL", 24.5)
 
 
 def test_demo_seconds_per_step_is_the_median_after_the_warmup_steps():
