@@ -171,6 +171,18 @@ def test_two_processes_take_the_step_of_one_process_on_the_global_batch(tmp_path
         assert a["stats"][key] == pytest.approx(b["stats"][key], rel=1e-4, abs=1e-6), key
 
 
+def _global_token_mean_runs(runs: dict, tmp_path) -> dict:
+    """``{name: (accelerate config, processes, script args)}`` -> each run's ``result.pt`` of
+    ``global_token_mean_step.py``."""
+    results = {}
+    for name, (config, processes, args) in runs.items():
+        out = tmp_path / name
+        out.mkdir()
+        launch(config, SCRIPTS / "global_token_mean_step.py", "--output_dir", str(out), *args, num_processes=processes)
+        results[name] = torch.load(out / "result.pt")
+    return results
+
+
 def test_global_token_mean_takes_the_same_step_on_two_processes_as_on_one(tmp_path):
     """loss_type='global_token_mean' (and the entropy bonus) with unequal token counts per process: DDP and
     ZeRO-3 (2 x mini-batch 2 x accumulation 2) and ZeRO-2 (2 x mini-batch 4) take the step of 1 process
@@ -181,12 +193,7 @@ def test_global_token_mean_takes_the_same_step_on_two_processes_as_on_one(tmp_pa
         "zero2": ("deepspeed_zero2", 2, ("--mini_batch_size", "4")),
         "zero3": ("deepspeed_zero3", 2, ("--mini_batch_size", "2", "--gradient_accumulation_steps", "2")),
     }
-    results = {}
-    for name, (config, processes, args) in runs.items():
-        out = tmp_path / name
-        out.mkdir()
-        launch(config, SCRIPTS / "global_token_mean_step.py", "--output_dir", str(out), *args, num_processes=processes)
-        results[name] = torch.load(out / "result.pt")
+    results = _global_token_mean_runs(runs, tmp_path)
     start = {k: p.detach().to(torch.float64) for k, p in make_gpt2(seed=0).named_parameters()}
     want = results["one"]["named_parameters"]
     assert max((want[k] - start[k]).abs().max().item() for k in want) > 1e-3  # the step moved the weights
@@ -206,12 +213,7 @@ def test_token_budget_passes_line_up_and_take_the_step_of_one_process(tmp_path):
     split = ("--mini_batch_size", "2", "--gradient_accumulation_steps", "2", "--max_tokens_per_minibatch", "16")
     runs = {"one": ("single_gpu", 1, ("--mini_batch_size", "8")), "zero2": ("deepspeed_zero2", 2, split),
             "zero3": ("deepspeed_zero3", 2, split), "ddp": ("multi_gpu", 2, split)}  # fmt: skip
-    results = {}
-    for name, (config, processes, args) in runs.items():
-        out = tmp_path / name
-        out.mkdir()
-        launch(config, SCRIPTS / "global_token_mean_step.py", "--output_dir", str(out), *args, num_processes=processes)
-        results[name] = torch.load(out / "result.pt")
+    results = _global_token_mean_runs(runs, tmp_path)
     want = results["one"]["named_parameters"]
     for name in ("zero2", "zero3", "ddp"):
         assert results[name]["minibatches"] == 3, name

@@ -233,6 +233,23 @@ def _generation_logprobs(model, queries, responses, noise: float, seed: int) -> 
     return out
 
 
+def step_both(trainer, plain, config, case: dict, step: int):
+    """Step ``step`` of the trainer and of the float64 reference on the same batch (grouped for RLOO and
+    GRPO, with engine log-probs for a case with ``generation_noise``); returns ``(got, want, generation,
+    (queries, responses))``."""
+    queries, responses, scores, _ = make_batch(step)
+    if config.advantage_estimator in ("rloo", "grpo"):
+        queries = [queries[(i // 4) * 4] for i in range(BATCH_SIZE)]
+    generation = None
+    if "generation_noise" in case:
+        generation = _generation_logprobs(plain.model, queries, responses, case["generation_noise"], step)
+    torch.manual_seed(1000 + step)
+    got = trainer.step(queries, responses, scores, generation_logprobs=generation)
+    torch.manual_seed(1000 + step)
+    want = plain.step(queries, responses, scores, generation_logprobs=generation)
+    return got, want, generation, (queries, responses)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_steps_match_the_float64_reference(name):
     case = CASES[name]
@@ -240,16 +257,7 @@ def test_two_steps_match_the_float64_reference(name):
     initial = {k: v.detach().double().clone() for k, v in plain.model.state_dict().items()}
     seen = {key: 0.0 for key in COMPARED}
     for step in range(2):
-        queries, responses, scores, _ = make_batch(step)
-        if config.advantage_estimator in ("rloo", "grpo"):
-            queries = [queries[(i // 4) * 4] for i in range(BATCH_SIZE)]
-        generation = None
-        if "generation_noise" in case:
-            generation = _generation_logprobs(plain.model, queries, responses, case["generation_noise"], step)
-        torch.manual_seed(1000 + step)
-        got = trainer.step(queries, responses, scores, generation_logprobs=generation)
-        torch.manual_seed(1000 + step)
-        want = plain.step(queries, responses, scores, generation_logprobs=generation)
+        got, want, generation, (queries, responses) = step_both(trainer, plain, config, case, step)
         compared = COMPARED + (("ppo/policy/entropy_loss",) if config.entropy_coef else ())
         compared += (("ppo/policy/kl_loss",) if not config.kl_in_reward_resolved else ())
         if generation is not None:

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 from plain_objectives import PlainObjectivesPPO
-from test_objectives import BASE, CASES, COMPARED, _generation_logprobs
-from test_step_reference import BATCH_SIZE, make_batch, perturbed_copy
+from test_objectives import BASE, CASES, COMPARED, step_both
+from test_step_reference import perturbed_copy
 from tiny_models import make_gpt2, make_gpt2_critic, make_tokenizer, random_batch
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
@@ -55,16 +55,7 @@ def test_budget_steps_match_the_float64_reference_of_whole_backward_batches(name
     initial = {k: v.detach().double().clone() for k, v in plain.model.state_dict().items()}
     passes = []
     for step in range(2):
-        queries, responses, scores, _ = make_batch(step)
-        if config.advantage_estimator in ("rloo", "grpo"):
-            queries = [queries[(i // 4) * 4] for i in range(BATCH_SIZE)]
-        generation = None
-        if "generation_noise" in case:
-            generation = _generation_logprobs(plain.model, queries, responses, case["generation_noise"], step)
-        torch.manual_seed(1000 + step)
-        got = trainer.step(queries, responses, scores, generation_logprobs=generation)
-        torch.manual_seed(1000 + step)
-        want = plain.step(queries, responses, scores, generation_logprobs=generation)
+        got, want, _, _ = step_both(trainer, plain, config, case, step)
         compared = COMPARED + (("ppo/policy/entropy_loss",) if config.entropy_coef else ())
         compared += (("ppo/policy/kl_loss",) if not config.kl_in_reward_resolved else ())
         compared += () if critic_free else ("ppo/loss/value",)
