@@ -113,7 +113,7 @@ def test_a_step_moves_its_batch_in_one_copy_and_reads_its_statistics_back_in_one
 
         monkeypatch.setattr(torch.Tensor, name, counted)
     experience = trainer.experience_maker.make(batch)
-    train_stats = trainer.learner.train(experience)
+    train_stats, _ = trainer.learner.train(experience)
     before = dict(reads)
     stats = trainer.statistics.step_stats(experience, train_stats)
     assert stats["objective/kl_dist"].shape == (8,) and isinstance(stats["ppo/mean_scores"], float)
@@ -138,7 +138,7 @@ def test_sync_budget_covers_every_read_of_a_step(count_reads, options):
     trainer, batch = _trainer_and_batch(config)
     count_reads.clear()
     experience = trainer.experience_maker.make(batch)
-    trainer.statistics.step_stats(experience, trainer.learner.train(experience))
+    trainer.statistics.step_stats(experience, trainer.learner.train(experience)[0])
     reads = sum(count_reads.values()) - config.ppo_epochs
     budget = sync_budget(config)
     # The statistics' copy back is a .cpu() (not in READS): counted here by the budget, not by the reads.

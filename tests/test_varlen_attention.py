@@ -211,7 +211,7 @@ def _qwen2_passes(gradient_checkpointing):
     rollout = trainer.experience_maker.passes(rows)[:3]
     model.train()
     with forward.per_row_attention():
-        index, idx = next(forward.minibatches(len(rows)))
+        index, idx = next(forward.minibatches(rows))
         logprobs, values, _, _, _ = forward.logprobs(trainer.model, rows, index, idx)
         mask = rows.action_mask[idx, : logprobs.shape[1]]
         ((logprobs * mask).sum() + (values * mask).pow(2).sum()).backward()
