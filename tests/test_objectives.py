@@ -200,9 +200,12 @@ COMPARED = (
 )  # fmt: skip
 
 
-def _build_pair(case: dict):
+def _build_pair(case: dict, trainer_options: dict | None = None, reference_options: dict | None = None):
+    """The trainer on ``case`` (plus ``trainer_options``) and the float64 reference on ``case`` (plus
+    ``reference_options``), from the same weights; returns ``(trainer, plain, trainer config, critic_free)``."""
     options = {k: v for k, v in case.items() if k not in ("unfused", "generation_noise")}
-    config = PPOConfig(**{**BASE, **options})
+    config = PPOConfig(**{**BASE, **options, **(trainer_options or {})})
+    reference_config = PPOConfig(**{**BASE, **options, **reference_options}) if reference_options else config
     critic_free = config.advantage_estimator != "gae"
     policy = make_gpt2() if critic_free else AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2())
     ref = perturbed_copy(policy, seed=1)
@@ -213,7 +216,7 @@ def _build_pair(case: dict):
     if case.get("unfused"):
         trainer.forward.linear_head = lambda model: None  # the logits path of the LM head
     plain = PlainObjectivesPPO(
-        plain_policy, plain_ref, config, pad_id=tokenizer.pad_token_id,
+        plain_policy, plain_ref, reference_config, pad_id=tokenizer.pad_token_id,
         optimizer_cls=lambda params, lr: torch.optim.SGD(params, lr=lr),
     )  # fmt: skip
     return trainer, plain, config, critic_free

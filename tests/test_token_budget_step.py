@@ -6,14 +6,12 @@ reference run with one mini-batch per backward batch (``plain_objectives``), for
 the rollout passes, statistics, the warning for a row over the budget and gradient checkpointing too.
 """
 
-import copy
 import warnings
 
 import numpy as np
 import pytest
 import torch
-from plain_objectives import PlainObjectivesPPO
-from test_objectives import BASE, CASES, COMPARED, step_both
+from test_objectives import CASES, COMPARED, _build_pair, step_both
 from test_step_reference import perturbed_copy
 from tiny_models import make_gpt2, make_gpt2_critic, make_tokenizer, random_batch
 
@@ -26,24 +24,8 @@ BUDGET = 12
 def _budget_pair(case: dict):
     """A trainer with 2 backward batches of 4 rows in passes of BUDGET tokens, and the float64 reference with
     one mini-batch of 4 rows per backward batch (the same rows: both draw the same shuffles)."""
-    options = {k: v for k, v in case.items() if k not in ("unfused", "generation_noise")}
     split = dict(mini_batch_size=2, gradient_accumulation_steps=2, max_tokens_per_minibatch=BUDGET)
-    config = PPOConfig(**{**BASE, **options, **split})
-    reference_config = PPOConfig(**{**BASE, **options, "mini_batch_size": 4, "gradient_accumulation_steps": 1})
-    critic_free = config.advantage_estimator != "gae"
-    policy = make_gpt2() if critic_free else AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2())
-    ref = perturbed_copy(policy, seed=1)
-    plain_policy, plain_ref = copy.deepcopy(policy), copy.deepcopy(ref)
-    tokenizer = make_tokenizer()
-    optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=config.learning_rate)
-    trainer = PPOTrainer(config, policy, ref_model=ref, tokenizer=tokenizer, optimizer=optimizer)
-    if case.get("unfused"):
-        trainer.forward.linear_head = lambda model: None
-    plain = PlainObjectivesPPO(
-        plain_policy, plain_ref, reference_config, pad_id=tokenizer.pad_token_id,
-        optimizer_cls=lambda params, lr: torch.optim.SGD(params, lr=lr),
-    )  # fmt: skip
-    return trainer, plain, config, critic_free
+    return _build_pair(case, split, dict(mini_batch_size=4, gradient_accumulation_steps=1))
 
 
 @pytest.mark.parametrize("name", list(CASES))
