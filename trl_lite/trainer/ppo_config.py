@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core import ADVANTAGE_ESTIMATORS, IMPORTANCE_SAMPLING_LEVELS, KL_PENALTIES, LOSS_TYPE_ALIASES, LOSS_TYPES
+from .config_checks import validate_config
 
 
 def _default_exp_name() -> str:
@@ -307,154 +306,8 @@ class PPOConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError``/``TypeError`` naming the first bad field, its value and what is accepted;
-        then derive ``backward_batch_size``."""
-        for name in ("batch_size", "mini_batch_size", "gradient_accumulation_steps", "ppo_epochs", "steps"):
-            _check_positive_int(name, getattr(self, name))
-        for name in ("learning_rate", "target", "horizon", "target_kl", "ratio_threshold"):
-            _check_positive_float(name, getattr(self, name))
-        for name in ("init_kl_coef", "cliprange", "cliprange_value", "vf_coef", "ptx_coef"):
-            _check_float(name, getattr(self, name), minimum=0.0)
-        for name in ("gamma", "lam"):
-            _check_float(name, getattr(self, name), minimum=0.0, maximum=1.0)
-        if self.dataset_num_proc is not None:
-            _check_positive_int("dataset_num_proc", self.dataset_num_proc)
-        for name in ("max_grad_norm", "score_clip", "critic_learning_rate"):
-            if getattr(self, name) is not None:
-                _check_positive_float(name, getattr(self, name))
-        if self.ema_decay is not None:
-            _check_float("ema_decay", self.ema_decay)
-            if not 0.0 < self.ema_decay < 1.0:
-                raise ValueError(f"ema_decay must be None or a number in (0, 1), got {self.ema_decay}.")
-        if self.kl_penalty not in KL_PENALTIES:
-            raise ValueError(f"kl_penalty must be one of {KL_PENALTIES}, got {self.kl_penalty!r}.")
-        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(
-                f"advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, got {self.advantage_estimator!r}."
-            )
-        _check_positive_int("num_samples_per_query", self.num_samples_per_query)
-        if self.kl_in_reward is not None and not isinstance(self.kl_in_reward, bool):
-            raise TypeError(f"kl_in_reward must be None, True or False, got {self.kl_in_reward!r}.")
-        _check_log_with(self.log_with)
-        for name in ("adap_kl_ctrl", "early_stopping", "use_score_scaling", "use_score_norm", "whiten_rewards",
-                     "gradient_checkpointing", "remove_unused_columns", "optimize_device_cache", "keep_freed_cpu_memory",
-                     "grpo_scale_rewards", "compute_reference_kl"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
-        budget = self.max_tokens_per_minibatch
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
-            raise TypeError(f"max_tokens_per_minibatch must be None or a positive int, got {budget!r} ({type(budget).__name__}).")
-        if budget is not None and budget < 1:
-            raise ValueError(f"max_tokens_per_minibatch must be None or a positive int, got {budget}.")
-        if self.padding_free not in (None, True, False):
-            raise TypeError(f"padding_free must be None, True or False, got {self.padding_free!r}.")
-        if self.mini_batch_size > self.batch_size:
-            raise ValueError(
-                f"mini_batch_size ({self.mini_batch_size}) must not exceed batch_size ({self.batch_size})."
-            )
-        backward_batch_size = self.mini_batch_size * self.gradient_accumulation_steps
-        if self.batch_size % backward_batch_size != 0:
-            raise ValueError(
-                f"batch_size ({self.batch_size}) must be a multiple of mini_batch_size * gradient_accumulation_steps "
-                f"({self.mini_batch_size} * {self.gradient_accumulation_steps} = {backward_batch_size})."
-            )
-        if self.batch_size % self.num_samples_per_query != 0:
-            raise ValueError(
-                f"batch_size ({self.batch_size}) must be a multiple of num_samples_per_query "
-                f"({self.num_samples_per_query}): a group of responses to one query must not be split across steps "
-                "or processes."
-            )
-        if self.whiten_rewards and self.advantage_estimator in ("rloo", "grpo"):
-            raise ValueError(
-                f"whiten_rewards=True applies to per-token rewards ('gae', 'reinforce_pp'), not to "
-                f"advantage_estimator={self.advantage_estimator!r}, whose baseline comes from the group's scores."
-            )
-        if self.use_score_norm and not self.use_score_scaling:
-            raise ValueError("use_score_norm=True needs use_score_scaling=True (normalisation uses the running moments).")
-        for name in ("tracker_kwargs", "accelerator_kwargs", "project_kwargs", "push_to_hub_if_best_kwargs"):
-            if not isinstance(getattr(self, name), dict):
-                raise TypeError(f"{name} must be a dict, got {type(getattr(self, name)).__name__}.")
-        self._validate_objective()
-        self._validate_engine()
-        self.backward_batch_size = backward_batch_size
-        # Not a field (as in classic TRL): the step() calls of a script's run, which classic scripts read.
-        self.total_ppo_epochs = math.ceil(self.steps / self.batch_size)
-
-    def _validate_objective(self) -> None:
-        """The fields of docs/algorithm.md sections 13-15; stores ``loss_type`` under its canonical name."""
-        if self.loss_type in LOSS_TYPE_ALIASES:
-            self.loss_type = LOSS_TYPE_ALIASES[self.loss_type]
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(
-                f"loss_type must be one of {LOSS_TYPES} or TRL's {tuple(LOSS_TYPE_ALIASES)}, got {self.loss_type!r}."
-            )
-        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            raise ValueError(
-                f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
-                f"got {self.importance_sampling_level!r}."
-            )
-        if self.cliprange_high is not None:
-            _check_float("cliprange_high", self.cliprange_high, minimum=0.0)
-        if self.dual_clip is not None:
-            _check_float("dual_clip", self.dual_clip)
-            if not self.dual_clip > 1.0:
-                raise ValueError(f"dual_clip must be None or a number > 1, got {self.dual_clip}.")
-        _check_float("entropy_coef", self.entropy_coef, minimum=0.0)
-        for name in ("max_response_length", "overlong_buffer_len", "log_completions_every"):
-            if getattr(self, name) is not None:
-                _check_positive_int(name, getattr(self, name))
-        token = self.stop_token_id
-        if token is not None and (isinstance(token, bool) or not isinstance(token, int) or token < 0):
-            raise TypeError(f"stop_token_id must be None or a token id (int >= 0), got {token!r}.")
-        if self.missing_eos_penalty is not None:
-            _check_float("missing_eos_penalty", self.missing_eos_penalty)
-        _check_float("overlong_penalty_factor", self.overlong_penalty_factor, minimum=0.0)
-        if self.loss_type == "seq_mean_token_sum_norm" and self.max_response_length is None:
-            raise ValueError("loss_type='seq_mean_token_sum_norm' (Dr. GRPO) needs max_response_length, got None.")
-        if self.overlong_buffer_len is not None:
-            if self.max_response_length is None:
-                raise ValueError("overlong_buffer_len needs max_response_length (L_max of the penalty), got None.")
-            if self.overlong_buffer_len > self.max_response_length:
-                raise ValueError(
-                    f"overlong_buffer_len ({self.overlong_buffer_len}) must not exceed max_response_length "
-                    f"({self.max_response_length})."
-                )
-        if self.importance_sampling_correction not in (None, "tis"):
-            raise ValueError(
-                f"importance_sampling_correction must be None or 'tis', got {self.importance_sampling_correction!r}."
-            )
-        _check_positive_float("importance_sampling_cap", self.importance_sampling_cap)
-
-    def _validate_engine(self) -> None:
-        """The generation-engine fields (``use_vllm`` and ``vllm_*``)."""
-        for name in ("use_vllm", "vllm_enforce_eager"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}.")
-        if self.vllm_mode not in ("colocate", "server"):
-            raise ValueError(f"vllm_mode must be 'colocate' or 'server', got {self.vllm_mode!r}.")
-        if not isinstance(self.vllm_server_url, str) or not self.vllm_server_url.startswith(("http://", "https://")):
-            raise ValueError(f"vllm_server_url must be an http(s) URL, got {self.vllm_server_url!r}.")
-        _check_positive_float("vllm_server_timeout", self.vllm_server_timeout)
-        _check_float("vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, minimum=0.0, maximum=1.0)
-        if self.vllm_gpu_memory_utilization == 0.0:
-            raise ValueError("vllm_gpu_memory_utilization must be in (0, 1], got 0.0.")
-        if self.vllm_kv_cache_gb is not None:
-            _check_positive_float("vllm_kv_cache_gb", self.vllm_kv_cache_gb)
-        if self.vllm_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(
-                f"vllm_dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.vllm_dtype!r}."
-            )
-        if self.vllm_max_model_len is not None:
-            _check_positive_int("vllm_max_model_len", self.vllm_max_model_len)
-        _check_positive_int("vllm_tensor_parallel_size", self.vllm_tensor_parallel_size)
-        if self.vllm_lora_sync is not None and not isinstance(self.vllm_lora_sync, bool):
-            raise TypeError(f"vllm_lora_sync must be None, True or False, got {self.vllm_lora_sync!r}.")
-        if self.vllm_enable_sleep_mode not in (None, True, False):
-            raise TypeError(f"vllm_enable_sleep_mode must be None, True or False, got {self.vllm_enable_sleep_mode!r}.")
-        if self.vllm_enable_sleep_mode and self.vllm_mode == "server":
-            raise ValueError(
-                "vllm_enable_sleep_mode=True applies to colocated engines (vllm_mode='colocate'); a vLLM server "
-                "manages its own memory (see python -m trl_lite.vllm_server --help)."
-            )
+        then derive ``backward_batch_size`` (the checks live in ``config_checks.py``)."""
+        validate_config(self)
 
     @property
     def critic_free(self) -> bool:
@@ -467,34 +320,3 @@ class PPOConfig:
         if self.kl_in_reward is not None:
             return self.kl_in_reward
         return self.advantage_estimator != "grpo"
-
-
-def _check_log_with(value) -> None:
-    if value not in (None, "wandb", "tensorboard", "comet_ml", "mlflow", "aim", "clearml", "dvclive", "all"):
-        raise ValueError(
-            f"log_with must be None or an accelerate tracker name ('wandb', 'tensorboard', 'all', ...), got {value!r}."
-        )
-
-
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a positive int, got {value!r} ({type(value).__name__}).")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value}.")
-
-
-def _check_float(name: str, value, minimum: float | None = None, maximum: float | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__}).")
-    low_ok = minimum is None or value >= minimum
-    high_ok = maximum is None or value <= maximum
-    if not math.isfinite(value) or not (low_ok and high_ok):
-        accepted = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
-        raise ValueError(f"{name} must be a finite number {accepted}, got {value}.")
-
-
-def _check_positive_float(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a positive number, got {value!r} ({type(value).__name__}).")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a positive finite number, got {value}.")

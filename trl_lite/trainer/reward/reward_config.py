@@ -8,7 +8,7 @@ from typing import Any
 
 from transformers import SchedulerType
 
-from ..ppo_config import _check_float, _check_log_with, _check_positive_float, _check_positive_int
+from ..config_checks import _check_float, _check_log_with, _check_positive_float, _check_positive_int
 
 TRUNCATION_MODES = ("drop", "keep_end", "error")
 
