@@ -18,8 +18,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from ..core import full_kl_from_logits, logprobs_from_hidden, logprobs_from_logits
 from ..models import PreTrainedModelWrapper
-from ..models.packed_attention import ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths
+from ..models.packed_attention import PACKED_SDPA, ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths
 from ..models.varlen_attention import packed_rows
+from ..parallel.sequence_parallel import SEQUENCE_PASS, ULYSSES_SDPA, SequenceParallel
 from .rows import InputLayout, Rows, at_positions, make_rows, to_compact, to_device
 from .token_budget import split_by_tokens
 
@@ -42,11 +43,13 @@ class ForwardPass:
             transformers' block-diagonal mask, to the same result.
         reuse_logits_buffer: whether the fused LM head writes into one buffer kept between passes
             (CPU with ``keep_freed_cpu_memory``, see :meth:`logits_out`).
+        sequence: the sequence-parallel group packed passes are cut over, or None (see :meth:`gather_slots`).
     """
 
     def __init__(self, accelerator, models: list[tuple], layout: InputLayout, *, is_encoder_decoder: bool,
                  mini_batch_size: int, pack: bool = False, row_attention: dict | None = None,
-                 reuse_logits_buffer: bool = False, max_tokens: int | None = None):  # fmt: skip
+                 reuse_logits_buffer: bool = False, max_tokens: int | None = None,
+                 sequence: SequenceParallel | None = None):  # fmt: skip
         self.accelerator = accelerator
         self.device = accelerator.device
         self.models = models
@@ -59,6 +62,8 @@ class ForwardPass:
         self.max_tokens = max_tokens
         self._logits_buffer = None
         self._warned_long_row = False
+        self.sequence = sequence
+        self._sequence_pass = None  # this process's slice of the last packed pass (sequence parallelism)
 
     @classmethod
     def build(cls, accelerator, policy, reference, critic, tokenizer, config, pack: bool) -> ForwardPass:
@@ -79,9 +84,12 @@ class ForwardPass:
             pass_position_ids="position_ids" in inspect.signature(unwrapped.transformers_model.forward).parameters,
         )
         reuse = accelerator.device.type == "cpu" and config.keep_freed_cpu_memory
+        sequence = SequenceParallel.from_accelerator(accelerator, layout.pad_id)
+        if sequence is not None:
+            check_sequence_parallel(sequence, pack, [m for m in (policy, reference, critic) if m is not None], row_attention)
         return cls(accelerator, models, layout, is_encoder_decoder=unwrapped.is_encoder_decoder,
                    mini_batch_size=config.mini_batch_size, pack=pack, row_attention=row_attention,
-                   reuse_logits_buffer=reuse, max_tokens=config.max_tokens_per_minibatch)  # fmt: skip
+                   reuse_logits_buffer=reuse, max_tokens=config.max_tokens_per_minibatch, sequence=sequence)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------
     # Rows and mini-batches
@@ -142,8 +150,18 @@ class ForwardPass:
         return self.pack and any(model is known for known, _ in self.models)
 
     def per_row_attention(self):
-        """The block in which packed passes attend within each row (forward and backward passes)."""
-        return attend_per_row(self.row_attention.values())
+        """The block in which packed passes attend within each row (forward and backward passes); under
+        sequence parallelism through the Ulysses all-to-all."""
+        implementation = PACKED_SDPA if self.sequence is None else ULYSSES_SDPA
+        return attend_per_row(self.row_attention.values(), implementation)
+
+    def gather_slots(self, *per_slot: torch.Tensor | None) -> tuple:
+        """Per-slot results ``(n, ...)`` of the last pass's LM head, whole: under sequence parallelism this
+        process's slice's ``n`` slots gathered to the pass's ``N`` over the group (differentiable, see
+        :class:`~trl_lite.parallel.sequence_parallel.SequencePass`); otherwise as given."""
+        if self._sequence_pass is None:
+            return per_slot
+        return self._sequence_pass.gather_slots(*per_slot)
 
     def linear_head(self, model) -> torch.nn.Linear | None:
         """The model's LM head when the pass may fuse it with the log-softmax, else None.
@@ -199,6 +217,11 @@ class ForwardPass:
         """
         packed = self.packs(model)
         inputs, positions, slots, targets, width = self.layout.inputs(rows, index, idx, packed=packed)
+        piece = self._sequence_pass = None
+        if packed and self.sequence is not None:
+            inputs, piece = self.cut(inputs, rows, index)
+            targets = targets[piece.slots]
+            self._sequence_pass = piece
         critic_inputs = {key: value for key, value in inputs.items() if key != "logits_positions"}
         if lm_head_inputs:
             inputs["return_lm_head_inputs"] = True
@@ -207,18 +230,29 @@ class ForwardPass:
             # varlen kernel (one host-to-device copy) and, on CUDA, the mask that spares transformers'
             # packed-row detection its host read (see models.packed_attention.rows_mask).
             attention_rows = packed_rows((len(rows.sequences[i]) for i in index), self.device)
-            mask = rows_mask(attention_rows, self.device)
+            mask = rows_mask(attention_rows, self.device) if piece is None else None
             for module, module_inputs in ((model, inputs), (critic, critic_inputs)):
                 if id(module) in self.row_attention:
-                    module_inputs[ROW_LENGTHS] = attention_rows
+                    module_inputs.update({ROW_LENGTHS: attention_rows} if piece is None else {SEQUENCE_PASS: piece})
                     if mask is not None:
                         module_inputs["attention_mask"] = mask
         outputs, _, values = model(**inputs, return_values=return_values and critic is None)
         if critic is not None:
             values = critic(**critic_inputs)
         if values is not None:
+            values = values if piece is None else piece.gather_tokens(values)
             values = (values[:, :-1] if rows.shift else at_positions(values, positions)).float()
         return outputs, targets, values, slots, width
+
+    def cut(self, inputs: dict, rows: Rows, index: list[int]):
+        """This process's slice of the packed pass of rows ``index`` (see
+        :meth:`~trl_lite.parallel.sequence_parallel.SequenceParallel.cut`), from host-side lengths."""
+        lengths = [len(rows.sequences[i]) for i in index]
+        firsts, start = [], 0
+        for i, length in zip(index, lengths):
+            firsts.append(start + len(rows.queries[i]) - 1)
+            start += length
+        return self.sequence.cut(inputs, lengths, firsts, [rows.slot_count(i) for i in index])
 
     def logprobs(self, model, rows: Rows, index: list[int], idx: torch.Tensor, return_logits: bool = False,
                  return_values: bool = True, critic=None):  # fmt: skip
@@ -238,6 +272,7 @@ class ForwardPass:
             out = self.logits_out(rows, head)
             with self.head_autocast():
                 logprobs = logprobs_from_hidden(outputs, head.weight, head.bias, targets, rows.buffer_rows, out)
+        logprobs, outputs = self.gather_slots(logprobs, outputs if return_logits else None)
         logprobs = to_compact(logprobs, slots, len(index), width)
         return logprobs, values, (outputs if return_logits else None), (slots if return_logits else None), width
 
@@ -364,6 +399,23 @@ def packing_unsupported(wrapper: PreTrainedModelWrapper) -> str | None:
     if implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
         return f"its attention implementation {implementation!r} is not one masking_utils builds packed masks for"
     return None
+
+
+def check_sequence_parallel(sequence: SequenceParallel, pack: bool, modules: list, row_attention: dict) -> None:
+    """Raise ValueError unless every model of the passes can run cut over ``sequence``'s group: packed
+    passes, attention per row (each slice's attention layers must see the rows), heads that split."""
+    if not pack:
+        raise ValueError(
+            f"sequence parallelism (sp_size={sequence.size}) cuts packed passes: set padding_free=True (packed "
+            "mini-batches) with models that can pack."
+        )
+    for module in modules:
+        if id(module) not in row_attention:
+            raise ValueError(
+                f"sequence parallelism (sp_size={sequence.size}) needs models whose packed passes attend per row "
+                f"(sdpa attention passing extra keywords to its layers); {type(module).__name__} does not."
+            )
+        sequence.check_model(row_attention[id(module)])
 
 
 def pad_token_id(tokenizer, model_config) -> int:

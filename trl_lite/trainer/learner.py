@@ -179,6 +179,7 @@ class Learner:
                         outputs, head.weight, head.bias, targets, rows.buffer_rows, forward.logits_out(rows, head)
                     )
             del outputs  # the logits, when the head ran in the model: the saved softmax replaces them
+            logprobs, entropy = forward.gather_slots(logprobs, entropy)
             logprobs = to_compact(logprobs, slots, len(mb.index), width)
             entropy = to_compact(entropy, slots, len(mb.index), width)
             old_logprobs, token_weights = mb.old_logprobs, mb.token_weights

@@ -1,0 +1,85 @@
+"""Two packed PPO steps whose batches are chosen per data-parallel group, for sequence-parallel comparisons.
+
+    accelerate launch --config_file accelerate_configs/deepspeed_sequence_parallel.yaml --num_processes 2 \\
+        tests/distributed/sequence_parallel_step.py --estimator {gae,grpo} --output_dir OUT
+    python tests/distributed/sequence_parallel_step.py --estimator gae --output_dir OUT   # the 1-process reference
+
+Group ``g`` (process rank // sp_size; every process is a group of its own without sequence parallelism)
+takes batch ``g``: 4 rows of very different lengths - one of 2 tokens, one of 33 that any pass cuts across
+slices - in mini-batches of 2 rows, 2 epochs, response masks. The optimizer is SGD (its update is linear in
+the gradient). Rank 0 writes OUT/result.pt: the full weights after the steps, the statistics of both steps,
+the sequence-parallel size, and the longest and the summed token slices its policy's embedding saw.
+"""
+
+import argparse
+import os
+
+import torch
+from common import finish, full_named_parameters
+
+from tiny_models import VOCAB_SIZE, make_gpt2, make_tokenizer
+from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer, set_seed
+from trl_lite.parallel import sequence_parallel_size
+
+# (query, response) tokens of each row of each group's batch.
+ROW_SHAPES = (((3, 30), (1, 1), (6, 9), (2, 17)), ((5, 4), (2, 28), (1, 12), (4, 1)))
+
+
+def batch(group: int, step: int):
+    g = torch.Generator().manual_seed(1000 * group + step)
+    queries = [torch.randint(3, VOCAB_SIZE, (q,), generator=g) for q, _ in ROW_SHAPES[group]]
+    responses = [torch.randint(3, VOCAB_SIZE, (r,), generator=g) for _, r in ROW_SHAPES[group]]
+    scores = [torch.randn((), generator=g) for _ in queries]
+    masks = [(torch.rand(len(r), generator=g) > 0.2).long() for r in responses]
+    return queries, responses, scores, masks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--estimator", choices=("gae", "grpo"), required=True)
+    parser.add_argument("--loss_type", default="token_mean")
+    parser.add_argument("--output_dir", required=True)
+    args = parser.parse_args()
+
+    grpo = args.estimator == "grpo"
+    config = PPOConfig(
+        batch_size=4,
+        mini_batch_size=2,
+        ppo_epochs=2,
+        learning_rate=0.05,
+        padding_free=True,
+        advantage_estimator=args.estimator,
+        num_samples_per_query=2 if grpo else 1,
+        loss_type=args.loss_type,
+        seed=0,
+    )
+    set_seed(0)
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2(seed=0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate)
+    trainer = PPOTrainer(config, model, tokenizer=make_tokenizer("left"), optimizer=optimizer)
+    sp_size = sequence_parallel_size(trainer.accelerator)
+    assert (trainer.forward.sequence is not None) == (sp_size > 1)
+    group = trainer.accelerator.process_index // sp_size
+
+    seen = []
+    embedding = trainer.forward.unwrapped(trainer.model).pretrained_model.get_input_embeddings()
+    embedding.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0].shape[1]))
+    stats = [trainer.step(*batch(group, step)[:3], response_masks=batch(group, step)[3]) for step in range(2)]
+
+    named = full_named_parameters(trainer)
+    if trainer.accelerator.process_index == 0:
+        result = {
+            "sp_size": sp_size,
+            "num_processes": trainer.accelerator.num_processes,
+            "named_parameters": named,
+            "stats": [{k: v for k, v in s.items() if not k.startswith("time/")} for s in stats],
+            "longest_slice": max(seen),
+            "tokens_seen": sum(seen),
+        }
+        torch.save(result, os.path.join(args.output_dir, "result.pt"))
+    if trainer.accelerator.num_processes > 1:
+        finish(trainer)
+
+
+if __name__ == "__main__":
+    main()
