@@ -5,7 +5,7 @@
     python tests/distributed/sequence_parallel_step.py --estimator gae --output_dir OUT   # the 1-process reference
 
 Group ``g`` (process rank // sp_size; every process is a group of its own without sequence parallelism)
-takes batch ``g``: 4 rows of very different lengths - one of 2 tokens, one of 33 that any pass cuts across
+takes batch ``g``: 4 rows of very different lengths - one of 2 tokens, one of 31 that any pass cuts across
 slices - in mini-batches of 2 rows, 2 epochs, response masks. The optimizer is SGD (its update is linear in
 the gradient). Rank 0 writes OUT/result.pt: the full weights after the steps, the statistics of both steps,
 the sequence-parallel size, and the longest and the summed token slices its policy's embedding saw.
@@ -21,13 +21,15 @@ from tiny_models import VOCAB_SIZE, make_gpt2, make_tokenizer
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer, set_seed
 from trl_lite.parallel import sequence_parallel_size
 
-# (query, response) tokens of each row of each group's batch.
-ROW_SHAPES = (((3, 30), (1, 1), (6, 9), (2, 17)), ((5, 4), (2, 28), (1, 12), (4, 1)))
+# (query, response) tokens of each row of each group's batch; rows 2k and 2k + 1 share their query (one
+# GRPO group of num_samples_per_query=2).
+ROW_SHAPES = (((1, 30), (1, 1), (6, 9), (6, 17)), ((5, 4), (5, 28), (2, 12), (2, 1)))
 
 
 def batch(group: int, step: int):
     g = torch.Generator().manual_seed(1000 * group + step)
-    queries = [torch.randint(3, VOCAB_SIZE, (q,), generator=g) for q, _ in ROW_SHAPES[group]]
+    queries = [torch.randint(3, VOCAB_SIZE, (q,), generator=g) for q, _ in ROW_SHAPES[group][::2]]
+    queries = [q for q in queries for _ in range(2)]
     responses = [torch.randint(3, VOCAB_SIZE, (r,), generator=g) for _, r in ROW_SHAPES[group]]
     scores = [torch.randn((), generator=g) for _ in queries]
     masks = [(torch.rand(len(r), generator=g) > 0.2).long() for r in responses]
@@ -38,6 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--estimator", choices=("gae", "grpo"), required=True)
     parser.add_argument("--loss_type", default="token_mean")
+    parser.add_argument("--ptx", type=int, choices=(0, 1), default=0, help="add a PTX loss (ptx_coef 0.5)")
     parser.add_argument("--output_dir", required=True)
     args = parser.parse_args()
 
@@ -51,6 +54,7 @@ def main() -> None:
         advantage_estimator=args.estimator,
         num_samples_per_query=2 if grpo else 1,
         loss_type=args.loss_type,
+        ptx_coef=0.5 if args.ptx else 0.0,
         seed=0,
     )
     set_seed(0)
@@ -64,7 +68,11 @@ def main() -> None:
     seen = []
     embedding = trainer.forward.unwrapped(trainer.model).pretrained_model.get_input_embeddings()
     embedding.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0].shape[1]))
-    stats = [trainer.step(*batch(group, step)[:3], response_masks=batch(group, step)[3]) for step in range(2)]
+    stats = []
+    for step in range(2):
+        queries, responses, scores, masks = batch(group, step)
+        ptx = [torch.cat((q, r)) for q, r in zip(queries, responses)] if args.ptx else None
+        stats.append(trainer.step(queries, responses, scores, response_masks=masks, ptx_inputs=ptx))
 
     named = full_named_parameters(trainer)
     if trainer.accelerator.process_index == 0:

@@ -152,18 +152,6 @@ class SequenceParallel:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
         return cls(parallel_state_sp.get_sequence_parallel_group(), pad_id)
 
-    def check_model(self, transformers_model) -> None:
-        """Raise ValueError when ``transformers_model``'s heads do not split over the group."""
-        config = transformers_model.config.get_text_config()
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        if heads % self.size or (kv_heads % self.size and self.size % kv_heads):
-            raise ValueError(
-                f"sequence parallelism over {self.size} processes splits the attention heads among them: "
-                f"{type(transformers_model).__name__} has {heads} query and {kv_heads} key/value heads; the query "
-                "heads must be a multiple of sp_size, the key/value heads a multiple or a divisor of it."
-            )
-
     # ------------------------------------------------------------------------------------------
     # Cutting a packed pass
     # ------------------------------------------------------------------------------------------
@@ -178,10 +166,7 @@ class SequenceParallel:
         chunk = math.ceil(total / self.size)
         pad = chunk * self.size - total
         start, stop = self.rank * chunk, (self.rank + 1) * chunk
-        slot_counts = tuple(
-            sum(max(0, min(f + n, (k + 1) * chunk) - max(f, k * chunk)) for f, n in zip(firsts, counts))
-            for k in range(self.size)
-        )  # fmt: skip
+        slot_counts = slice_slot_counts(self.size, chunk, firsts, counts)
         input_ids, position_ids = inputs["input_ids"], inputs["position_ids"]
         if pad:
             input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=self.pad_id)
@@ -215,6 +200,45 @@ class SequenceParallel:
             )  # fmt: skip
             self._engines[(heads, kv_heads, head_dim)] = engine
         return engine
+
+
+def slice_slot_counts(size: int, chunk: int, firsts: list[int], counts: list[int]) -> tuple:
+    """LM-head slots in each of ``size`` slices of ``chunk`` stream positions: row ``j``'s ``counts[j]`` slots
+    sit at positions ``firsts[j] ..``, each slot counted in the slice holding its position (host ints)."""
+    return tuple(
+        sum(max(0, min(f + n, (k + 1) * chunk) - max(f, k * chunk)) for f, n in zip(firsts, counts))
+        for k in range(size)
+    )  # fmt: skip
+
+
+def check_heads(size: int, transformers_model) -> None:
+    """Raise ValueError when ``transformers_model``'s attention heads do not split over ``size`` processes."""
+    config = transformers_model.config.get_text_config()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % size or (kv_heads % size and size % kv_heads):
+        raise ValueError(
+            f"sequence parallelism over sp_size={size} processes splits the attention heads among them: "
+            f"{type(transformers_model).__name__} has {heads} query and {kv_heads} key/value heads; the query heads "
+            "must be a multiple of sp_size, the key/value heads a multiple or a divisor of it."
+        )
+
+
+def check_models(size: int, pack: bool, modules: list, row_attention: dict) -> None:
+    """Raise ValueError unless every model of the passes (``modules``) can run cut over ``size`` processes:
+    packed passes, attention per row (each slice's attention layers must see the rows), heads that split."""
+    if not pack:
+        raise ValueError(
+            f"sequence parallelism (sp_size={size}) cuts packed passes: set padding_free=True (packed mini-batches) "
+            "with models that can pack."
+        )
+    for module in modules:
+        if id(module) not in row_attention:
+            raise ValueError(
+                f"sequence parallelism (sp_size={size}) needs models whose packed passes attend per row (sdpa "
+                f"attention passing extra keywords to its layers); {type(module).__name__} does not."
+            )
+        check_heads(size, row_attention[id(module)])
 
 
 def check_before_prepare(size: int, model, critic=None) -> None:

@@ -16,7 +16,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
 
-from ..parallel import sequence_parallel_size
+from ..parallel import data_parallel_size, sequence_parallel_size
 from ..parallel.sequence_parallel import check_before_prepare
 from .ppo_config import PPOConfig
 
@@ -75,6 +75,9 @@ def fill_deepspeed_config(accelerator: Accelerator, config: PPOConfig, model=Non
     :func:`~trl_lite.parallel.sequence_parallel.check_before_prepare`)."""
     if model is not None and sequence_parallel_size(accelerator) > 1:
         check_before_prepare(sequence_parallel_size(accelerator), model, critic)
+        # accelerate sizes DeepSpeed's global batch by the parallelism config's data-parallel size, which it
+        # leaves at 1 under DeepSpeed's sequence parallelism: the groups are the data-parallel replicas.
+        accelerator.parallelism_config.dp_replicate_size = data_parallel_size(accelerator)
     fill_deepspeed_batch_config(
         accelerator, config.mini_batch_size, config.gradient_accumulation_steps, config.max_grad_norm
     )

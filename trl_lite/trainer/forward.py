@@ -20,7 +20,7 @@ from ..core import full_kl_from_logits, logprobs_from_hidden, logprobs_from_logi
 from ..models import PreTrainedModelWrapper
 from ..models.packed_attention import PACKED_SDPA, ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths
 from ..models.varlen_attention import packed_rows
-from ..parallel.sequence_parallel import SEQUENCE_PASS, ULYSSES_SDPA, SequenceParallel
+from ..parallel.sequence_parallel import SEQUENCE_PASS, ULYSSES_SDPA, SequenceParallel, check_models
 from .rows import InputLayout, Rows, at_positions, make_rows, to_compact, to_device
 from .token_budget import split_by_tokens
 
@@ -86,7 +86,8 @@ class ForwardPass:
         reuse = accelerator.device.type == "cpu" and config.keep_freed_cpu_memory
         sequence = SequenceParallel.from_accelerator(accelerator, layout.pad_id)
         if sequence is not None:
-            check_sequence_parallel(sequence, pack, [m for m in (policy, reference, critic) if m is not None], row_attention)
+            modules = [m for m in (policy, reference, critic) if m is not None]
+            check_models(sequence.size, pack, modules, row_attention)
         return cls(accelerator, models, layout, is_encoder_decoder=unwrapped.is_encoder_decoder,
                    mini_batch_size=config.mini_batch_size, pack=pack, row_attention=row_attention,
                    reuse_logits_buffer=reuse, max_tokens=config.max_tokens_per_minibatch, sequence=sequence)  # fmt: skip
@@ -154,6 +155,11 @@ class ForwardPass:
         sequence parallelism through the Ulysses all-to-all."""
         implementation = PACKED_SDPA if self.sequence is None else ULYSSES_SDPA
         return attend_per_row(self.row_attention.values(), implementation)
+
+    @property
+    def replicas(self) -> int:
+        """Processes that compute what one process computes without sequence parallelism (the group's size)."""
+        return 1 if self.sequence is None else self.sequence.size
 
     def gather_slots(self, *per_slot: torch.Tensor | None) -> tuple:
         """Per-slot results ``(n, ...)`` of the last pass's LM head, whole: under sequence parallelism this
@@ -399,23 +405,6 @@ def packing_unsupported(wrapper: PreTrainedModelWrapper) -> str | None:
     if implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
         return f"its attention implementation {implementation!r} is not one masking_utils builds packed masks for"
     return None
-
-
-def check_sequence_parallel(sequence: SequenceParallel, pack: bool, modules: list, row_attention: dict) -> None:
-    """Raise ValueError unless every model of the passes can run cut over ``sequence``'s group: packed
-    passes, attention per row (each slice's attention layers must see the rows), heads that split."""
-    if not pack:
-        raise ValueError(
-            f"sequence parallelism (sp_size={sequence.size}) cuts packed passes: set padding_free=True (packed "
-            "mini-batches) with models that can pack."
-        )
-    for module in modules:
-        if id(module) not in row_attention:
-            raise ValueError(
-                f"sequence parallelism (sp_size={sequence.size}) needs models whose packed passes attend per row "
-                f"(sdpa attention passing extra keywords to its layers); {type(module).__name__} does not."
-            )
-        sequence.check_model(row_attention[id(module)])
 
 
 def pad_token_id(tokenizer, model_config) -> int:

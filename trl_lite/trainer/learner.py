@@ -277,7 +277,8 @@ class Learner:
         """
         policy_loss = pg_loss
         if ptx_loss is not None:
-            policy_loss = policy_loss + self.config.ptx_coef * ptx_loss
+            # Each process of a sequence-parallel group computes the whole PTX loss: its backward takes a share.
+            policy_loss = policy_loss + self.config.ptx_coef * ptx_loss / self.forward.replicas
             stats["loss/ptx"] = ptx_loss.detach()
             stats["loss/total"] = stats["loss/total"] + self.config.ptx_coef * ptx_loss.detach()
         if self.critic is not None or vf_loss is None:
