@@ -41,6 +41,8 @@ def main() -> None:
     parser.add_argument("--estimator", choices=("gae", "grpo"), required=True)
     parser.add_argument("--loss_type", default="token_mean")
     parser.add_argument("--ptx", type=int, choices=(0, 1), default=0, help="add a PTX loss (ptx_coef 0.5)")
+    parser.add_argument("--gradient_checkpointing", type=int, choices=(0, 1), default=0)
+    parser.add_argument("--max_tokens", type=int, default=None, help="max_tokens_per_minibatch (a budget per group)")
     parser.add_argument("--output_dir", required=True)
     args = parser.parse_args()
 
@@ -55,6 +57,8 @@ def main() -> None:
         num_samples_per_query=2 if grpo else 1,
         loss_type=args.loss_type,
         ptx_coef=0.5 if args.ptx else 0.0,
+        gradient_checkpointing=bool(args.gradient_checkpointing),
+        max_tokens_per_minibatch=args.max_tokens,
         seed=0,
     )
     set_seed(0)

@@ -1,5 +1,5 @@
 """Sequence parallelism (Ulysses) for packed passes: the processes of one group share a batch, each
-holds a slice of every pass's token stream (docs/sequence_parallel.md, docs/algorithm.md section 22).
+holds a slice of every pass's token stream (docs/sequence_parallel.md, docs/algorithm.md section 21).
 
 A packed pass is one stream ``(1, N_total)`` of whole rows (:meth:`~trl_lite.trainer.rows.InputLayout.packed`).
 With ``sp`` processes in a group, the stream is padded to a multiple of ``sp`` with one row of padding
