@@ -78,6 +78,11 @@ def fill_deepspeed_config(accelerator: Accelerator, config: PPOConfig, model=Non
         # accelerate sizes DeepSpeed's global batch by the parallelism config's data-parallel size, which it
         # leaves at 1 under DeepSpeed's sequence parallelism: the groups are the data-parallel replicas.
         accelerator.parallelism_config.dp_replicate_size = data_parallel_size(accelerator)
+        zero = accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("zero_optimization", {})
+        if zero.get("stage") == 3:
+            # ZeRO-3's reduce-scatter path averages gradients over every process, its all-reduce path (and
+            # ZeRO-1/2) over the groups (world / sp_size), which is the mean the slices' gradients need.
+            zero["reduce_scatter"] = False
     fill_deepspeed_batch_config(
         accelerator, config.mini_batch_size, config.gradient_accumulation_steps, config.max_grad_norm
     )
