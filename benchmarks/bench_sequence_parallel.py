@@ -6,8 +6,11 @@ vocabulary, random weights, fp32) with a value head; one batch of rows of ``--le
 each), one row per mini-batch, 1 PPO epoch, SGD, packed passes. Each run does 2 steps on the same batch:
 the first timed, the second under ``torch.profiler`` with ``profile_memory=True``. Its tensor peak is the
 highest sum of live CPU tensor bytes counted from the step's start: weights, and buffers made once in the
-first step (DeepSpeed's gradient buckets, 2 GB by default), do not count; the training pass of the longest
-row is the step's largest. The 1-process run uses all ``--threads`` torch threads; each of the 2 processes
+first step, do not count; the training pass of the longest row is the step's largest. DeepSpeed's gradient
+bucket (``reduce_bucket_size``, by default 5e8 elements: a 2 GB buffer allocated in every backward whatever
+the model) is sized to the model's parameters, as one would for a model this small: the 2 processes run under
+a copy of ``accelerate_configs/deepspeed_sequence_parallel.yaml`` whose DeepSpeed settings come from a JSON
+file with that bucket size. The 1-process run uses all ``--threads`` torch threads; each of the 2 processes
 gets half.
 
 Usage:
@@ -20,6 +23,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -77,6 +81,32 @@ def worker(args) -> None:
         os._exit(0)
 
 
+def group_config(args, directory: Path) -> Path:
+    """The sequence-parallel accelerate config with DeepSpeed's settings in a JSON file: ZeRO-2, gradient
+    buckets of the model's parameter count."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=512, n_positions=max(args.lengths), n_embd=args.width, n_layer=args.layers,
+                        n_head=args.heads)  # fmt: skip
+    parameters = sum(p.numel() for p in GPT2LMHeadModel(config).parameters()) + args.width + 1  # and the value head
+    bucket = -(-parameters // 1024) * 1024  # DeepSpeed wants a multiple of its alignment
+    deepspeed = {
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    }  # fmt: skip
+    (directory / "deepspeed.json").write_text(json.dumps(deepspeed))
+    lines = []
+    source = (REPO_ROOT / "accelerate_configs" / "deepspeed_sequence_parallel.yaml").read_text().splitlines()
+    for line in source:
+        if line.strip().startswith(("offload_", "zero3_init_flag", "zero_stage", "mixed_precision")):
+            continue
+        lines.append(line)
+        if line.startswith("deepspeed_config:"):
+            lines.append(f"  deepspeed_config_file: {directory / 'deepspeed.json'}")
+    (directory / "config.yaml").write_text("\n".join(lines) + "\n")
+    return directory / "config.yaml"
+
+
 def run(args, processes: int) -> list[dict]:
     """The worker alone (1 process) or launched as one sequence-parallel group of ``processes``."""
     worker_args = [str(Path(__file__).resolve()), "--worker", "--lengths", *map(str, args.lengths), "--layers",
@@ -88,8 +118,8 @@ def run(args, processes: int) -> list[dict]:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(REPO_ROOT / "accelerate_configs" / "deepspeed_sequence_parallel.yaml"),
+        directory = Path(tempfile.mkdtemp())
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(group_config(args, directory)),
                "--num_processes", str(processes), "--main_process_port", str(port), *worker_args]  # fmt: skip
     out = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     if out.returncode != 0:

@@ -5,8 +5,9 @@
 `sp_size=2`); its rows are of very different lengths - one of 2 tokens, one of 31 that passes cut across
 slices, streams of odd length (a padding row) - with response masks, mini-batches of 2 and 2 epochs.
 2 processes as one group must give the weights and every statistic of 1 process on the same batch (GAE
-with a PTX loss, and GRPO with `seq_mean_token_mean`), and 4 processes as 2 groups those of 2 processes
-of data parallelism (`global_token_mean`, whose normaliser counts tokens over processes).
+with a PTX loss; GRPO with `seq_mean_token_mean`; GAE under ZeRO-3 with gradient checkpointing and a token
+budget), and 4 processes as 2 groups those of 2 processes of data parallelism (`global_token_mean`, whose
+normaliser counts tokens over processes).
 """
 
 import subprocess
@@ -15,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from test_distributed import SCRIPTS, deepspeed_cpu_collectives, launch  # noqa: F401 (fixture)
+from test_distributed import REPO, SCRIPTS, deepspeed_cpu_collectives, launch  # noqa: F401 (fixture)
 
 from tiny_models import make_gpt2
 from trl_lite.models.packed_attention import takes_row_lengths
@@ -34,7 +35,13 @@ def run_alone(out, *args: str) -> dict:
     return torch.load(out / "result.pt", weights_only=False)
 
 
-def run_launched(config: str, processes: int, out, *args: str) -> dict:
+def run_launched(config: str, processes: int, out, *args: str, zero_stage: int = 2) -> dict:
+    """The script under ``accelerate_configs/<config>.yaml``; with ``zero_stage`` 3 a copy of it set to ZeRO-3."""
+    if zero_stage != 2:
+        text = (REPO / "accelerate_configs" / f"{config}.yaml").read_text()
+        assert "zero_stage: 2" in text
+        (out / "zero.yaml").write_text(text.replace("zero_stage: 2", f"zero_stage: {zero_stage}"))
+        config = str((out / "zero").resolve())  # launch() reads accelerate_configs/<config>.yaml: an absolute path wins
     launch(config, SCRIPT, *args, "--output_dir", str(out), num_processes=processes)
     return torch.load(out / "result.pt", weights_only=False)
 
@@ -52,12 +59,17 @@ def assert_same_training(result: dict, reference: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    "args", [("--estimator", "gae", "--ptx", "1"), ("--estimator", "grpo", "--loss_type", "seq_mean_token_mean")]
+    "zero_stage, args",
+    [
+        (2, ("--estimator", "gae", "--ptx", "1")),
+        (2, ("--estimator", "grpo", "--loss_type", "seq_mean_token_mean")),
+        (3, ("--estimator", "gae", "--gradient_checkpointing", "1", "--max_tokens", "40")),
+    ],
 )
-def test_two_processes_of_one_group_equal_one_process(tmp_path, args):
+def test_two_processes_of_one_group_equal_one_process(tmp_path, zero_stage, args):
     (tmp_path / "sp").mkdir()
     (tmp_path / "alone").mkdir()
-    parallel = run_launched("deepspeed_sequence_parallel", 2, tmp_path / "sp", *args)
+    parallel = run_launched("deepspeed_sequence_parallel", 2, tmp_path / "sp", *args, zero_stage=zero_stage)
     alone = run_alone(tmp_path / "alone", *args)
     assert (parallel["sp_size"], parallel["num_processes"], alone["sp_size"]) == (2, 2, 1)
     # Each process embedded about half of every packed pass: the longest slice is half the longest pass.
