@@ -46,6 +46,14 @@ def run_launched(config: str, processes: int, out, *args: str, zero_stage: int =
     return torch.load(out / "result.pt", weights_only=False)
 
 
+def assert_one_generation_per_group(result: dict) -> None:
+    """The processes of each group returned the same sampled responses, and the groups different ones."""
+    generations, size = result["generations"], result["sp_size"]
+    groups = [generations[start : start + size] for start in range(0, len(generations), size)]
+    assert all(member == group[0] for group in groups for member in group)
+    assert len({str(group[0]) for group in groups}) == len(groups)
+
+
 def assert_same_training(result: dict, reference: dict) -> None:
     """Same weights after the steps and the same statistics of both steps, to float32 rounding."""
     assert sorted(result["named_parameters"]) == sorted(reference["named_parameters"])
@@ -72,6 +80,7 @@ def test_two_processes_of_one_group_equal_one_process(tmp_path, zero_stage, args
     parallel = run_launched("deepspeed_sequence_parallel", 2, tmp_path / "sp", *args, zero_stage=zero_stage)
     alone = run_alone(tmp_path / "alone", *args)
     assert (parallel["sp_size"], parallel["num_processes"], alone["sp_size"]) == (2, 2, 1)
+    assert_one_generation_per_group(parallel)
     # Each process embedded about half of every packed pass: the longest slice is half the longest pass.
     assert parallel["longest_slice"] < alone["longest_slice"]
     if "--ptx" not in args:  # a PTX pass is not cut
@@ -87,6 +96,7 @@ def test_two_groups_equal_two_processes_of_data_parallelism(tmp_path):
     data_parallel = run_launched("deepspeed_zero2", 2, tmp_path / "dp", *args)
     assert (parallel["sp_size"], parallel["num_processes"]) == (2, 4)
     assert (data_parallel["sp_size"], data_parallel["num_processes"]) == (1, 2)
+    assert_one_generation_per_group(parallel)
     assert_same_training(parallel, data_parallel)
 
 

@@ -8,13 +8,15 @@ Group ``g`` (process rank // sp_size; every process is a group of its own withou
 takes batch ``g``: 4 rows of very different lengths - one of 2 tokens, one of 31 that any pass cuts across
 slices - in mini-batches of 2 rows, 2 epochs, response masks. The optimizer is SGD (its update is linear in
 the gradient). Rank 0 writes OUT/result.pt: the full weights after the steps, the statistics of both steps,
-the sequence-parallel size, and the longest and the summed token slices its policy's embedding saw.
+the sequence-parallel size, the longest and the summed token slices its policy's embedding saw, and the
+responses every process sampled for its group's queries from a seed of its own (``generate()``).
 """
 
 import argparse
 import os
 
 import torch
+import torch.distributed as dist
 from common import finish, full_named_parameters
 
 from tiny_models import VOCAB_SIZE, make_gpt2, make_tokenizer
@@ -69,6 +71,15 @@ def main() -> None:
     assert (trainer.forward.sequence is not None) == (sp_size > 1)
     group = trainer.accelerator.process_index // sp_size
 
+    # Every process samples from a seed of its own; generate() returns its group's first process's responses.
+    torch.manual_seed(100 + trainer.accelerator.process_index)
+    generated = trainer.generate(batch(group, 0)[0], do_sample=True, max_new_tokens=6, batch_size=2)
+    generations = [[r.tolist() for r in generated]]
+    if trainer.accelerator.num_processes > 1:
+        generations = [None] * trainer.accelerator.num_processes
+        dist.all_gather_object(generations, [r.tolist() for r in generated])
+    torch.manual_seed(0)  # the same mini-batch order on every process and run
+
     seen = []
     embedding = trainer.forward.unwrapped(trainer.model).pretrained_model.get_input_embeddings()
     embedding.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0].shape[1]))
@@ -87,6 +98,7 @@ def main() -> None:
             "stats": [{k: v for k, v in s.items() if not k.startswith("time/")} for s in stats],
             "longest_slice": max(seen),
             "tokens_seen": sum(seen),
+            "generations": generations,
         }
         torch.save(result, os.path.join(args.output_dir, "result.pt"))
     if trainer.accelerator.num_processes > 1:

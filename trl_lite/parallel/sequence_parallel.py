@@ -152,6 +152,15 @@ class SequenceParallel:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
         return cls(parallel_state_sp.get_sequence_parallel_group(), pad_id)
 
+    def share(self, value):
+        """``value`` as the group's first process has it, on every process of the group: generations (tensors,
+        lists and tuples of them) made once per group, so that ``step()`` gets one batch per group. Every
+        process generates (ZeRO-3 generation is collective) and keeps its tensors' device."""
+        holder = [_to_device(value, "cpu")]
+        dist.broadcast_object_list(holder, group_src=0, group=self.group)
+        device = next((t.device for t in _tensors(value)), None)
+        return holder[0] if device is None else _to_device(holder[0], device)
+
     # ------------------------------------------------------------------------------------------
     # Cutting a packed pass
     # ------------------------------------------------------------------------------------------
@@ -200,6 +209,24 @@ class SequenceParallel:
             )  # fmt: skip
             self._engines[(heads, kv_heads, head_dim)] = engine
         return engine
+
+
+def _tensors(value):
+    """The tensors of ``value``: a tensor, or lists and tuples of them (nested)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _to_device(value, device):
+    """``value`` (a tensor, or lists and tuples of them) with every tensor on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(item, device) for item in value)
+    return value
 
 
 def slice_slot_counts(size: int, chunk: int, firsts: list[int], counts: list[int]) -> tuple:

@@ -234,7 +234,7 @@ class PPOTrainer(ClassicHelpersMixin):
             config, model=self.model, unwrapped=unwrapped, accelerator=accelerator, tokenizer=self.tokenizer,
             pad_token_id=self.forward.layout.pad_id, is_encoder_decoder=self.is_encoder_decoder,
             is_zero3=self._is_zero3, reference_context=self._reference, optimizer=self.optimizer,
-            timer=self._phase_timer,
+            timer=self._phase_timer, sequence=self.forward.sequence,
         )  # fmt: skip
 
     plan_rollout = staticmethod(RolloutPlan.from_config)  # the passes without grad, decided once (see rollout_plan)
