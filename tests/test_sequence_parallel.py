@@ -35,13 +35,15 @@ def run_alone(out, *args: str) -> dict:
     return torch.load(out / "result.pt", weights_only=False)
 
 
-def run_launched(config: str, processes: int, out, *args: str, zero_stage: int = 2) -> dict:
-    """The script under ``accelerate_configs/<config>.yaml``; with ``zero_stage`` 3 a copy of it set to ZeRO-3."""
-    if zero_stage != 2:
+def run_launched(config: str, processes: int, out, *args: str, zero_stage: int = 2, sp_size: int = 2) -> dict:
+    """The script under ``accelerate_configs/<config>.yaml``, or a copy of it with another ZeRO stage or sp_size."""
+    if (zero_stage, sp_size) != (2, 2):
         text = (REPO / "accelerate_configs" / f"{config}.yaml").read_text()
-        assert "zero_stage: 2" in text
-        (out / "zero.yaml").write_text(text.replace("zero_stage: 2", f"zero_stage: {zero_stage}"))
-        config = str((out / "zero").resolve())  # launch() reads accelerate_configs/<config>.yaml: an absolute path wins
+        for key, value in (("zero_stage", zero_stage), ("parallelism_config_sp_size", sp_size)):
+            assert f"{key}: 2" in text
+            text = text.replace(f"{key}: 2", f"{key}: {value}")
+        (out / "changed.yaml").write_text(text)
+        config = str((out / "changed").resolve())  # launch() reads accelerate_configs/<config>.yaml: an absolute path wins
     launch(config, SCRIPT, *args, "--output_dir", str(out), num_processes=processes)
     return torch.load(out / "result.pt", weights_only=False)
 
@@ -67,24 +69,28 @@ def assert_same_training(result: dict, reference: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    "zero_stage, args",
+    "sp_size, zero_stage, args",
     [
-        (2, ("--estimator", "gae", "--ptx", "1")),
-        (2, ("--estimator", "grpo", "--loss_type", "seq_mean_token_mean")),
-        (3, ("--estimator", "gae", "--gradient_checkpointing", "1", "--max_tokens", "40")),
+        (2, 2, ("--estimator", "gae", "--ptx", "1")),
+        (2, 2, ("--estimator", "grpo", "--loss_type", "seq_mean_token_mean")),
+        (2, 3, ("--estimator", "gae", "--gradient_checkpointing", "1", "--max_tokens", "40")),
+        (2, 2, ("--estimator", "gae", "--model", "qwen2")),
+        # 4 slices: the 2-token row is shorter than the number of slices, the long rows span several.
+        (4, 2, ("--estimator", "grpo", "--model", "gpt2_4_heads")),
     ],
 )
-def test_two_processes_of_one_group_equal_one_process(tmp_path, zero_stage, args):
+def test_one_group_equals_one_process(tmp_path, sp_size, zero_stage, args):
     (tmp_path / "sp").mkdir()
     (tmp_path / "alone").mkdir()
-    parallel = run_launched("deepspeed_sequence_parallel", 2, tmp_path / "sp", *args, zero_stage=zero_stage)
+    parallel = run_launched("deepspeed_sequence_parallel", sp_size, tmp_path / "sp", *args, zero_stage=zero_stage,
+                            sp_size=sp_size)  # fmt: skip
     alone = run_alone(tmp_path / "alone", *args)
-    assert (parallel["sp_size"], parallel["num_processes"], alone["sp_size"]) == (2, 2, 1)
+    assert (parallel["sp_size"], parallel["num_processes"], alone["sp_size"]) == (sp_size, sp_size, 1)
     assert_one_generation_per_group(parallel)
     # Each process embedded about half of every packed pass: the longest slice is half the longest pass.
     assert parallel["longest_slice"] < alone["longest_slice"]
     if "--ptx" not in args:  # a PTX pass is not cut
-        assert parallel["longest_slice"] <= (alone["longest_slice"] + 1) // 2
+        assert parallel["longest_slice"] <= -(-alone["longest_slice"] // sp_size)
     assert_same_training(parallel, alone)
 
 

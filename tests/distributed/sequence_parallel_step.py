@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from common import finish, full_named_parameters
 
-from tiny_models import VOCAB_SIZE, make_gpt2, make_tokenizer
+from tiny_models import VOCAB_SIZE, make_gpt2, make_qwen2, make_tokenizer
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer, set_seed
 from trl_lite.parallel import sequence_parallel_size
 
@@ -45,6 +45,8 @@ def main() -> None:
     parser.add_argument("--ptx", type=int, choices=(0, 1), default=0, help="add a PTX loss (ptx_coef 0.5)")
     parser.add_argument("--gradient_checkpointing", type=int, choices=(0, 1), default=0)
     parser.add_argument("--max_tokens", type=int, default=None, help="max_tokens_per_minibatch (a budget per group)")
+    parser.add_argument("--model", choices=("gpt2", "gpt2_4_heads", "qwen2"), default="gpt2",
+                        help="qwen2: rotary positions, 2 query heads sharing 1 key/value head")  # fmt: skip
     parser.add_argument("--output_dir", required=True)
     args = parser.parse_args()
 
@@ -64,7 +66,8 @@ def main() -> None:
         seed=0,
     )
     set_seed(0)
-    model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2(seed=0))
+    lm = make_qwen2(seed=0) if args.model == "qwen2" else make_gpt2(seed=0, n_head=4 if "4" in args.model else 2)
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(lm)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate)
     trainer = PPOTrainer(config, model, tokenizer=make_tokenizer("left"), optimizer=optimizer)
     sp_size = sequence_parallel_size(trainer.accelerator)
