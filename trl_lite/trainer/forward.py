@@ -235,11 +235,15 @@ class ForwardPass:
             # Built once for the pass and shared by its layers and the critic's: the offsets of the
             # varlen kernel (one host-to-device copy) and, on CUDA, the mask that spares transformers'
             # packed-row detection its host read (see models.packed_attention.rows_mask).
-            attention_rows = packed_rows((len(rows.sequences[i]) for i in index), self.device)
-            mask = rows_mask(attention_rows, self.device) if piece is None else None
+            # A slice's layers get its SequencePass, which holds the whole stream's rows.
+            if piece is None:
+                attention_rows = packed_rows((len(rows.sequences[i]) for i in index), self.device)
+                mask, keywords = rows_mask(attention_rows, self.device), {ROW_LENGTHS: attention_rows}
+            else:
+                mask, keywords = None, {SEQUENCE_PASS: piece}
             for module, module_inputs in ((model, inputs), (critic, critic_inputs)):
                 if id(module) in self.row_attention:
-                    module_inputs.update({ROW_LENGTHS: attention_rows} if piece is None else {SEQUENCE_PASS: piece})
+                    module_inputs.update(keywords)
                     if mask is not None:
                         module_inputs["attention_mask"] = mask
         outputs, _, values = model(**inputs, return_values=return_values and critic is None)
