@@ -161,6 +161,16 @@ class SequenceParallel:
         device = next((t.device for t in _tensors(value)), None)
         return holder[0] if device is None else _to_device(holder[0], device)
 
+    def slice_buffer_rows(self, buffer_rows: int, tokens: list[int], mini_batch_size: int, max_tokens: int | None) -> int:
+        """The most LM-head slots one slice of any pass of a step can hold: at most the slots of a whole pass
+        (``buffer_rows``) and at most a slice's tokens, ``ceil(T / size)`` for the largest pass's ``T`` tokens
+        (passes of ``mini_batch_size`` rows, or under a budget of ``max_tokens``; ``tokens``: each row's)."""
+        longest = sorted(tokens, reverse=True)
+        largest_pass = sum(longest[:mini_batch_size])
+        if max_tokens is not None:
+            largest_pass = max(min(max_tokens, sum(longest)), longest[0])
+        return min(buffer_rows, math.ceil(largest_pass / self.size))
+
     # ------------------------------------------------------------------------------------------
     # Cutting a packed pass
     # ------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ the fused LM head, and the prepared-to-unwrapped model map.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 import warnings
@@ -96,10 +97,16 @@ class ForwardPass:
     # Rows and mini-batches
     # ------------------------------------------------------------------------------------------
     def make_rows(self, queries, responses, response_masks=None) -> Rows:
-        """One batch on the device with its compact action mask (see :func:`~.rows.make_rows`)."""
-        return make_rows(queries, responses, response_masks, device=self.device,
+        """One batch on the device with its compact action mask (see :func:`~.rows.make_rows`); under
+        sequence parallelism the LM-head buffers sized for one slice of a pass."""
+        rows = make_rows(queries, responses, response_masks, device=self.device,
                          is_encoder_decoder=self.is_encoder_decoder, mini_batch_size=self.mini_batch_size,
                          max_tokens=self.max_tokens)  # fmt: skip
+        if self.sequence is None:
+            return rows
+        tokens = [rows.tokens(i) for i in range(len(rows))]
+        slice_rows = self.sequence.slice_buffer_rows(rows.buffer_rows, tokens, self.mini_batch_size, self.max_tokens)
+        return dataclasses.replace(rows, buffer_rows=slice_rows)
 
     def minibatches(self, rows: Rows):
         """The no-grad passes over every row of ``rows``: ``(index, idx)``, a host list and the same on the device.
