@@ -6,8 +6,10 @@
 slices, streams of odd length (a padding row) - with response masks, mini-batches of 2 and 2 epochs.
 2 processes as one group must give the weights and every statistic of 1 process on the same batch (GAE
 with a PTX loss; GRPO with `seq_mean_token_mean`; GAE under ZeRO-3 with gradient checkpointing and a token
-budget), and 4 processes as 2 groups those of 2 processes of data parallelism (`global_token_mean`, whose
-normaliser counts tokens over processes).
+budget; a Qwen2 shape with rotary positions and a shared key/value head), and so must 4 processes as one
+group of 4 (the 2-token row is shorter than the number of slices); 4 processes as 2 groups must give those
+of 2 processes of data parallelism (`global_token_mean`, whose normaliser counts tokens over processes).
+Every launched run also checks that `generate()` gives the processes of a group the same responses.
 """
 
 import subprocess
