@@ -236,7 +236,8 @@ class AutoModelForCausalLMWithValueHead(_ValueHeadModel):
         and past_key_values last when `return_past_key_values`. With `return_lm_head_inputs`, the
         first output is the LM head's input at `logits_positions`, (B, K, H) or (N, H), in the
         model's dtype. With `return_values=False` the value head does not run and value is None
-        (critic-free training, a separate critic, the reference pass).
+        (critic-free training, a separate critic, the reference pass). A cache from an earlier call goes
+        in as `past_key_values` (or `cache`) and reaches the model under the name its forward takes.
         """
         parts = self._backbone_and_lm_head(kwargs) if logits_positions is not None else None
         # The PEFT wrapper's forward passes its kwargs on: the name is the transformers model's.
@@ -328,7 +329,8 @@ class AutoModelForSeq2SeqLMWithValueHead(_ValueHeadModel):
         (B, K) of decoder positions, or a pair (rows, positions) of length N. Returns lm_logits
         (B, S_dec, V), (B, K, V) or (N, V); loss or None;
         value (B, S_dec), or None with `return_values=False` (the head does not run); past_key_values
-        last when `return_past_key_values`. The full forward runs even with `logits_positions`, whose logits are then gathered: decoder
+        last when `return_past_key_values` (a cache goes in as `past_key_values` or `cache`, as for the causal
+        wrapper). The full forward runs even with `logits_positions`, whose logits are then gathered: decoder
         lengths in PPO are short, and the LM head input differs between architectures (T5 rescales it).
         """
         kwargs = self._prepare_kwargs(past_key_values, return_past_key_values, kwargs, self.transformers_model)
