@@ -4,6 +4,7 @@ return it as classic TRL does: the fourth output with `return_past_key_values=Tr
 """
 
 import contextlib
+import inspect
 import warnings
 
 import pytest
@@ -14,6 +15,8 @@ from transformers import GPT2LMHeadModel, GPT2Model
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 
 PROMPT = torch.tensor([[5, 9, 12, 30, 7, 8]])
+# The cache keyword of the installed transformers' GPT-2, which the stand-ins below call with the cache.
+INSTALLED_NAME = "cache" if "cache" in inspect.signature(GPT2Model.forward).parameters else "past_key_values"
 
 
 @contextlib.contextmanager
@@ -39,7 +42,7 @@ class _RenamedCache:
         self.calls = [*getattr(self, "calls", []), given]
         if "past_key_values" in kwargs:
             warnings.warn("past_key_values is deprecated; use cache instead.", FutureWarning, stacklevel=2)
-        return super().forward(input_ids=input_ids, past_key_values=cache, **kwargs)
+        return super().forward(input_ids=input_ids, **{INSTALLED_NAME: cache}, **kwargs)
 
 
 class RenamedCacheGPT2LMHeadModel(_RenamedCache, GPT2LMHeadModel):
