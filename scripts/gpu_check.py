@@ -254,7 +254,7 @@ def worker_result(result: subprocess.CompletedProcess | None) -> dict | None:
 def make_trainer(mixed_precision: str = "bf16", sleep: bool | None = None, **config):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+    from trl_lite import AutoModelForCausalLMWithValueHead, NoDatasetWarning, PPOConfig, PPOTrainer
 
     torch.manual_seed(0)
     lm = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB_SIZE, n_positions=256, n_embd=256, n_layer=2, n_head=4))
@@ -263,7 +263,7 @@ def make_trainer(mixed_precision: str = "bf16", sleep: bool | None = None, **con
     if sleep is not None:
         ppo_config.vllm_enable_sleep_mode = sleep
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="PPOTrainer got no dataset")  # the checks pass their batches
+        warnings.simplefilter("ignore", NoDatasetWarning)  # the checks pass their own batches
         return PPOTrainer(ppo_config, AutoModelForCausalLMWithValueHead.from_pretrained(lm), tokenizer=None)
 
 

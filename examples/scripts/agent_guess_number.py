@@ -27,6 +27,7 @@ import os
 import random
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,7 +48,7 @@ from transformers import (
 )
 from transformers.utils import logging as transformers_logging
 
-from trl_lite import PPOConfig, PPOTrainer, set_seed
+from trl_lite import NoDatasetWarning, PPOConfig, PPOTrainer, set_seed
 from trl_lite.agents import ChatFormat, episode_stats, run_episodes, step_inputs
 
 SPECIAL = ["<pad>", "<|im_start|>", "<|im_end|>"]
@@ -277,7 +278,9 @@ def run(args: ScriptArguments, config: PPOConfig) -> dict:
     model.save_pretrained(output_dir / "sft_model")
     tokenizer.save_pretrained(output_dir / "sft_model")
 
-    trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
+    with warnings.catch_warnings():  # step() gets run_episodes' batch_size episodes, not a dataset's
+        warnings.simplefilter("ignore", NoDatasetWarning)
+        trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
     before = evaluate(trainer, args)
     print(f"SFT: {args.sft_steps} steps in {sft_seconds:.0f} s, last loss {sft_loss:.3f}; {describe(before)}")
     evaluations = [{"step": 0, **before}]

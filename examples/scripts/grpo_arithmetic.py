@@ -67,7 +67,7 @@ from transformers import (  # noqa: E402
 )
 from transformers.utils import logging as transformers_logging  # noqa: E402
 
-from trl_lite import PPOConfig, PPOTrainer, set_seed  # noqa: E402
+from trl_lite import NoDatasetWarning, PPOConfig, PPOTrainer, set_seed  # noqa: E402
 from trl_lite.extras import DynamicSampler  # noqa: E402
 from trl_lite.rollouts import AsyncRollouts  # noqa: E402
 
@@ -444,9 +444,8 @@ def run(args: ScriptArguments, config: PPOConfig) -> dict:
     if args.lora_rank:
         model = with_lora(model, args)
 
-    with warnings.catch_warnings():
-        # Its reminder that step() takes batches of batch_size rows: DynamicSampler's batches are.
-        warnings.filterwarnings("ignore", message="PPOTrainer got no dataset", category=UserWarning)
+    with warnings.catch_warnings():  # step() gets DynamicSampler's batches of batch_size rows, not a dataset's
+        warnings.simplefilter("ignore", NoDatasetWarning)
         trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
     before = heldout_accuracy(trainer, problems["heldout"], config.max_response_length)
     print(

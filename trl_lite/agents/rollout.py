@@ -120,7 +120,7 @@ def run_episodes(
     """Play ``num_generations`` multi-turn episodes per prompt on the trainer's engine; one :class:`Episode` each.
 
     Episodes follow TRL's GRPOTrainer (an environment written for its ``environment_factory`` runs
-    unchanged; README, "Agents"), except where a keyword below says otherwise.
+    unchanged; docs/agents.md), except where a keyword below says otherwise.
 
     Args:
         trainer: a ``PPOTrainer`` (generation on its engine - transformers, colocated vLLM or a vLLM

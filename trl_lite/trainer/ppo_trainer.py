@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import logging
 import os
 import time
 from dataclasses import asdict
@@ -65,14 +64,13 @@ from .step_inputs import (
     validate_generation_logprobs,
     validate_ptx_inputs,
     validate_step_inputs,
+    warn_without_dataset,
     wrap_plain_model,
 )
 from .timing import PhaseTimer
 
 # Where save_pretrained(save_value_model=True) writes the critic, inside the policy's directory.
 VALUE_MODEL_SUBFOLDER = "value_model"
-
-logger = logging.getLogger(__name__)
 
 
 class PPOTrainer(ClassicHelpersMixin):
@@ -161,13 +159,7 @@ class PPOTrainer(ClassicHelpersMixin):
         self._data_generator = torch.Generator().manual_seed(config.seed)
         dataloader = self._build_dataloader(dataset, data_collator) if dataset is not None else None
         if dataset is None:
-            # A note, not a warning: training without a dataset (agents, custom loops) is an ordinary use,
-            # and step() refuses a batch of another size with an error naming config.batch_size.
-            logger.info(
-                "PPOTrainer got no dataset: step() expects batches of config.batch_size=%d rows per process; make "
-                "sure that is the number of queries you pass to each step().",
-                config.batch_size,
-            )
+            warn_without_dataset(config.batch_size)
         self._prepare(model, dataloader, lr_scheduler, critic_optimizer)
         self.current_device = self.accelerator.device
         self._phase_timer = PhaseTimer(self.current_device)

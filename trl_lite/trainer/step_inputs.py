@@ -23,6 +23,24 @@ SUPPORTED_MODELS = (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWith
 GROUP_ESTIMATORS = ("rloo", "grpo")
 
 
+
+class NoDatasetWarning(UserWarning):
+    """A ``PPOTrainer`` was built without a dataset: the caller batches the queries for ``step()``."""
+
+
+def warn_without_dataset(batch_size: int) -> None:
+    """Classic TRL's warning for a trainer without a dataset, as a ``UserWarning`` (``NoDatasetWarning``).
+
+    A loop that feeds ``step()`` its own batches on purpose silences it around the constructor with
+    ``warnings.simplefilter("ignore", NoDatasetWarning)`` inside ``warnings.catch_warnings()``.
+    """
+    warnings.warn(
+        f"No dataset is provided. Make sure to set config.batch_size (now {batch_size}) to the number of queries "
+        "each process passes to step() before training: step() refuses batches of any other size.",
+        NoDatasetWarning,
+        stacklevel=3,  # the caller of PPOTrainer(...)
+    )
+
 def _is_plain_model(model) -> bool:
     """A transformers model or a PEFT model of one, without a value head."""
     return isinstance(model, PreTrainedModel) or is_peft_model(model)
