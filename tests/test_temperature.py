@@ -1,7 +1,8 @@
 """PPOConfig.temperature on the generation side (docs/temperature.md): the one rule that resolves a call's
 sampling kwargs against the run's temperature, the transformers engine's generation_logprobs at T=0.7 against a
 float64 recomputation of log_softmax(z / 0.7) (greedy, sampled and top-k/top-p rows), the refusal of a
-different temperature on every path, and the vLLM side's checks without starting vLLM."""
+different temperature on every path (the asynchronous producer's policy copy included), and the vLLM side's checks
+without starting vLLM."""
 
 import copy
 
@@ -17,10 +18,12 @@ from trl_lite.engines import (
     check_vllm_logprobs,
     colocated_llm_options,
     engine_placement,
+    named_policy_weights,
     resolve_sampling_kwargs,
     vllm_logprobs_mode,
 )
 from trl_lite.engines.transformers_engine import _sampled_logprobs
+from trl_lite.rollouts.producer_generation import PolicyCopyEngine, policy_copy
 
 QUERIES = [torch.tensor(q) for q in ([5, 6, 7, 8, 9], [10], [11, 12, 13], [14, 15])]
 T = 0.7
@@ -240,3 +243,18 @@ def test_which_vllm_logprobs_are_log_softmax_of_logits_over_the_temperature():
     assert "logprobs_mode" not in colocated_llm_options("dir", placement, **options)
     processed = colocated_llm_options("dir", placement, **options, logprobs_mode="processed_logprobs")
     assert processed["logprobs_mode"] == "processed_logprobs"
+
+
+def test_the_async_producers_policy_copy_samples_and_scores_at_the_run_temperature():
+    # max_staleness > 0 on the transformers engine generates on a copy of the policy (trl_lite.rollouts).
+    trainer = make_trainer(temperature=T)
+    policy = trainer.model.pretrained_model
+    engine = PolicyCopyEngine(trainer.generation.engine, policy_copy(policy))
+    engine.load_weights(named_policy_weights(policy))
+    lm64 = copy.deepcopy(policy).double().cpu().eval()
+    torch.manual_seed(0)
+    rows, logprobs = engine.generate(QUERIES, {"do_sample": True, "top_k": 0, "max_new_tokens": 5}, None, 2, True, True,
+                                     True)  # fmt: skip
+    assert worst_gap(rows, logprobs, lm64, QUERIES, 1, T) < 1e-5
+    with pytest.raises(ValueError, match="got temperature=1.2, but PPOConfig.temperature=0.7"):
+        engine.generate(QUERIES, {"do_sample": True, "temperature": 1.2}, None, 2, True, True, True)

@@ -86,9 +86,9 @@ def check_vllm_logprobs(params: dict, temperature: float, logprobs_mode: str) ->
         extra.insert(0, f"sampling temperature {sampled_at!r}")
     if extra:
         raise ValueError(
-            f"return_logprobs=True on vLLM (logprobs_mode='processed_logprobs') gives the log-probs after every sampling "
-            f"processor, and this request has {', '.join(extra)}: they would not be log_softmax(logits / {temperature!r}) "
-            "of the sampled tokens, the distribution the trainer scores with. Sample with do_sample=True, top_k=0, "
+            "return_logprobs=True on vLLM (logprobs_mode='processed_logprobs') gives the log-probs after every "
+            f"sampling processor, and this request has {', '.join(extra)}: they would not be "
+            f"log_softmax(logits / {temperature!r}) of the sampled tokens, the distribution the trainer scores with. Sample with do_sample=True, top_k=0, "
             "top_p=1.0 and no min_p or repetition_penalty, or generate with use_vllm=False (whose log-probs are "
             "always the untruncated ones)."
         )

@@ -155,7 +155,9 @@ class TransformersEngine(GenerationEngine):
                 sequences = generated.sequences if return_logprobs else generated
                 row_lengths = [n for n in lengths for _ in range(per_query)]
                 trimmed = self.trim(sequences, input_ids.shape[1], row_lengths, return_prompt, remove_padding)
-                chunk_logprobs = _sampled_logprobs(sequences, generated.logits, self.temperature) if return_logprobs else None
+                chunk_logprobs = None
+                if return_logprobs:
+                    chunk_logprobs = _sampled_logprobs(sequences, generated.logits, self.temperature)
                 for index, generation in enumerate(trimmed):
                     slot = rows[index // per_query] * per_query + index % per_query
                     outputs[slot] = generation
