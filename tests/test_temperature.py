@@ -142,6 +142,23 @@ def test_generate_samples_at_the_config_temperature_unless_the_kwargs_give_one()
     assert single[0].tolist() == direct(T, 0)
 
 
+def test_a_call_that_leaves_sampling_to_the_models_generation_config_samples_at_the_run_temperature():
+    trainer = make_trainer(temperature=T)
+    lm = trainer.model.pretrained_model
+    lm.generation_config.do_sample, lm.generation_config.temperature, lm.generation_config.top_k = True, 0.3, 0
+    query = QUERIES[2]
+
+    def draw(**kwargs):
+        torch.manual_seed(7)
+        ids = query[None]
+        return lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, pad_token_id=0,
+                           **kwargs)[0, len(query) :].tolist()  # fmt: skip
+
+    torch.manual_seed(7)
+    (row,) = trainer.generate([query], batch_size=1, return_prompt=False, max_new_tokens=8)
+    assert row.tolist() == draw(temperature=T) != draw()  # the model's own 0.3 draws otherwise
+
+
 def test_a_different_temperature_kwarg_is_refused_on_every_path_before_anything_is_generated():
     trainer = make_trainer(temperature=T)
     message = r"got temperature=1.2, but PPOConfig.temperature=0.7"

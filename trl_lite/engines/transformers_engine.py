@@ -191,8 +191,8 @@ def _left_padded(chunk: list[torch.Tensor], pad: int, device) -> torch.Tensor:
 
 def _generation_defaults(model):
     """The ``GenerationConfig`` of a model or of the transformers model inside a value-head wrapper (None if neither)."""
-    return getattr(model, "generation_config", None) or getattr(getattr(model, "pretrained_model", None),
-                                                                "generation_config", None)  # fmt: skip
+    config = getattr(model, "generation_config", None)
+    return config if config is not None else getattr(getattr(model, "pretrained_model", None), "generation_config", None)
 
 
 def _sampled_logprobs(sequences: torch.Tensor, logits: tuple[torch.Tensor, ...], temperature: float) -> torch.Tensor:
