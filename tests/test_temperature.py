@@ -55,8 +55,10 @@ def test_resolve_sampling_kwargs_samples_at_the_run_temperature_and_refuses_anot
     assert resolve_sampling_kwargs({"do_sample": True, "temperature": 0.7}, T) == {"do_sample": True, "temperature": 0.7}
     with pytest.raises(ValueError, match=r"generate\(\) got temperature=1.0, but PPOConfig.temperature=0.7"):
         resolve_sampling_kwargs({"do_sample": True, "temperature": 1.0}, T)
-    with pytest.raises(TypeError, match="temperature must be a finite number, got 'hot'"):
+    with pytest.raises(TypeError, match="temperature must be a number, got 'hot'"):
         resolve_sampling_kwargs({"temperature": "hot"}, T)
+    with pytest.raises(ValueError, match="temperature must be a finite number, got inf"):
+        resolve_sampling_kwargs({"temperature": float("inf")}, T)
 
 
 def make_trainer(**config):

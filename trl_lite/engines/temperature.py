@@ -26,8 +26,10 @@ def resolve_sampling_kwargs(generation_kwargs: dict, temperature: float, default
         return kwargs
     given = kwargs.get("temperature")
     if given is not None:
-        if isinstance(given, bool) or not isinstance(given, (int, float)) or not math.isfinite(given):
-            raise TypeError(f"the generation kwarg temperature must be a finite number, got {given!r}.")
+        if isinstance(given, bool) or not isinstance(given, (int, float)):
+            raise TypeError(f"the generation kwarg temperature must be a number, got {given!r}.")
+        if not math.isfinite(given):
+            raise ValueError(f"the generation kwarg temperature must be a finite number, got {given!r}.")
         if float(given) != float(temperature):
             raise ValueError(
                 f"generate() got temperature={given!r}, but PPOConfig.temperature={temperature!r}: the trainer scores "
