@@ -10,6 +10,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from .base import GenerationEngine, trim_rows
+from .temperature import resolve_sampling_kwargs
 
 _NO_MASK_WARNING = "We strongly recommend passing in an `attention_mask`"
 
@@ -61,16 +62,19 @@ class TransformersEngine(GenerationEngine):
         is_encoder_decoder: responses then start with the decoder start token, and no prompt is cut off.
         is_zero3: weights are gathered once per call, and every process makes the same number of
             ``generate`` calls (a process with fewer chunks joins the others' with a one-row stand-in).
+        temperature: the run's (``PPOConfig.temperature``): calls sample as
+            :func:`~.temperature.resolve_sampling_kwargs` says, and log-probs are ``log_softmax(z / temperature)``.
     """
 
     def __init__(self, model_context: Callable[[], AbstractContextManager], accelerator, tokenizer, pad_token_id: int,
-                 is_encoder_decoder: bool, is_zero3: bool):  # fmt: skip
+                 is_encoder_decoder: bool, is_zero3: bool, temperature: float = 1.0):  # fmt: skip
         self.model_context = model_context
         self.accelerator = accelerator
         self.tokenizer = tokenizer
         self.pad_token_id = pad_token_id
         self.is_encoder_decoder = is_encoder_decoder
         self.is_zero3 = is_zero3
+        self.temperature = temperature
 
     @contextmanager
     def _generation_model(self):
@@ -88,8 +92,11 @@ class TransformersEngine(GenerationEngine):
     def generate_one(self, query, generation_kwargs, return_prompt):
         """One 1-D query (on the CPU or the accelerator's device) -> ``(k, S)`` on the accelerator's device."""
         query = query.unsqueeze(0).to(self.accelerator.device)
+        kwargs = resolve_sampling_kwargs(generation_kwargs, self.temperature)  # refused before the model is touched
         with self._generation_model() as model:
-            response = model.generate(input_ids=query, **generation_kwargs)
+            # Again with the model's defaults: a call that leaves do_sample to them may sample.
+            kwargs = resolve_sampling_kwargs(kwargs, self.temperature, _generation_defaults(model))
+            response = model.generate(input_ids=query, **kwargs)
         if not return_prompt and not self.is_encoder_decoder:
             response = response[:, query.shape[1] :]
         return response
@@ -100,8 +107,10 @@ class TransformersEngine(GenerationEngine):
 
         The queries are sorted by length before being cut into chunks, so a chunk holds queries of
         similar length and little left padding is computed (at every decoding step, too: the padding
-        stays in the key/value cache). Log-probs come from the raw logits ``generate`` returns
-        (``output_logits``), before any temperature or top-k/top-p processing.
+        stays in the key/value cache). Log-probs are ``log_softmax(z / temperature)`` of the raw logits
+        ``generate`` returns (``output_logits``), the engine's temperature applied and nothing else: not
+        transformers' processed scores (``output_scores``), which a top-k/top-p warper truncates
+        (docs/temperature.md).
 
         Devices: the queries may sit on the CPU (a tokenizer's output) or on the accelerator's device;
         each chunk is padded where its queries are and moved in one copy. The responses and log-probs are
@@ -111,7 +120,7 @@ class TransformersEngine(GenerationEngine):
             raise ValueError("generate() with a list of queries needs the trainer's tokenizer (for padding); got None.")
         device = self.accelerator.device
         pad = self.pad_token_id
-        kwargs = dict(generation_kwargs)
+        kwargs = resolve_sampling_kwargs(generation_kwargs, self.temperature)
         kwargs.setdefault("pad_token_id", pad)
         if return_logprobs:
             if int(kwargs.get("num_beams") or 1) != 1:
@@ -125,6 +134,8 @@ class TransformersEngine(GenerationEngine):
         order = sorted(range(len(queries)), key=lambda i: len(queries[i]))
         starts = range(0, len(queries), batch_size)
         with self._generation_model() as gen_model, _mask_is_passed():
+            # Again with the model's defaults: a call that leaves do_sample to them may sample.
+            kwargs = resolve_sampling_kwargs(kwargs, self.temperature, _generation_defaults(gen_model))
             for _ in range(self._missing_generate_calls(len(starts))):
                 # Under ZeRO-3 every forward pass is a collective, so a process with fewer chunks
                 # than another joins the extra calls with a one-row stand-in whose output is dropped.
@@ -144,7 +155,9 @@ class TransformersEngine(GenerationEngine):
                 sequences = generated.sequences if return_logprobs else generated
                 row_lengths = [n for n in lengths for _ in range(per_query)]
                 trimmed = self.trim(sequences, input_ids.shape[1], row_lengths, return_prompt, remove_padding)
-                chunk_logprobs = _sampled_logprobs(sequences, generated.logits) if return_logprobs else None
+                chunk_logprobs = None
+                if return_logprobs:
+                    chunk_logprobs = _sampled_logprobs(sequences, generated.logits, self.temperature)
                 for index, generation in enumerate(trimmed):
                     slot = rows[index // per_query] * per_query + index % per_query
                     outputs[slot] = generation
@@ -176,10 +189,17 @@ def _left_padded(chunk: list[torch.Tensor], pad: int, device) -> torch.Tensor:
     return pad_sequence(chunk, batch_first=True, padding_value=pad, padding_side="left").to(device)
 
 
-def _sampled_logprobs(sequences: torch.Tensor, logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def _generation_defaults(model):
+    """The ``GenerationConfig`` of a model or of the transformers model inside a value-head wrapper (None if neither)."""
+    config = getattr(model, "generation_config", None)
+    return config if config is not None else getattr(getattr(model, "pretrained_model", None), "generation_config", None)
+
+
+def _sampled_logprobs(sequences: torch.Tensor, logits: tuple[torch.Tensor, ...], temperature: float) -> torch.Tensor:
     """Log-probabilities ``(n, T)`` of the T generated tokens (the last T columns of ``sequences (n, S)``)
-    under the raw per-step ``logits`` (T tensors ``(n, V)``), computed in float32 or wider."""
+    under ``softmax(z / temperature)`` of the raw per-step logits ``z`` (T tensors ``(n, V)``), in float32 or
+    wider. Dividing by 1.0 changes no bit: the classic run's log-probs are those of the raw logits."""
     steps = torch.stack(logits, dim=1)
-    steps = steps.to(torch.promote_types(steps.dtype, torch.float32))
+    steps = steps.to(torch.promote_types(steps.dtype, torch.float32)) / temperature
     tokens = sequences[:, sequences.shape[1] - len(logits) :]
     return torch.log_softmax(steps, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -168,6 +168,14 @@ class PPOConfig:
                   "importance_sampling_cap) when step() gets generation_logprobs. None: off."},
     )
     importance_sampling_cap: float = field(default=2.0, metadata={"help": "Cap of the TIS weight."})
+    # Sampling temperature (docs/temperature.md)
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "The sampling temperature: generate() samples at it unless its kwargs give one (a different "
+                  "one is refused when this is not 1.0); the policy's log-probs, entropy and KL terms in every pass, "
+                  "and the engines' generation_logprobs, are taken under logits / temperature, the reference's at "
+                  "the same temperature. 1.0: the classic behaviour (scores under the raw logits)."},
+    )
     # Generation engine
     use_vllm: bool = field(
         default=False,

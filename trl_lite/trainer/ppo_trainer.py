@@ -344,7 +344,10 @@ class PPOTrainer(ClassicHelpersMixin):
         With ``generate_ref_response`` the reference model's responses are returned too (always by
         transformers). With ``return_logprobs=True`` (a list only) the last returned element is one
         1-D float tensor per row: the log-probability of each generated token (prompt excluded) under
-        the generating model's raw logits (temperature 1), ready for ``step(..., generation_logprobs=...)``.
+        ``softmax(logits / PPOConfig.temperature)`` of the generating model, untruncated by top-k/top-p,
+        ready for ``step(..., generation_logprobs=...)``. Sampling is at ``PPOConfig.temperature`` unless
+        the kwargs give a temperature; one that differs from a config temperature other than 1.0 is
+        refused (:func:`~trl_lite.engines.resolve_sampling_kwargs`, docs/temperature.md).
 
         The transformers engine (default) generates in chunks of ``batch_size`` queries and draws
         ``length_sampler`` once per chunk; under ZeRO-3 generation is collective (every process calls
