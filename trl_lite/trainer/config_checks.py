@@ -81,6 +81,7 @@ def validate_config(config) -> None:
             raise TypeError(f"{name} must be a dict, got {type(getattr(config, name)).__name__}.")
     _validate_objective(config)
     _validate_engine(config)
+    _validate_dropout(config)
     config.backward_batch_size = backward_batch_size
     # Not a field (as in classic TRL): the step() calls of a script's run, which classic scripts read.
     config.total_ppo_epochs = math.ceil(config.steps / config.batch_size)
@@ -161,6 +162,11 @@ def _validate_engine(config) -> None:
             "vllm_enable_sleep_mode=True applies to colocated engines (vllm_mode='colocate'); a vLLM server "
             "manages its own memory (see python -m trl_lite.vllm_server --help)."
         )
+
+
+def _validate_dropout(config) -> None:
+    if not isinstance(config.disable_dropout, bool):
+        raise TypeError(f"disable_dropout must be True or False, got {config.disable_dropout!r}.")
 
 
 def _check_log_with(value) -> None:

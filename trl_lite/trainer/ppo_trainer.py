@@ -32,6 +32,7 @@ from transformers import PreTrainedTokenizerBase
 from .. import core
 from ..core import flatten_dict
 from ..models import PreTrainedModelWrapper, as_value_model, create_reference_model
+from ..models.dropout import disable_dropout_in_model
 from .accelerate_setup import (
     build_accelerator,
     default_optimizer,
@@ -151,6 +152,8 @@ class PPOTrainer(ClassicHelpersMixin):
         if ref_model is None and not self.is_peft_model and self.rollout_plan.reference:
             ref_model = create_reference_model(model, num_shared_layers=num_shared_layers)
         self.ref_model = ref_model  # None: a PEFT policy's reference is itself without its adapter, or none runs
+        if config.disable_dropout:
+            disable_dropout_in_model(model, ref_model, self.critic)
         if config.keep_freed_cpu_memory and self.accelerator.device.type == "cpu":
             keep_freed_cpu_memory()
         self.optimizer = optimizer or default_optimizer(model, config.learning_rate)
