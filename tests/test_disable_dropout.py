@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from test_varlen_attention import _on_cpu
+from test_varlen_attention import _with_stand_in
 from tiny_models import VOCAB_SIZE, make_gpt2, make_gpt2_critic, make_tokenizer, random_batch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -85,7 +85,7 @@ def test_without_dropout_every_pass_runs_on_the_kernel(monkeypatch, caplog, disa
     passes row by row, said once; with ``disable_dropout`` every pass of the step is one call per layer."""
     monkeypatch.setattr(varlen_attention, "_ANNOUNCED", set())
     trainer = _trainer(_policy(0.1), padding_free=True, ppo_epochs=2, disable_dropout=disable_dropout)
-    counting = _on_cpu(monkeypatch)
+    counting = _with_stand_in(monkeypatch)
     with caplog.at_level(logging.INFO, logger=varlen_attention.__name__):
         _steps(trainer)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]

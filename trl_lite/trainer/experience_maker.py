@@ -28,7 +28,7 @@ from ..core import (
 from .experience import Experience, StepBatch
 from .forward import ForwardPass
 from .rollout_plan import EVERY_PASS, RolloutPlan
-from .rows import to_device
+from .rows import actions_per_row, to_device
 from .step_inputs import scores_tensor
 from .transfer import batch_to_device
 
@@ -82,6 +82,9 @@ class ExperienceMaker:
         # Sections 14 and 2: the rollout's penalties, then scaling and clipping
         lengths = to_device([len(r) for r in batch.responses], self.device)
         ends_with_eos = core.ends_with_stop(batch.responses, self.eos_ids) if self.eos_ids else None
+        actions = batch.actions
+        if actions is None:  # a batch that skipped step()'s checks: counted here, on the host before the copy
+            actions = actions_per_row(batch.responses, batch.response_masks, 1 if self.forward.is_encoder_decoder else 0)
         # The batch's tensors reach the device in one copy (see transfer.py for every sync of a step).
         batch, ends_with_eos = batch_to_device(batch, self.device, ends_with_eos)
         scores = self.shape_scores(scores_tensor(batch.scores, self.device), lengths, ends_with_eos)
@@ -112,7 +115,7 @@ class ExperienceMaker:
         # Section 5 (GAE), or section 12 for the critic-free estimators
         t = time.time()
         if config.critic_free:
-            advantages = self.critic_free_advantages(scores, rewards, non_score_reward, mask, batch.groups)
+            advantages = self.critic_free_advantages(scores, rewards, non_score_reward, mask, batch.groups, batch.num_groups)
             values = returns = None
         else:
             values, advantages, returns = self.advantages(values, rewards, mask)
@@ -126,7 +129,7 @@ class ExperienceMaker:
             ref_logprobs=ref_logprobs, values=values, returns=returns, kls=kls, rewards=rewards,
             non_score_reward=non_score_reward, advantages=advantages, token_weights=token_weights,
             kl_coef=kl_coef, kl_in_loss=kl_in_loss, ptx=ptx, staleness=batch.staleness, generation=generation,
-            gap_stats=gap_stats, timings=timings,
+            gap_stats=gap_stats, timings=timings, num_groups=batch.num_groups, actions=tuple(actions),
         )  # fmt: skip
 
     def complete(self, experience: Experience, logprobs: torch.Tensor) -> Experience:
@@ -175,11 +178,12 @@ class ExperienceMaker:
         advantages = self.whiten(advantages, mask)
         return values * mask, advantages.detach(), returns.detach()
 
-    def critic_free_advantages(self, scores, rewards, non_score_reward, mask, groups):
+    def critic_free_advantages(self, scores, rewards, non_score_reward, mask, groups, num_groups=None):
         """Advantages ``(B, L)`` of the critic-free estimators (section 12).
 
         ``scores (B,)`` after shaping; ``rewards``, ``non_score_reward`` ``(B, L)`` (the latter zero
-        when the KL is in the loss); ``groups (B,)`` group ids for 'rloo'/'grpo'.
+        when the KL is in the loss); ``groups (B,)`` group ids for 'rloo'/'grpo' on the scores' device,
+        dense in ``[0, num_groups)`` (a host int; None: any ids, made dense on the device).
         """
         config = self.config
         if config.advantage_estimator == "reinforce_pp":
@@ -187,11 +191,10 @@ class ExperienceMaker:
                 rewards = self.whiten(rewards, mask, shift_mean=False)
             return (self.whiten(discounted_returns(rewards, mask, config.gamma), mask) * mask).detach()
         sequence_rewards = scores + non_score_reward.sum(-1)
-        groups = groups.to(sequence_rewards.device)
         if config.advantage_estimator == "rloo":
-            sequence_advantages = rloo_advantages(sequence_rewards, groups)
+            sequence_advantages = rloo_advantages(sequence_rewards, groups, num_groups)
         else:
-            sequence_advantages = grpo_advantages(sequence_rewards, groups, config.grpo_scale_rewards)
+            sequence_advantages = grpo_advantages(sequence_rewards, groups, config.grpo_scale_rewards, num_groups=num_groups)
         return sequence_to_tokens(sequence_advantages, mask).detach()
 
     def generation_columns(self, generation_logprobs, mask, shift: int) -> torch.Tensor | None:

@@ -322,17 +322,18 @@ class PPOTrainer(ClassicHelpersMixin):
                            generation_logprobs, policy_version) -> StepBatch:  # fmt: skip
         """Every check of ``step()``'s arguments, before any state changes; the batch they make."""
         config = self.config
-        validate_step_inputs(
+        actions = validate_step_inputs(
             queries, responses, scores, response_masks,
             batch_size=config.batch_size, vocab_size=self._vocab_size, is_encoder_decoder=self.is_encoder_decoder,
         )  # fmt: skip
-        groups = resolve_group_ids(group_ids, queries, config)
+        groups = resolve_group_ids(group_ids, queries, config)  # dense ids on the host
         validate_ptx_inputs(ptx_inputs, config, self.is_encoder_decoder, self._vocab_size)
         validate_generation_logprobs(generation_logprobs, responses)
         self._check_eos_penalty(config)  # the field may have been set on trainer.config since
         return StepBatch(
             queries, responses, scores, response_masks, groups, generation_logprobs, ptx_inputs,
             staleness(policy_version, self.current_step, config.batch_size),
+            num_groups=int(groups.max()) + 1 if groups is not None else None, actions=actions,
         )  # fmt: skip
 
     def generate(

@@ -34,18 +34,19 @@ class RunningMoments:
     def update(self, xs: torch.Tensor) -> tuple[float, float]:
         """Add ``xs`` (any shape) of this process, and of all others under several processes.
 
-        Returns the mean and unbiased std of this update's values (all processes).
+        Returns the mean and unbiased std of this update's values (all processes). One read of the device
+        (and one reduction with several processes): the count, the sum and the sum of squares of the values
+        about the running mean ``K`` (a host number) travel together; the batch's mean is then
+        ``K + S1 / n`` and its sum of squared deviations ``S2 - S1^2 / n``, in float64.
         """
         xs = xs.detach().to(torch.float64).flatten()
-        local = torch.stack([xs.sum(), torch.tensor(float(xs.numel()), dtype=torch.float64, device=xs.device)])
+        centred = xs - self.mean  # about the running mean: S1 stays small, so S2 - S1^2 / n keeps its digits
+        local = torch.stack([centred.sum(), centred.square().sum(), xs.new_full((), float(xs.numel()))])
         if self.accelerator is not None and self.accelerator.num_processes > 1:
             local = self.accelerator.reduce(local, reduction="sum")
-        batch_sum, batch_count = local.tolist()
-        batch_mean = batch_sum / batch_count
-        sq = ((xs - batch_mean) ** 2).sum().reshape(1)
-        if self.accelerator is not None and self.accelerator.num_processes > 1:
-            sq = self.accelerator.reduce(sq, reduction="sum")
-        batch_m2 = float(sq.item())
+        s1, s2, batch_count = local.tolist()
+        batch_mean = self.mean + s1 / batch_count
+        batch_m2 = max(s2 - s1 * s1 / batch_count, 0.0)
 
         total = self.count + batch_count
         delta = batch_mean - self.mean
