@@ -55,7 +55,8 @@ class Experience:
     in the loss); ``kl_in_loss``: whether the learner adds ``kl_coef * k3`` to the policy loss (then it
     uses ``ref_logprobs``); ``ptx``: per row the PTX token sequence on the device, or None; ``staleness``:
     as in :class:`StepBatch`;
-    ``gap_stats``: the ``rollout/*`` log-prob gap statistics; ``timings``: seconds of each phase;
+    ``gap_stats``: the ``rollout/*`` log-prob gap statistics; ``timings``: each phase's ``(start, end)`` marks
+    (:class:`~.timing.StepClock`);
     ``num_groups`` and ``actions``: as in :class:`StepBatch` (host numbers: read without a device sync).
     """
 

@@ -8,7 +8,6 @@ reference and critic, no grad), 15 (the log-prob gap to the generating engine an
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 
@@ -30,6 +29,7 @@ from .forward import ForwardPass
 from .rollout_plan import EVERY_PASS, RolloutPlan
 from .rows import actions_per_row, to_device
 from .step_inputs import scores_tensor
+from .timing import StepClock
 from .transfer import batch_to_device
 
 
@@ -63,6 +63,7 @@ class ExperienceMaker:
         self.policy_values = policy_values
         self.plan = plan
         self.device = accelerator.device
+        self.clock = StepClock(self.device)
 
     def make(self, batch: StepBatch) -> Experience:
         """One step's experience; see the module docstring for the sections it runs.
@@ -90,7 +91,7 @@ class ExperienceMaker:
         scores = self.shape_scores(scores_tensor(batch.scores, self.device), lengths, ends_with_eos)
 
         # Section 3: forward passes without grad, and section 15: the gap to the generating engine
-        t = time.time()
+        t = self.clock.mark()
         rows = self.forward.make_rows(batch.queries, batch.responses, batch.response_masks)
         mask = rows.action_mask
         logprobs, ref_logprobs, values, full_kl = self.passes(rows)
@@ -98,10 +99,10 @@ class ExperienceMaker:
         gap_stats, token_weights = {}, None
         if logprobs is not None:
             gap_stats, token_weights = self.generation_gap(logprobs, generation, mask)
-        timings["time/ppo/forward_pass"] = time.time() - t
+        timings["time/ppo/forward_pass"] = (t, self.clock.mark())
 
         # Section 4: KL-shaped rewards; with kl_in_reward=False the KL goes to the loss (section 12)
-        t = time.time()
+        t = self.clock.mark()
         kl_coef = self.kl_ctl.value
         kls = None
         if logprobs is not None and ref_logprobs is not None:
@@ -110,16 +111,16 @@ class ExperienceMaker:
         # Without kls the plan guarantees the rewards' KL coefficient is 0 (checked above).
         reward_kls = kls if kls is not None else torch.zeros_like(mask)
         rewards, non_score_reward = compute_kl_rewards(scores, reward_kls, mask, 0.0 if kl_in_loss else kl_coef)
-        timings["time/ppo/compute_rewards"] = time.time() - t
+        timings["time/ppo/compute_rewards"] = (t, self.clock.mark())
 
         # Section 5 (GAE), or section 12 for the critic-free estimators
-        t = time.time()
+        t = self.clock.mark()
         if config.critic_free:
             advantages = self.critic_free_advantages(scores, rewards, non_score_reward, mask, batch.groups, batch.num_groups)
             values = returns = None
         else:
             values, advantages, returns = self.advantages(values, rewards, mask)
-        timings["time/ppo/compute_advantages"] = time.time() - t
+        timings["time/ppo/compute_advantages"] = (t, self.clock.mark())
 
         ptx = None
         if batch.ptx_inputs is not None:

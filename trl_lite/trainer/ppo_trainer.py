@@ -22,7 +22,6 @@ import functools
 import inspect
 import logging
 import os
-import time
 from dataclasses import asdict
 
 import torch
@@ -293,16 +292,17 @@ class PPOTrainer(ClassicHelpersMixin):
             queries, responses, scores, response_masks, group_ids, ptx_inputs, generation_logprobs, policy_version
         )
         config = self.config
-        t0 = time.time()
+        clock = self.experience_maker.clock
+        t0 = clock.mark()
         experience = self.experience_maker.make(batch)
-        t = time.time()
+        t = clock.mark()
         train_stats, forward_logprobs = self.learner.train(experience)
         if forward_logprobs is not None:  # lp_old came from the training forwards (no policy pass)
             experience = self.experience_maker.complete(experience, forward_logprobs)
-        timing = {**experience.timings, "time/ppo/optimize_step": time.time() - t}
-        t = time.time()
+        spans = {**experience.timings, "time/ppo/optimize_step": (t, clock.mark())}
+        t = clock.mark()
         stats = self.statistics.step_stats(experience, train_stats)
-        timing["time/ppo/calc_stats"] = time.time() - t
+        spans["time/ppo/calc_stats"] = (t, clock.mark())
         stats["ppo/learning_rate"] = self.optimizer.param_groups[0]["lr"]
 
         # Section 7: the KL controller and the scheduler
@@ -313,8 +313,8 @@ class PPOTrainer(ClassicHelpersMixin):
         self.current_step += 1
         if config.optimize_device_cache:
             empty_device_cache()
-        timing["time/ppo/total"] = time.time() - t0
-        stats.update(timing)
+        spans["time/ppo/total"] = (t0, clock.mark())
+        stats.update(clock.seconds(spans))
         stats.update(self._phase_timer.pop())
         return stats
 
