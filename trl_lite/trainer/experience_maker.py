@@ -164,9 +164,10 @@ class ExperienceMaker:
             config.overlong_buffer_len, config.overlong_penalty_factor,
         )  # fmt: skip
         if config.use_score_scaling:
-            self.running.update(scores)
-            scale = self.running.std + self.running.eps
-            scores = (scores - self.running.mean) / scale if config.use_score_norm else scores / scale
+            # On the device: the moments are read back only when asked for (a checkpoint, a user).
+            mean, std = self.running.update_on_device(scores)
+            scale = (std + self.running.eps).to(scores.dtype)
+            scores = (scores - mean.to(scores.dtype)) / scale if config.use_score_norm else scores / scale
         if config.score_clip is not None:
             scores = scores.clamp(-config.score_clip, config.score_clip)
         return scores

@@ -15,8 +15,7 @@ The host syncs of one ``step()`` on a GPU, all of them (:func:`sync_budget` coun
   takes alike);
 - per optimizer update (each mini-batch without gradient accumulation): whether the clipped gradients
   are finite (``Learner.backward_and_step``);
-- only where configured: one per epoch with ``early_stopping`` (the epoch's policy KL), one per step
-  with ``use_score_scaling`` (the running moments' count, sum and sum of squares, read together);
+- only where configured: one per epoch with ``early_stopping`` (the epoch's policy KL);
 - only for inputs given on the device: one per kind of input (queries, responses, masks and the
   count of their actions, scores, generation log-probs) for ``step()``'s checks of their values;
 - only when it happens: a mini-batch skipped for its ratio reads the mean ratio for its warning.
@@ -25,7 +24,8 @@ That is one process; with several, the collectives (whitening, the statistics' r
 guard's) wait as well. Nothing else: the group ids of 'rloo'/'grpo' travel in the batch's copy, dense, with
 their count as a host int (no ``torch.unique``, no ``int(tensor)``); a token budget plans its passes from the
 action counts of ``step()``'s input checks (host numbers); the skip guard's flags are filled on the device from
-host numbers (no blocking ``torch.tensor(..., device=...)``). ``tests/test_host_syncs.py`` counts every
+host numbers (no blocking ``torch.tensor(..., device=...)``); ``use_score_scaling`` merges the running moments
+on the device (:meth:`~.running_moments.RunningMoments.update_on_device`), read back only for a checkpoint. ``tests/test_host_syncs.py`` counts every
 synchronising operation of a step at torch's dispatcher, per estimator and option, against :func:`sync_budget`.
 
 The batch's copy and the packed passes' offsets (:func:`~trl_lite.models.varlen_attention.packed_rows`)
@@ -163,7 +163,7 @@ def sync_budget(config, device_inputs: int = 0) -> dict:
     """
     minibatches = config.ppo_epochs * -(-config.batch_size // config.mini_batch_size)
     per_update = 1 / config.gradient_accumulation_steps
-    per_step = 1 + device_inputs + (1 if config.use_score_scaling else 0)
+    per_step = 1 + device_inputs
     per_step += config.ppo_epochs if config.early_stopping else 0
     per_minibatch = 1 + per_update
     return {
