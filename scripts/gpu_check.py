@@ -458,16 +458,16 @@ def check_syncs(args) -> tuple[str, str]:
     return ("FAIL" if failed else "PASS"), "; ".join(details)
 
 
-def check_gqa(args) -> tuple[str, str]:
-    """One varlen call of 8 query heads over 2 key/value heads, unrepeated and repeated (bf16)."""
+def gqa_agreement(device: str = "cuda") -> list[float] | str:
+    """One varlen call of 8 query heads over 2 key/value heads (bf16) with the 2 heads unrepeated and with them
+    repeated: the largest difference of the output and of the gradients of q, k, v, each relative to the
+    largest entry of the repeated call's; or, where the kernel refuses unrepeated heads, its error."""
     from trl_lite.models.varlen_attention import KERNEL, _keywords, packed_rows
 
-    if KERNEL.function is None:
-        return "SKIP", f"torch {torch.__version__} has no varlen_attn"
-    g = torch.Generator(device="cuda").manual_seed(0)
-    rows = packed_rows((37, 5, 64, 19), "cuda")
+    g = torch.Generator(device=device).manual_seed(0)
+    rows = packed_rows((37, 5, 64, 19), device)
     shapes = ((rows.total, 8, 64), (rows.total, 2, 64), (rows.total, 2, 64))
-    q, k, v = (torch.randn(s, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_() for s in shapes)
+    q, k, v = (torch.randn(s, generator=g, device=device, dtype=torch.bfloat16).requires_grad_() for s in shapes)
     keywords = _keywords(KERNEL.function)
     causal = {"window_size": (-1, 0)} if "window_size" in keywords else {"is_causal": True}
     offsets = (rows.cu_seqlens, rows.cu_seqlens, rows.max_length, rows.max_length)
@@ -482,10 +482,19 @@ def check_gqa(args) -> tuple[str, str]:
     try:
         unrepeated = call(False)
     except RuntimeError as error:
-        return "INFO", f"the kernel refuses unrepeated K/V ({str(error)[:120]}): the trainer repeats them"
-    # Relative to the largest entry: bf16 rounding (2**-8), and the K/V gradients sum a group's 4 query heads
-    # in another order.
-    diffs = [float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(unrepeated, repeated)]
+        return str(error)
+    return [float((a.float() - b.float()).abs().max() / b.float().abs().max()) for a, b in zip(unrepeated, repeated)]
+
+
+def check_gqa(args) -> tuple[str, str]:
+    from trl_lite.models.varlen_attention import KERNEL
+
+    if KERNEL.function is None:
+        return "SKIP", f"torch {torch.__version__} has no varlen_attn"
+    diffs = gqa_agreement()
+    if isinstance(diffs, str):
+        return "INFO", f"the kernel refuses unrepeated K/V ({diffs[:120]}): the trainer repeats them"
+    # bf16 rounding, and the K/V gradients sum a group's 4 query heads in another order.
     status = "PASS" if max(diffs) <= GQA_RTOL else "FAIL"
     names = ("output", "grad q", "grad k", "grad v")
     return status, f"unrepeated vs repeated K/V, max |difference| / max |entry| (PASS <= {GQA_RTOL}): " + ", ".join(

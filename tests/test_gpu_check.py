@@ -250,3 +250,21 @@ def test_the_grpo_batch_of_the_sync_row_holds_groups_of_one_query():
     assert not torch.equal(queries[0], queries[2])
     plain = gpu_check.make_batch()
     assert len({len(q) for q in plain[0]}) > 1  # distinct queries by default
+
+
+@pytest.mark.parametrize("takes_unrepeated", [True, False])
+def test_the_gqa_row_compares_unrepeated_and_repeated_calls(monkeypatch, takes_unrepeated):
+    """The gqa row's comparison, run on the CPU with the stand-in kernels of test_varlen_attention: torch 2.11's
+    signature takes the unrepeated heads (both calls agree to bf16 rounding), 2.10's refuses them (the error)."""
+    from test_varlen_attention import reference_varlen_attn_210, reference_varlen_attn_211
+
+    from trl_lite.models import varlen_attention
+    from trl_lite.models.varlen_attention import VarlenKernel
+
+    kernel = reference_varlen_attn_211 if takes_unrepeated else reference_varlen_attn_210
+    monkeypatch.setattr(varlen_attention, "KERNEL", VarlenKernel(kernel, frozenset({"cpu"}), frozenset({torch.bfloat16})))
+    result = gpu_check.gqa_agreement("cpu")
+    if takes_unrepeated:
+        assert len(result) == 4 and max(result) <= gpu_check.GQA_RTOL
+    else:
+        assert "number of heads in key/value" in result
