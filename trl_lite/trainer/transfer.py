@@ -23,10 +23,12 @@ The host syncs of one ``step()`` on a GPU, all of them (:func:`sync_budget` coun
 That is one process; with several, the collectives (whitening, the statistics' reductions, the skip
 guard's) wait as well. Nothing else: the group ids of 'rloo'/'grpo' travel in the batch's copy, dense, with
 their count as a host int (no ``torch.unique``, no ``int(tensor)``); a token budget plans its passes from the
-action counts of ``step()``'s input checks (host numbers); the skip guard's flags are filled on the device from
-host numbers (no blocking ``torch.tensor(..., device=...)``); ``use_score_scaling`` merges the running moments
-on the device (:meth:`~.running_moments.RunningMoments.update_on_device`), read back only for a checkpoint. ``tests/test_host_syncs.py`` counts every
-synchronising operation of a step at torch's dispatcher, per estimator and option, against :func:`sync_budget`.
+action counts of ``step()``'s input checks (host numbers), and its skip guard runs per pass with its flags
+filled on the device from host numbers (no blocking ``torch.tensor(..., device=...)``); ``use_score_scaling``
+merges the running moments on the device (:meth:`~.running_moments.RunningMoments.update_on_device`), read
+back only for a checkpoint or a user. The phase timings' CUDA events are read after the copy back, when the
+device is idle (:class:`~.timing.StepClock`). ``tests/test_host_syncs.py`` counts every synchronising
+operation of a step at torch's dispatcher, per estimator and option, against :func:`sync_budget`.
 
 The batch's copy and the packed passes' offsets (:func:`~trl_lite.models.varlen_attention.packed_rows`)
 are non-blocking from pinned memory: no sync. Neither are the packed passes' masks (see
