@@ -7,6 +7,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+from devices import FLOAT32_SLACK
 from test_varlen_attention import _with_stand_in
 from tiny_models import VOCAB_SIZE, make_gpt2, make_gpt2_critic, make_tokenizer, random_batch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -52,7 +53,8 @@ def test_disable_dropout_zeroes_every_dropout_and_steps_as_a_model_without_one()
     for got, want in zip(stats, expected):
         for key, value in want.items():
             if not key.startswith("time/"):
-                np.testing.assert_array_equal(got[key], value, err_msg=key)
+                # Equal on the CPU; a GPU's atomic gradient sums may differ in the last bits between two runs.
+                np.testing.assert_allclose(got[key], value, rtol=1e-6 * FLOAT32_SLACK, atol=1e-7 * FLOAT32_SLACK, err_msg=key)
 
 
 def test_by_default_the_models_keep_their_dropout():
