@@ -82,6 +82,7 @@ def validate_config(config) -> None:
     _validate_objective(config)
     _validate_engine(config)
     _validate_temperature(config)
+    _validate_dropout(config)
     config.backward_batch_size = backward_batch_size
     # Not a field (as in classic TRL): the step() calls of a script's run, which classic scripts read.
     config.total_ppo_epochs = math.ceil(config.steps / config.batch_size)
@@ -167,6 +168,12 @@ def _validate_engine(config) -> None:
 def _validate_temperature(config) -> None:
     """``temperature``: the sampling and scoring temperature (docs/temperature.md)."""
     _check_positive_float("temperature", config.temperature)
+
+
+def _validate_dropout(config) -> None:
+    """``disable_dropout``: a bool."""
+    if not isinstance(config.disable_dropout, bool):
+        raise TypeError(f"disable_dropout must be True or False, got {config.disable_dropout!r}.")
 
 
 def _check_log_with(value) -> None:

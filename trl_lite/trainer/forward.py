@@ -18,7 +18,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from ..core import full_kl_from_logits, logprobs_from_hidden, logprobs_from_logits
 from ..models import PreTrainedModelWrapper
-from ..models.packed_attention import ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths
+from ..models.packed_attention import ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths, without_cudnn
 from ..models.varlen_attention import packed_rows
 from .rows import InputLayout, Rows, at_positions, make_rows, to_compact, to_device
 from .token_budget import split_by_tokens
@@ -141,9 +141,13 @@ class ForwardPass:
         """Whether the passes of ``model`` take packed rows: packing is on and ``model`` is one the trainer checked."""
         return self.pack and any(model is known for known, _ in self.models)
 
+    @contextmanager
     def per_row_attention(self):
-        """The block in which packed passes attend within each row (forward and backward passes)."""
-        return attend_per_row(self.row_attention.values())
+        """The block every pass of the trainer runs in (forward and backward): packed passes attend within each
+        row, and on CUDA sdpa runs without cuDNN attention - padded and PTX passes too, whose widths change
+        from mini-batch to mini-batch (cuDNN builds a graph per new shape, docs/gpu_path.md)."""
+        with attend_per_row(self.row_attention.values()), without_cudnn(self.device):
+            yield
 
     def linear_head(self, model) -> torch.nn.Linear | None:
         """The model's LM head when the pass may fuse it with the log-softmax, else None.

@@ -313,7 +313,8 @@ class Learner:
         if backward_batch_actions is None:
             empty, needed = mask.sum() == 0, 1
         else:
-            empty, needed = torch.tensor(backward_batch_actions == 0, device=loss.device), self.accelerator.num_processes
+            # A fill on the device from a host number: no blocking copy (the flags are read once, below).
+            empty, needed = loss.new_full((), float(backward_batch_actions == 0)), self.accelerator.num_processes
         flags = torch.stack([
             empty.float(),
             (~torch.isfinite(loss)).float(),

@@ -83,8 +83,8 @@ def plan_epoch(config, accelerator, forward, objective, experience, order: list[
             count = None if per_minibatch is None else per_minibatch[b]
             plans.append(PassPlan(passes, [sum(costs[i] for i in p) for p in passes], count))
         return plans
-    # One host copy per epoch: the counts below and the statistics' weights are then host numbers.
-    actions = experience.action_mask.sum(-1).tolist()
+    # Host numbers from step()'s input checks: planning the passes reads nothing from the device.
+    actions = experience.actions
     denominators = backward_batch_denominators(config, accelerator, objective, experience, groups, actions)
     return [
         PassPlan(passes, [sum(costs[i] for i in p) for p in passes], None, d, [sum(actions[i] for i in p) for p in passes])

@@ -275,6 +275,15 @@ class PPOConfig:
     whiten_rewards: bool = field(default=False, metadata={"help": "Whiten rewards (without shifting) before GAE."})
     # Memory
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Enable gradient checkpointing."})
+    disable_dropout: bool = field(
+        default=False,
+        metadata={
+            "help": "Set every dropout of the policy, reference, critic and value head to 0 when the trainer is built "
+            "(TRL 1.x's name). Off by default: classic TRL never changed the model's dropout, and a step of a model "
+            "with dropout then gives classic TRL's numbers; on CUDA attention dropout keeps the training passes off "
+            "the varlen kernel (docs/gpu_path.md)."
+        },
+    )
     keep_freed_cpu_memory: bool = field(
         default=True,
         metadata={

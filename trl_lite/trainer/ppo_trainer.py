@@ -21,7 +21,6 @@ import copy
 import functools
 import inspect
 import os
-import time
 from dataclasses import asdict
 
 import torch
@@ -31,6 +30,7 @@ from transformers import PreTrainedTokenizerBase
 from .. import core
 from ..core import flatten_dict
 from ..models import PreTrainedModelWrapper, as_value_model, create_reference_model
+from ..models.dropout import disable_dropout_in_model
 from .accelerate_setup import (
     build_accelerator,
     default_optimizer,
@@ -149,6 +149,8 @@ class PPOTrainer(ClassicHelpersMixin):
         if ref_model is None and not self.is_peft_model and self.rollout_plan.reference:
             ref_model = create_reference_model(model, num_shared_layers=num_shared_layers)
         self.ref_model = ref_model  # None: a PEFT policy's reference is itself without its adapter, or none runs
+        if config.disable_dropout:
+            disable_dropout_in_model(model, ref_model, self.critic)
         if config.keep_freed_cpu_memory and self.accelerator.device.type == "cpu":
             keep_freed_cpu_memory()
         self.optimizer = optimizer or default_optimizer(model, config.learning_rate)
@@ -282,16 +284,17 @@ class PPOTrainer(ClassicHelpersMixin):
             queries, responses, scores, response_masks, group_ids, ptx_inputs, generation_logprobs, policy_version
         )
         config = self.config
-        t0 = time.time()
+        clock = self.experience_maker.clock
+        t0 = clock.mark()
         experience = self.experience_maker.make(batch)
-        t = time.time()
+        t = clock.mark()
         train_stats, forward_logprobs = self.learner.train(experience)
         if forward_logprobs is not None:  # lp_old came from the training forwards (no policy pass)
             experience = self.experience_maker.complete(experience, forward_logprobs)
-        timing = {**experience.timings, "time/ppo/optimize_step": time.time() - t}
-        t = time.time()
+        spans = {**experience.timings, "time/ppo/optimize_step": (t, clock.mark())}
+        t = clock.mark()
         stats = self.statistics.step_stats(experience, train_stats)
-        timing["time/ppo/calc_stats"] = time.time() - t
+        spans["time/ppo/calc_stats"] = (t, clock.mark())
         stats["ppo/learning_rate"] = self.optimizer.param_groups[0]["lr"]
 
         # Section 7: the KL controller and the scheduler
@@ -302,8 +305,8 @@ class PPOTrainer(ClassicHelpersMixin):
         self.current_step += 1
         if config.optimize_device_cache:
             empty_device_cache()
-        timing["time/ppo/total"] = time.time() - t0
-        stats.update(timing)
+        spans["time/ppo/total"] = (t0, clock.mark())
+        stats.update(clock.seconds(spans))
         stats.update(self._phase_timer.pop())
         return stats
 
@@ -311,17 +314,18 @@ class PPOTrainer(ClassicHelpersMixin):
                            generation_logprobs, policy_version) -> StepBatch:  # fmt: skip
         """Every check of ``step()``'s arguments, before any state changes; the batch they make."""
         config = self.config
-        validate_step_inputs(
+        actions = validate_step_inputs(
             queries, responses, scores, response_masks,
             batch_size=config.batch_size, vocab_size=self._vocab_size, is_encoder_decoder=self.is_encoder_decoder,
         )  # fmt: skip
-        groups = resolve_group_ids(group_ids, queries, config)
+        groups = resolve_group_ids(group_ids, queries, config)  # dense ids on the host
         validate_ptx_inputs(ptx_inputs, config, self.is_encoder_decoder, self._vocab_size)
         validate_generation_logprobs(generation_logprobs, responses)
         self._check_eos_penalty(config)  # the field may have been set on trainer.config since
         return StepBatch(
             queries, responses, scores, response_masks, groups, generation_logprobs, ptx_inputs,
             staleness(policy_version, self.current_step, config.batch_size),
+            num_groups=int(groups.max()) + 1 if groups is not None else None, actions=actions,
         )  # fmt: skip
 
     def generate(
