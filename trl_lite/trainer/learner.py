@@ -28,7 +28,7 @@ from ..core import (
 )
 from .experience import Experience, Minibatch
 from .forward import ForwardPass
-from .oom_backoff import PassOutOfMemory
+from .oom_backoff import PassOutOfMemory, drop_gradients
 from .pass_plan import PassPlan, combine_pass_stats, plan_epoch
 from .rows import to_compact, to_device
 from .transfer import Selected
@@ -111,7 +111,7 @@ class Learner:
                     try:
                         units, trained = self.train_backward_batch(experience, plans[b], forward_logprobs)
                     except PassOutOfMemory:  # every process backed off: nothing of this backward batch is kept
-                        self.drop_gradients()
+                        drop_gradients(self.trained_models())
                         self.skipped_minibatches = skipped
                         plans = plans[:b] + plan_epoch(config, self.accelerator, self.forward, self.objective,
                                                        experience, order)[b:]  # fmt: skip
@@ -457,11 +457,6 @@ class Learner:
         self.optimizer.zero_grad()
         if self.critic is not None:
             self.critic_optimizer.zero_grad()
-
-    def drop_gradients(self) -> None:
-        """Drop the gradients, between accumulation boundaries too (accelerate's ``zero_grad`` waits for one)."""
-        for model in self.trained_models():
-            model.zero_grad(set_to_none=True)
 
     def trained_models(self) -> tuple:
         return (self.model,) if self.critic is None else (self.model, self.critic)

@@ -90,6 +90,14 @@ class MemoryBackoff:
             if not recoverable:
                 raise torch.OutOfMemoryError(self._unrecoverable_message(what)) from error
             self._failure = self._failure or self._pass
+        except RuntimeError as error:
+            if recoverable or self.accelerator.num_processes == 1:
+                raise
+            # The collective broke because a peer left it: say where to look (gloo reports a closed connection).
+            raise RuntimeError(
+                f"Process {self.accelerator.process_index} failed inside a collective of {what} ({error}). When another "
+                "process reports running out of memory, that is the cause: see docs/out_of_memory.md."
+            ) from error
         # Outside the handler: the error and the frames of the failed pass are gone, their memory free.
         if self._failure is not None:
             empty_device_cache()
@@ -120,8 +128,13 @@ class MemoryBackoff:
             failed, tokens, single = self.accelerator.reduce(shared, reduction="max").tolist()
         self._failure = None
         if failed and not self.discardable:
-            self._pass = (int(tokens), int(rows))
-            raise torch.OutOfMemoryError(self._unrecoverable_message("a training pass after a DeepSpeed backward"))
+            budget = (self.budget if self.budget is not None else int(tokens)) // 2
+            raise torch.OutOfMemoryError(
+                f"A training pass of {int(tokens)} prompt+response tokens ran out of memory on a process after earlier "
+                "passes of its backward batch had run their backward in the DeepSpeed engine, which keeps their "
+                "gradients: the backward batch cannot be redone. Restart from the last checkpoint with "
+                f"max_tokens_per_minibatch={max(budget, 1)} or lower, or {_REMEDIES} (see docs/out_of_memory.md)."
+            )
         if failed:
             self.back_off(int(tokens), bool(single))
 
@@ -148,10 +161,10 @@ class MemoryBackoff:
         budget = (self.budget if self.budget is not None else tokens) // 2
         return (
             f"Out of memory on process {self.accelerator.process_index} in {what} of {rows} rows and {tokens} "
-            f"prompt+response tokens (token budget {self.budget}). This pass cannot be redone: the other processes "
-            "are inside its collective (or the engine has kept its gradients), and a process cannot withdraw from "
-            f"it. Restart from the last checkpoint with max_tokens_per_minibatch={max(budget, 1)} or lower, or "
-            f"{_REMEDIES} (see docs/out_of_memory.md)."
+            f"prompt+response tokens (token budget {self.budget}). This pass cannot be redone: it synchronises the "
+            "processes (the others wait inside its collective) or runs inside a DeepSpeed engine, which keeps its "
+            f"gradients. Restart from the last checkpoint with max_tokens_per_minibatch={max(budget, 1)} or lower, "
+            f"or {_REMEDIES} (see docs/out_of_memory.md)."
         )
 
     # ------------------------------------------------------------------------------------------
@@ -189,9 +202,9 @@ class MemoryBackoff:
     # ------------------------------------------------------------------------------------------
     def step_stats(self) -> dict:
         """``memory/oom_retries`` (failures since the last step's statistics) and
-        ``memory/max_tokens_per_minibatch`` (the current budget; NaN while none is set)."""
+        ``memory/max_tokens_per_minibatch`` (the current budget; 0 while none is set: mini-batches of rows)."""
         retries, self._reported = self.retries - self._reported, self.retries
-        budget = float("nan") if self.budget is None else float(self.budget)
+        budget = 0.0 if self.budget is None else float(self.budget)
         return {"memory/oom_retries": torch.tensor(float(retries)), "memory/max_tokens_per_minibatch": torch.tensor(budget)}
 
     def state_dict(self) -> dict:
@@ -204,3 +217,16 @@ class MemoryBackoff:
             self.budget = state["budget"] if self.budget is None else min(self.budget, state["budget"])
             self.backed_off = True
         self.retries = self._reported = state["retries"]
+
+
+def drop_gradients(models) -> None:
+    """Drop the gradients of ``models`` (prepared), between accumulation boundaries too (accelerate's
+    ``zero_grad`` waits for one), and reset what a DDP model's reducer prepared for them."""
+    for model in models:
+        for param in model.parameters():  # not model.zero_grad: a DeepSpeed engine's takes no set_to_none
+            param.grad = None
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            # A forward of a synchronising pass prepared the reducer for a backward that did not run: left so,
+            # the next backward (even under no_sync) would start gradient reductions on this process alone.
+            # Every process resets it at the same point (after the agreement), so the buckets stay in step.
+            model.reducer._reset_state()
