@@ -229,3 +229,35 @@ def test_combined_pass_statistics_are_the_backward_batch_statistics():
     assert float(combined["val/mean"]) == pytest.approx(float(masked_mean(values, mask)), rel=1e-12)
     assert float(combined["val/var"]) == pytest.approx(float(masked_var(values, mask)), rel=1e-12)
     assert float(combined["loss/value"]) == pytest.approx(float((values * mask).sum() / mask.sum()), rel=1e-12)
+
+
+@pytest.mark.parametrize("backoff", [True, False])
+def test_generate_halves_its_chunk_of_queries_on_out_of_memory(backoff):
+    """A device that fits 2 queries at a time: chunks of 4 go on in halves, with the same greedy tokens and
+    log-probs as one query at a time; without the back-off the error ends the call."""
+    trainer = _trainer(oom_backoff=backoff)
+    queries, _, _ = random_batch(8, seed=5, query_len=(2, 6))
+    kwargs = dict(do_sample=False, max_new_tokens=4, min_new_tokens=4, return_logprobs=True)
+    want = trainer.generate(queries, batch_size=1, **kwargs)
+    calls = []
+
+    def limit(module, args, kwargs):
+        calls.append(kwargs["input_ids"].shape[0])
+        if kwargs["input_ids"].shape[0] > 2:
+            raise torch.OutOfMemoryError("Injected: more than 2 queries")
+
+    handle = trainer.model.pretrained_model.register_forward_pre_hook(limit, with_kwargs=True)
+    try:
+        if not backoff:
+            with pytest.raises(torch.OutOfMemoryError, match="Injected"):
+                trainer.generate(queries, batch_size=4, **kwargs)
+            return
+        with pytest.warns(UserWarning, match="ran out of memory on 4 queries: going on in chunks of 2"):
+            got = trainer.generate(queries, batch_size=4, **kwargs)
+    finally:
+        handle.remove()
+    assert calls.count(4) == 1 and max(calls[1:]) == 2  # one failure, then chunks of 2 only
+    for a, b in zip(want[0], got[0]):
+        assert torch.equal(a, b)
+    for a, b in zip(want[1], got[1]):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6)
