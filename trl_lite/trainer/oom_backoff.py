@@ -49,6 +49,9 @@ class MemoryBackoff:
 
     def __init__(self, accelerator, budget: int | None, enabled: bool):
         self.accelerator = accelerator
+        plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+        # ZeRO-3 gathers parameters inside every forward: a failure there leaves the peers inside a collective.
+        self.forwards_synchronise = plugin is not None and plugin.zero_stage == 3 and accelerator.num_processes > 1
         self.budget = budget
         self.enabled = enabled
         self.backed_off = False
@@ -72,7 +75,7 @@ class MemoryBackoff:
         return self._failure is not None
 
     @contextmanager
-    def attempt(self, recoverable: bool = True, what: str = "a pass"):
+    def attempt(self, recoverable: bool | None = None, what: str = "a pass"):
         """The block of one forward (or backward) of the pass named by :meth:`begin_pass`.
 
         Inside :meth:`catching` (and with ``enabled``), a ``torch.OutOfMemoryError`` inside it is recorded, the device cache emptied, and the error
@@ -80,7 +83,9 @@ class MemoryBackoff:
         the block synchronises the processes (a gradient-reducing backward on several processes) or holds
         state that cannot be discarded (a DeepSpeed engine's accumulated gradients), so it cannot be redone;
         the error is raised again with a message that says so (docs/out_of_memory.md, several processes).
+        None: a forward's, recoverable unless forwards synchronise the processes (ZeRO-3).
         """
+        recoverable = not self.forwards_synchronise if recoverable is None else recoverable
         if not (self.enabled and self._catching):
             yield
             return
