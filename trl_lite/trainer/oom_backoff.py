@@ -2,7 +2,7 @@
 
 A backward batch's update does not depend on how its rows are split into passes (docs/algorithm.md
 section 18), so a training pass (or a rollout pass) that raises ``torch.OutOfMemoryError`` can be redone
-in smaller passes and the step is the one that would have run without the failure (section 21).
+in smaller passes and the step is the one that would have run without the failure.
 :class:`MemoryBackoff` holds the run's current token budget and what happens on a failure: it catches the
 error of one attempt (:meth:`~MemoryBackoff.attempt`), lets every process agree that some process failed
 (:meth:`~MemoryBackoff.agree`), halves the budget and tells the caller to redo its work from its start
@@ -78,8 +78,9 @@ class MemoryBackoff:
     def attempt(self, recoverable: bool | None = None, what: str = "a pass"):
         """The block of one forward (or backward) of the pass named by :meth:`begin_pass`.
 
-        Inside :meth:`catching` (and with ``enabled``), a ``torch.OutOfMemoryError`` inside it is recorded, the device cache emptied, and the error
-        swallowed: the caller carries on to the next agreement (see :meth:`agree`). ``recoverable=False``:
+        Inside :meth:`catching` (and with ``enabled``), a ``torch.OutOfMemoryError`` inside it is recorded, the
+        device cache emptied, and the error swallowed: the caller carries on to the next agreement (see
+        :meth:`agree`); outside, errors pass through untouched. ``recoverable=False``:
         the block synchronises the processes (a gradient-reducing backward on several processes) or holds
         state that cannot be discarded (a DeepSpeed engine's accumulated gradients), so it cannot be redone;
         the error is raised again with a message that says so (docs/out_of_memory.md, several processes).
