@@ -17,7 +17,7 @@ import pytest
 import torch
 from oom_injection import InjectedOutOfMemory
 from safetensors.torch import load_file
-from tiny_models import make_gpt2, make_tokenizer, random_batch
+from tiny_models import make_gpt2, make_gpt2_critic, make_tokenizer, random_batch
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 from trl_lite.core import masked_mean, masked_var
@@ -38,15 +38,24 @@ CASES = {
 }  # fmt: skip
 
 
-def _trainer(**options):
-    """A trainer on a tiny GPT-2, 8 rows per step in mini-batches of 2, two PPO epochs; SGD with momentum (linear
-    in the gradients, so float32 noise stays float32 noise, and with a state that the checkpoint holds)."""
+def _sgd(model):
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+
+
+def _trainer(critic: bool = False, **options):
+    """A trainer on a tiny GPT-2 (with ``critic``, a separate critic), 8 rows per step in mini-batches of 2, two
+    PPO epochs; SGD with momentum (linear in the gradients, so float32 noise stays float32 noise, and with a
+    state that the checkpoint holds)."""
     config = PPOConfig(**{**dict(batch_size=8, mini_batch_size=2, ppo_epochs=2, learning_rate=0.1, seed=0), **options})
     torch.manual_seed(0)
     model = make_gpt2(seed=0)
-    policy = model if config.advantage_estimator != "gae" else AutoModelForCausalLMWithValueHead.from_pretrained(model)
-    optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
-    return PPOTrainer(config, policy, tokenizer=make_tokenizer(), optimizer=optimizer)
+    plain = critic or config.advantage_estimator != "gae"
+    policy = model if plain else AutoModelForCausalLMWithValueHead.from_pretrained(model)
+    kwargs = {}
+    if critic:
+        value_model = make_gpt2_critic(seed=2)
+        kwargs = {"value_model": value_model, "critic_optimizer": _sgd(value_model)}
+    return PPOTrainer(config, policy, tokenizer=make_tokenizer(), optimizer=_sgd(policy), **kwargs)
 
 
 def _batch(trainer, seed=3):
@@ -124,6 +133,19 @@ def test_a_failure_in_the_backward_is_redone_too():
     got, injected = _step(trainer, calls=(3,), in_backward=True)
     assert injected.failures == 1 and got["memory/oom_retries"] == 1
     _assert_same_step(got, want, trainer, clean)
+
+
+def test_a_separate_critic_backs_off_with_the_policy():
+    """The critic's forward and backward run in the policy's passes: a failure in a pass's backward (the policy's
+    comes first) redoes both, and both take the step without the failure."""
+    clean = _trainer(critic=True, gradient_accumulation_steps=2)
+    want, _ = _step(clean)
+    trainer = _trainer(critic=True, gradient_accumulation_steps=2)
+    got, injected = _step(trainer, calls=(2,), in_backward=True)
+    assert injected.failures == 1 and got["memory/oom_retries"] == 1
+    _assert_same_step(got, want, trainer, clean)
+    for (name, a), b in zip(clean.critic.state_dict().items(), trainer.critic.state_dict().values()):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def test_a_failure_in_a_rollout_pass_redoes_the_rollout():

@@ -5,7 +5,8 @@ each a forward pass with grad, the policy's loss (the :class:`~.objective.Policy
 6, 12, 13 and 15), the value loss, the PTX loss (section 10), a guarded backward (policy before critic)
 and, at each accumulation boundary, clipped optimizer steps and the EMA update (section 11), with
 early stopping on the policy's KL. Under ``max_tokens_per_minibatch`` each backward batch is trained in
-passes by token budget, every loss taken over the whole backward batch (section 18, :mod:`.pass_plan`).
+passes by token budget, every loss taken over the whole backward batch (section 18, :mod:`.pass_plan`);
+a backward batch whose pass runs out of memory is trained again in smaller passes (:mod:`.oom_backoff`).
 """
 
 from __future__ import annotations
