@@ -357,8 +357,9 @@ class ForwardPass:
                     break
             return outs[0], (logits_out[0] if logits_out else None), outs[1], outs[2]
 
-        # A pass that runs out of memory: every pass again with half the budget (see oom_backoff).
-        return self.memory.until_done(passes)
+        # A pass that runs out of memory: every pass again with half the budget (see oom_backoff) - on one
+        # process only: a user may call this on some processes, and the agreement would wait for the others.
+        return self.memory.until_done(passes, every_process=False)
 
     def classic_pass(self, model, rows: Rows, index: list[int], idx: torch.Tensor, valid: torch.Tensor,
                      cols: torch.Tensor, outs: list, logits_out: list, return_logits: bool) -> None:  # fmt: skip

@@ -176,11 +176,12 @@ class MemoryBackoff:
     # ------------------------------------------------------------------------------------------
     # Whole rollouts
     # ------------------------------------------------------------------------------------------
-    def until_done(self, run):
+    def until_done(self, run, every_process: bool = True):
         """``run()`` (a rollout's passes, each inside :meth:`attempt`) again with the halved budget until no
         process failed in it; returns its result. On one process a failed ``run`` may stop at its failure
-        (see :attr:`stop_early`); on several each runs all its passes, so the collectives line up, then they agree."""
-        if not self.enabled:
+        (see :attr:`stop_early`); on several each runs all its passes, so the collectives line up, then they agree.
+        ``every_process`` False: callers may run it on some processes only, so on several nothing is caught."""
+        if not self.enabled or (not every_process and self.accelerator.num_processes > 1):
             return run()
         self.discardable = True
         while True:
