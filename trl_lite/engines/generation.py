@@ -187,7 +187,7 @@ def build_generation(config, *, model, unwrapped, accelerator, tokenizer, pad_to
 
     def transformers_engine(context):
         return TransformersEngine(context, accelerator, tokenizer, pad_token_id, is_encoder_decoder, is_zero3,
-                                  temperature=config.temperature)  # fmt: skip
+                                  temperature=config.temperature, halve_on_oom=config.oom_backoff)  # fmt: skip
 
     reference = transformers_engine(reference_context)
     if not config.use_vllm:

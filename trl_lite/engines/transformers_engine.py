@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager
 
@@ -64,10 +65,13 @@ class TransformersEngine(GenerationEngine):
             ``generate`` calls (a process with fewer chunks joins the others' with a one-row stand-in).
         temperature: the run's (``PPOConfig.temperature``): calls sample as
             :func:`~.temperature.resolve_sampling_kwargs` says, and log-probs are ``log_softmax(z / temperature)``.
+        halve_on_oom: a chunk that raises ``torch.OutOfMemoryError`` is generated again in halves, and the
+            rest of the call in chunks of that size (``PPOConfig.oom_backoff``; not under ZeRO-3, whose
+            ``generate`` calls are collectives every process must make alike).
     """
 
     def __init__(self, model_context: Callable[[], AbstractContextManager], accelerator, tokenizer, pad_token_id: int,
-                 is_encoder_decoder: bool, is_zero3: bool, temperature: float = 1.0):  # fmt: skip
+                 is_encoder_decoder: bool, is_zero3: bool, temperature: float = 1.0, halve_on_oom: bool = False):  # fmt: skip
         self.model_context = model_context
         self.accelerator = accelerator
         self.tokenizer = tokenizer
@@ -75,6 +79,7 @@ class TransformersEngine(GenerationEngine):
         self.is_encoder_decoder = is_encoder_decoder
         self.is_zero3 = is_zero3
         self.temperature = temperature
+        self.halve_on_oom = halve_on_oom
 
     @contextmanager
     def _generation_model(self):
@@ -103,7 +108,9 @@ class TransformersEngine(GenerationEngine):
 
     def generate(self, queries, generation_kwargs, length_sampler, batch_size, return_prompt, remove_padding,
                  return_logprobs):  # fmt: skip
-        """Chunks of ``batch_size`` queries; ``length_sampler`` draws ``max_new_tokens`` once per chunk.
+        """Chunks of ``batch_size`` queries; ``length_sampler`` draws ``max_new_tokens`` once per chunk. With
+        ``halve_on_oom``, a chunk that runs out of memory goes on in halves (its draw kept, the random state of
+        its start restored), and so do the chunks after it (docs/out_of_memory.md).
 
         The queries are sorted by length before being cut into chunks, so a chunk holds queries of
         similar length and little left padding is computed (at every decoding step, too: the padding
@@ -141,32 +148,68 @@ class TransformersEngine(GenerationEngine):
                 # than another joins the extra calls with a one-row stand-in whose output is dropped.
                 stand_in = (queries[0][:1] if len(queries) else torch.tensor([pad])).to(device).unsqueeze(0)
                 gen_model.generate(input_ids=stand_in, attention_mask=torch.ones_like(stand_in), **kwargs)
+            size = batch_size
             for start in starts:
                 if length_sampler is not None:
-                    kwargs["max_new_tokens"] = length_sampler()
-                rows = order[start : start + batch_size]
-                input_ids = _left_padded([queries[i] for i in rows], pad, device)
-                lengths = [len(queries[i]) for i in rows]
-                attention_mask = (
-                    torch.arange(input_ids.shape[1], device=device)
-                    >= (input_ids.shape[1] - torch.tensor(lengths, device=device)).unsqueeze(1)
-                ).long()
-                generated = gen_model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-                sequences = generated.sequences if return_logprobs else generated
-                row_lengths = [n for n in lengths for _ in range(per_query)]
-                trimmed = self.trim(sequences, input_ids.shape[1], row_lengths, return_prompt, remove_padding)
-                chunk_logprobs = None
-                if return_logprobs:
-                    chunk_logprobs = _sampled_logprobs(sequences, generated.logits, self.temperature)
-                for index, generation in enumerate(trimmed):
-                    slot = rows[index // per_query] * per_query + index % per_query
-                    outputs[slot] = generation
-                    if return_logprobs:
-                        prompt = (1 if self.is_encoder_decoder else row_lengths[index]) if (
-                            return_prompt or self.is_encoder_decoder
-                        ) else 0  # fmt: skip
-                        logprobs[slot] = chunk_logprobs[index, : len(generation) - prompt]
+                    kwargs["max_new_tokens"] = length_sampler()  # once per chunk, whatever the retries
+                chunk, done = order[start : start + batch_size], 0
+                while done < len(chunk):
+                    rows, rng = chunk[done : done + size], self._rng_state()
+                    try:
+                        self._generate_rows(gen_model, queries, rows, kwargs, outputs, logprobs, return_prompt,
+                                            remove_padding)  # fmt: skip
+                        done += len(rows)
+                        continue
+                    except torch.OutOfMemoryError:
+                        if not self.halve_on_oom or len(rows) == 1 or self.is_zero3:
+                            raise
+                    # Outside the handler: the failed call's tensors are free. Its rows again, in halves, from the
+                    # same random state (greedy decoding gives the same tokens).
+                    size = len(rows) // 2
+                    self._restore_rng(rng)
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+                    warnings.warn(f"generate() ran out of memory on {len(rows)} queries: going on in chunks of {size}.")
         return outputs, logprobs
+
+    def _generate_rows(self, gen_model, queries, rows, kwargs, outputs, logprobs, return_prompt, remove_padding):
+        """One ``generate`` call on the queries ``rows`` (positions into ``queries``), left-padded; writes each
+        row's responses (and log-probs, when ``logprobs`` is a list) into its slots."""
+        device, pad = self.accelerator.device, self.pad_token_id
+        per_query = int(kwargs.get("num_return_sequences") or 1)
+        input_ids = _left_padded([queries[i] for i in rows], pad, device)
+        lengths = [len(queries[i]) for i in rows]
+        attention_mask = (
+            torch.arange(input_ids.shape[1], device=device)
+            >= (input_ids.shape[1] - torch.tensor(lengths, device=device)).unsqueeze(1)
+        ).long()
+        generated = gen_model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        return_logprobs = logprobs is not None
+        sequences = generated.sequences if return_logprobs else generated
+        row_lengths = [n for n in lengths for _ in range(per_query)]
+        trimmed = self.trim(sequences, input_ids.shape[1], row_lengths, return_prompt, remove_padding)
+        chunk_logprobs = _sampled_logprobs(sequences, generated.logits, self.temperature) if return_logprobs else None
+        for index, generation in enumerate(trimmed):
+            slot = rows[index // per_query] * per_query + index % per_query
+            outputs[slot] = generation
+            if return_logprobs:
+                prompt = (1 if self.is_encoder_decoder else row_lengths[index]) if (
+                    return_prompt or self.is_encoder_decoder
+                ) else 0  # fmt: skip
+                logprobs[slot] = chunk_logprobs[index, : len(generation) - prompt]
+
+    def _rng_state(self):
+        """torch's random state on the host and the device (to replay a failed chunk's draws), when it may be needed."""
+        if not self.halve_on_oom:
+            return None
+        device = self.accelerator.device
+        return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+    def _restore_rng(self, state) -> None:
+        host, cuda = state
+        torch.set_rng_state(host)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.accelerator.device)
 
     def trim(self, generations, prompt_width, lengths, return_prompt, remove_padding) -> list[torch.Tensor]:
         """:func:`trim_rows` with this engine's EOS (the tokenizer's) and model kind."""

@@ -51,6 +51,7 @@ def validate_config(config) -> None:
         raise TypeError(f"max_tokens_per_minibatch must be None or a positive int, got {budget!r} ({type(budget).__name__}).")
     if budget is not None and budget < 1:
         raise ValueError(f"max_tokens_per_minibatch must be None or a positive int, got {budget}.")
+    _validate_memory(config)
     if config.padding_free not in (None, True, False):
         raise TypeError(f"padding_free must be None, True or False, got {config.padding_free!r}.")
     if config.mini_batch_size > config.batch_size:
@@ -205,3 +206,9 @@ def _check_positive_float(name: str, value) -> None:
         raise TypeError(f"{name} must be a positive number, got {value!r} ({type(value).__name__}).")
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a positive finite number, got {value}.")
+
+
+def _validate_memory(config) -> None:
+    """The out-of-memory back-off's field (docs/out_of_memory.md)."""
+    if not isinstance(config.oom_backoff, bool):
+        raise TypeError(f"oom_backoff must be True or False, got {config.oom_backoff!r} ({type(config.oom_backoff).__name__}).")

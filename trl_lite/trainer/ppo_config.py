@@ -259,6 +259,17 @@ class PPOConfig:
             "a row longer than the budget gets a pass of its own. Also bounds the rollout's passes."
         },
     )
+    oom_backoff: bool = field(
+        default=True,
+        metadata={
+            "help": "When a rollout or training pass raises torch.OutOfMemoryError, free what it held, halve the "
+            "token budget (the failed pass's tokens when none was set) and redo that backward batch (or rollout) "
+            "in smaller passes: the update is the one the whole pass would have given (docs/out_of_memory.md). "
+            "On by default: it costs nothing until a pass fails, and a failure otherwise ends the run and loses "
+            "its rollouts. The smaller budget stays for the run, is saved in checkpoints and reported as "
+            "memory/max_tokens_per_minibatch (memory/oom_retries counts the failures). False: the error ends the step."
+        },
+    )
     world_size: int | None = field(default=None, metadata={"help": "Set by the trainer: number of processes."})
     ppo_epochs: int = field(default=4, metadata={"help": "Optimisation epochs over each batch."})
     max_grad_norm: float | None = field(default=None, metadata={"help": "Clip the global gradient norm to this."})

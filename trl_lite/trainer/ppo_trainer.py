@@ -223,7 +223,7 @@ class PPOTrainer(ClassicHelpersMixin):
             self.critic, self.critic_optimizer, self._ema, self._uses_value_head,
         )  # fmt: skip
         self.statistics = StepStatistics(config, accelerator)
-        self.checkpointer = Checkpointer(accelerator)
+        self.checkpointer = Checkpointer(accelerator, self.forward.memory)
         self.generation = build_generation(
             config, model=self.model, unwrapped=unwrapped, accelerator=accelerator, tokenizer=self.tokenizer,
             pad_token_id=self.forward.layout.pad_id, is_encoder_decoder=self.is_encoder_decoder,
