@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -575,6 +576,16 @@ class PackedFloorPPO(FloorPPO):
             super().step(queries, responses, scores)
 
 
+def quiet_trainer(*args, trainer_class=None, **kwargs):
+    """`PPOTrainer(*args, **kwargs)` (or `trainer_class`) without the no-dataset warning: the benchmarks batch
+    their own rows for step()."""
+    from trl_lite import NoDatasetWarning, PPOTrainer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoDatasetWarning)
+        return (trainer_class or PPOTrainer)(*args, **kwargs)
+
+
 def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtype):
     """Build the models for `method` and return a function `(queries, responses, scores) -> None`."""
     # Any workload named grpo-beta0* (the tests' smaller one too) is stepped like grpo-beta0.
@@ -594,7 +605,7 @@ def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtyp
     if method == PACKED_FLOOR:
         return PackedFloorPPO(lm, workload.mini_batch_size, workload.ppo_epochs).step
     # Imported here so that `--methods floor` runs without trl_lite.
-    from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+    from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig
 
     ref_lm = copy.deepcopy(lm)
     model = AutoModelForCausalLMWithValueHead.from_pretrained(lm).to(device=device, dtype=dtype)
@@ -611,7 +622,7 @@ def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtyp
         padding_free=False if method == "step-padded" else None,
         **options,
     )
-    trainer = PPOTrainer(config, model, ref_model, tokenizer=None)
+    trainer = quiet_trainer(config, model, ref_model, tokenizer=None)
     if not with_generation_logprobs:
         return trainer.step
 
@@ -703,7 +714,7 @@ def make_critic_free_step_fn(method: str, workload: CriticFreeWorkload, device: 
     lm = make_lm(workload, device, dtype)
     if method == "floor":
         return CriticFreeFloor(lm, workload.mini_batch_size, workload.ppo_epochs, workload.num_samples_per_query).step
-    from trl_lite import PPOConfig, PPOTrainer
+    from trl_lite import PPOConfig
 
     config = PPOConfig(
         batch_size=workload.batch_size,
@@ -717,7 +728,7 @@ def make_critic_free_step_fn(method: str, workload: CriticFreeWorkload, device: 
         seed=workload.seed,
         padding_free=False if method == "step-padded" else None,
     )
-    return PPOTrainer(config, lm, copy.deepcopy(lm), tokenizer=None).step
+    return quiet_trainer(config, lm, copy.deepcopy(lm), tokenizer=None).step
 
 
 # ---------------------------------------------------------------------------------------------
@@ -777,7 +788,7 @@ def make_grpo_beta0_step_fn(method: str, workload: CriticFreeWorkload, device: s
     trainer_class = PPOTrainer
     if method == "step-every-pass":
         trainer_class = type("EveryPassTrainer", (PPOTrainer,), {"plan_rollout": staticmethod(lambda c: EVERY_PASS)})
-    trainer = trainer_class(config, lm, ref_model=None, tokenizer=None)
+    trainer = quiet_trainer(config, lm, ref_model=None, tokenizer=None, trainer_class=trainer_class)
     reference = trainer.ref_model
     calls, steps = [], []
     for model in [lm] + ([reference.pretrained_model] if reference is not None else []):
@@ -1246,13 +1257,13 @@ def make_critic_step_fn(method: str, workload: Workload, device: str, dtype: tor
     critic = make_critic(lm, device, dtype)
     if method == "floor":
         return FloorCriticPPO(lm, critic, workload.mini_batch_size, workload.ppo_epochs).step
-    from trl_lite import PPOConfig, PPOTrainer
+    from trl_lite import PPOConfig
 
     config = PPOConfig(
         batch_size=workload.batch_size, mini_batch_size=workload.mini_batch_size, ppo_epochs=workload.ppo_epochs,
         learning_rate=LEARNING_RATE, seed=workload.seed,
     )  # fmt: skip
-    return PPOTrainer(config, lm, copy.deepcopy(lm), tokenizer=None, value_model=critic).step
+    return quiet_trainer(config, lm, copy.deepcopy(lm), tokenizer=None, value_model=critic).step
 
 
 def main(argv=None) -> None:

@@ -91,7 +91,7 @@ class TrlLoop:
         from transformers import PreTrainedTokenizerFast
         from tokenizers import Tokenizer, models
 
-        from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+        from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig
 
         w = loop.model
         lm = bench_step.make_lm(w, device, dtype)
@@ -107,7 +107,7 @@ class TrlLoop:
             learning_rate=bench_step.LEARNING_RATE, seed=w.seed, use_vllm=backend == "vllm", **critic_free,
             **config_options,
         )  # fmt: skip
-        self.trainer = PPOTrainer(config, model, tokenizer=tokenizer)
+        self.trainer = bench_step.quiet_trainer(config, model, tokenizer=tokenizer)
         self.sampler = length_sampler(loop, greedy)
         self.settings = GREEDY if greedy else SAMPLING
         if k > 1:
@@ -198,7 +198,7 @@ class PeftLoop:
         from tokenizers import Tokenizer, models
         from transformers import PreTrainedTokenizerFast
 
-        from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+        from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig
 
         model = AutoModelForCausalLMWithValueHead.from_pretrained(qwen2_lora_policy(layers))
         word_level = Tokenizer(models.WordLevel(vocab={"<unk>": 0, "<eos>": 1}, unk_token="<unk>"))
@@ -208,7 +208,7 @@ class PeftLoop:
             advantage_estimator="grpo", num_samples_per_query=samples, use_vllm=True, vllm_lora_sync=lora_sync,
             vllm_dtype="float32", vllm_max_model_len=128, vllm_kv_cache_gb=1, **config_options,
         )  # fmt: skip
-        self.trainer = PPOTrainer(config, model, tokenizer=tokenizer)
+        self.trainer = bench_step.quiet_trainer(config, model, tokenizer=tokenizer)
         self.queries, self.samples, self.new_tokens = queries, samples, new_tokens
 
     def iteration(self, iteration: int) -> dict:

@@ -60,6 +60,9 @@ def pytest_configure(config):
         "markers", "requires(package): needs an optional package (vllm, nbformat); skipped only where it is "
         "missing and a GPU is visible",
     )  # fmt: skip
+    # Most tests build a PPOTrainer without a dataset on purpose; the tests of that warning catch it themselves
+    # (pytest.warns records whatever the filters say).
+    config.addinivalue_line("filterwarnings", "ignore:No dataset is provided:UserWarning")
 
 
 def pytest_collection_modifyitems(config, items):

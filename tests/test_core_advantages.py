@@ -19,9 +19,17 @@ def _members(ids, i):
     return [j for j in range(len(ids)) if int(ids[j]) == int(ids[i])]
 
 
-def test_rloo_matches_loop():
+def _dense(ids):
+    """``ids`` renumbered 0..G-1 in order of value (the trainer's layout), and G: the ``num_groups`` path."""
+    values = sorted(set(ids.tolist()))
+    return torch.tensor([values.index(i) for i in ids.tolist()]), len(values)
+
+
+# num_groups: the ids as they are (made dense by torch.unique), or dense with their count (nothing read back).
+@pytest.mark.parametrize("dense", [False, True])
+def test_rloo_matches_loop(dense):
     rewards, ids = _groups()
-    got = rloo_advantages(rewards, ids)
+    got = rloo_advantages(rewards, *_dense(ids)) if dense else rloo_advantages(rewards, ids)
     r = rewards.double().tolist()
     for i in range(len(r)):
         others = [r[j] for j in _members(ids, i) if j != i]
@@ -29,10 +37,15 @@ def test_rloo_matches_loop():
         assert got[i].item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.parametrize("dense", [False, True])
 @pytest.mark.parametrize("scale", [True, False])
-def test_grpo_matches_loop(scale):
+def test_grpo_matches_loop(scale, dense):
     rewards, ids = _groups(1)
-    got = grpo_advantages(rewards, ids, scale_rewards=scale)
+    if dense:
+        dense_ids, count = _dense(ids)
+        got = grpo_advantages(rewards, dense_ids, scale_rewards=scale, num_groups=count)
+    else:
+        got = grpo_advantages(rewards, ids, scale_rewards=scale)
     r = rewards.double().tolist()
     for i in range(len(r)):
         group = [r[j] for j in _members(ids, i)]

@@ -159,3 +159,216 @@ def test_the_input_checks_read_the_host_once_per_kind_of_input_whatever_the_rows
         counts.append(dict(count_reads))
     # queries, responses, scores, masks, their action count, generation log-probs: one read each.
     assert counts[0] == counts[1] and sum(counts[0].values()) == 6
+
+
+# --- Every synchronising operation of a step, counted at torch's dispatcher -------------------------------
+#
+# On the CPU there is no device to wait for, so "would be a sync on a GPU" is defined by what a tensor is:
+# a *device tensor* is a model parameter or buffer, a tensor moved with ``.to(<device>)`` / created by
+# ``torch.tensor``/``torch.as_tensor`` with a ``device=``, or the output of any operation that reads one.
+# Everything else (the user's host inputs, ``torch.randperm``'s permutation, a host copy made by ``.cpu()``)
+# is host memory on a GPU machine too. Counted, on device tensors only: the aten operations whose result
+# size or value the host must wait for (``_local_scalar_dense`` - every ``.item()``, ``int()``, ``bool()`` -
+# ``nonzero``, the ``unique`` family, ``masked_select``, ``equal``, indexing with a boolean mask,
+# ``repeat_interleave`` without ``output_size``), ``.tolist()``, ``.cpu()`` and ``.numpy()``; and the
+# blocking host-to-device copies (``.to(device)`` of a host tensor without ``non_blocking``, ``torch.tensor``
+# with a ``device=``) outside trl_lite's one-copy helpers (transfer.py, rows.to_device, the varlen offsets),
+# which pin and copy without blocking on CUDA.
+
+import inspect  # noqa: E402
+
+from test_varlen_attention import reference_varlen_attn  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from trl_lite.models import varlen_attention  # noqa: E402
+from trl_lite.models.varlen_attention import VarlenKernel  # noqa: E402
+
+_SYNC_OPS = {"_local_scalar_dense", "nonzero", "_unique", "_unique2", "unique_dim", "unique_consecutive",
+             "masked_select", "equal"}  # fmt: skip
+_ONE_COPY_SITES = ("trainer/transfer.py", "trainer/rows.py", "models/varlen_attention.py")
+_MARK = "_trl_lite_test_on_device"
+
+
+def _on_device(value) -> bool:
+    return isinstance(value, torch.Tensor) and getattr(value, _MARK, False)
+
+
+def _mark(value):
+    if isinstance(value, torch.Tensor):
+        setattr(value, _MARK, True)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _mark(item)
+    return value
+
+
+class _DeviceSyncCounter(TorchDispatchMode):
+    """Counts, by kind, the operations of the block that synchronise on a GPU (see above)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+        self.sites = collections.Counter()
+        self.paused = False
+
+    def add(self, kind: str) -> None:
+        """Count one ``kind`` at its nearest trl_lite frame (named in a failure's message)."""
+        if self.paused:
+            return
+        self.counts[kind] += 1
+        frame = sys._getframe(1)
+        while frame is not None and not frame.f_code.co_filename.startswith(PACKAGE_DIR):
+            frame = frame.f_back
+        where = f"{os.path.relpath(frame.f_code.co_filename, PACKAGE_DIR)}:{frame.f_lineno}" if frame else "outside"
+        self.sites[(kind, where)] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        on_device = any(_on_device(t) for t in inputs)
+        name = func._schema.name.split("::")[-1]
+        if on_device:
+            if name in _SYNC_OPS:
+                self.add(name)
+            elif name in ("index", "index_put", "index_put_") and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
+            ):
+                self.add("boolean index")
+            elif name == "repeat_interleave" and kwargs.get("output_size") is None:
+                self.add("repeat_interleave")
+        out = func(*args, **kwargs)
+        return _mark(out) if on_device else out
+
+
+def _caller_is_a_one_copy_site() -> bool:
+    caller = sys._getframe(2).f_code.co_filename
+    return caller.startswith(PACKAGE_DIR) and os.path.relpath(caller, PACKAGE_DIR) in _ONE_COPY_SITES
+
+
+@pytest.fixture
+def count_device_syncs(monkeypatch):
+    """A function ``run(trainer, fn)``: ``fn()`` with the trainer's models on the "device", returning its
+    result and the Counter of synchronising operations by kind."""
+    counter = _DeviceSyncCounter()
+
+    def host_read(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if not _on_device(self):
+                return original(self, *args, **kwargs)
+            counter.add(name)
+            with torch.utils._python_dispatch._disable_current_modes():
+                out = original(self, *args, **kwargs)
+                # A host copy: on a GPU a new tensor in host memory (on the CPU .cpu() may return self).
+                return out.clone() if name == "cpu" else out
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+
+    for name in ("tolist", "cpu", "numpy"):
+        host_read(name)
+    original_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        targets = [a for a in (*args, kwargs.get("device")) if isinstance(a, (torch.device, str))]
+        out = original_to(self, *args, **kwargs)
+        if targets and not _on_device(self):
+            if not kwargs.get("non_blocking") and not _caller_is_a_one_copy_site():
+                counter.add("blocking copy to the device")
+            _mark(out)
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    original_new_tensor = torch.Tensor.new_tensor
+
+    def new_tensor(self, data, *args, **kwargs):
+        out = original_new_tensor(self, data, *args, **kwargs)
+        if _on_device(self) and not _on_device(data):  # host data copied to the device, blocking
+            counter.add("blocking copy to the device")
+            _mark(out)
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "new_tensor", new_tensor)
+    for factory in ("tensor", "as_tensor"):
+        original = getattr(torch, factory)
+
+        def make(data, *args, _original=original, **kwargs):
+            out = _original(data, *args, **kwargs)
+            if kwargs.get("device") is not None and not _on_device(data):
+                if not _caller_is_a_one_copy_site():
+                    counter.add("blocking copy to the device")
+                _mark(out)
+            return out
+
+        monkeypatch.setattr(torch, factory, make)
+
+    def kernel(query, key, value, *args, **kwargs):
+        """The CPU stand-in of the varlen kernel: its own reads are no part of the step (one CUDA call)."""
+        counter.paused = True
+        try:
+            with torch.utils._python_dispatch._disable_current_modes():
+                out = reference_varlen_attn(query, key, value, *args, **kwargs)
+        finally:
+            counter.paused = False
+        return _mark(out)
+
+    kernel.__signature__ = inspect.signature(reference_varlen_attn)
+    # The packed passes take the CUDA path: one kernel call per layer, and the placeholder mask that keeps
+    # transformers from reading the rows back (rows_mask).
+    monkeypatch.setattr(varlen_attention, "KERNEL", VarlenKernel(kernel, frozenset({"cpu"}), frozenset({torch.float32})))
+
+    def run(trainer, fn):
+        for model in (trainer.model, trainer.ref_model, trainer.critic):
+            if model is not None:
+                for tensor in (*model.parameters(), *model.buffers()):
+                    _mark(tensor)
+        counter.counts.clear()
+        counter.sites.clear()
+        with counter:
+            out = fn()
+        return out, collections.Counter(counter.counts), dict(counter.sites)
+
+    return run
+
+
+_ESTIMATORS = {
+    "gae": {},
+    "grpo": {"advantage_estimator": "grpo", "num_samples_per_query": 2},
+    "rloo": {"advantage_estimator": "rloo", "num_samples_per_query": 2},
+    "reinforce_pp": {"advantage_estimator": "reinforce_pp"},
+}
+_OPTIONS = {
+    "plain": {},
+    "token budget": {"max_tokens_per_minibatch": 10},  # passes smaller than the mini-batches
+    "score scaling": {"use_score_scaling": True, "use_score_norm": True},
+}
+
+
+# The CPU's stand-in for a device; on a GPU the syncs row of scripts/gpu_check.py counts the real ones.
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("options", list(_OPTIONS))
+@pytest.mark.parametrize("estimator", list(_ESTIMATORS))
+def test_every_synchronising_operation_of_a_step_is_in_the_sync_budget(count_device_syncs, estimator, options):
+    """Every sync of ``step()`` counted at the dispatcher equals :func:`sync_budget`'s list: at most 2 per
+    training mini-batch plus 1 per step (the statistics' copy back), score scaling included."""
+    from trl_lite.trainer.transfer import sync_budget
+
+    config = PPOConfig(batch_size=8, mini_batch_size=2, ppo_epochs=2, max_grad_norm=1.0, **_ESTIMATORS[estimator],
+                       **_OPTIONS[options])  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = PPOTrainer(config, AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2()), tokenizer=make_tokenizer())
+    queries, responses, scores = random_batch(8)
+    if config.num_samples_per_query > 1:
+        queries = [queries[i - i % 2] for i in range(8)]
+    stats, counts, sites = count_device_syncs(trainer, lambda: trainer.step(queries, responses, scores))
+    budget = sync_budget(config)
+    # Passes under a token budget take the place of mini-batches: the skip guard runs once per pass.
+    passes = round(stats["ppo/minibatches"]) if options == "token budget" else budget["minibatches"]
+    expected = budget["per_step"] + round(budget["per_minibatch"] * passes)
+    if options == "token budget":  # one finiteness check per optimizer update: one per backward batch
+        assert passes > budget["minibatches"]  # the budget splits some mini-batches
+        expected = budget["per_step"] + passes + budget["minibatches"]
+    assert sum(counts.values()) == expected, "\n".join(f"{k}: {n}" for k, n in sorted(sites.items()))
+    assert set(counts) <= {"_local_scalar_dense", "tolist", "cpu"}, sites
+    assert sum(counts.values()) <= 2 * passes + 1

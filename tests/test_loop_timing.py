@@ -55,3 +55,37 @@ def test_timed_phases_and_generation_time_appear_in_the_next_step_only():
     with pytest.raises(ValueError, match="a phase name must be a non-empty string"):
         with trainer.timed(""):
             pass
+
+
+def test_step_phases_are_timed_with_device_events_on_cuda(monkeypatch):
+    """On CUDA a phase mark is a CUDA event recorded in stream order (no host sync when it is made); the
+    seconds come from the events' own clock once they completed. A stand-in event class checks the calls."""
+    from trl_lite.trainer.timing import StepClock
+
+    calls = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at = None
+
+        def record(self):
+            self.at = len(calls) * 0.5  # stand-in device clock: milliseconds
+            calls.append("record")
+
+        def synchronize(self):
+            calls.append("synchronize")
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    clock = StepClock(torch.device("cuda"))
+    a, b, c = clock.mark(), clock.mark(), clock.mark()
+    assert calls == ["record"] * 3  # marking never waits
+    seconds = clock.seconds({"first": (a, b), "whole": (a, c)})
+    assert seconds == {"first": 0.5e-3, "whole": 1e-3}
+    assert calls[3:] == ["synchronize", "synchronize"]
+    cpu = StepClock(torch.device("cpu"))
+    start = cpu.mark()
+    assert isinstance(start, float) and cpu.seconds({"x": (start, start + 2.0)}) == {"x": 2.0}

@@ -23,6 +23,7 @@ from trl_lite.models.packed_attention import (
     PACKED_SDPA,
     ROW_LENGTHS,
     DeferredMask,
+    attend_per_row,
     packed_sdpa_attention_forward,
     packed_sdpa_mask,
 )
@@ -236,3 +237,34 @@ def test_the_deferred_mask_is_the_block_diagonal_causal_mask():
     padding = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
     padded = packed_sdpa_mask(batch_size=2, q_length=3, kv_length=3, attention_mask=padding)
     assert isinstance(padded, torch.Tensor) and padded.shape == (2, 1, 3, 3) and not padded[0, 0, 2, 2]
+
+
+def test_sliding_window_layers_attend_within_their_window_per_row():
+    """A Qwen2 whose layers use a sliding window of 3 tokens, over packed rows longer than the window: each
+    row's logits equal those of transformers' own eager attention over the row alone."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(5)
+    config = Qwen2Config(
+        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, use_sliding_window=True, sliding_window=3,
+        max_window_layers=0, attn_implementation="eager",
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config).double().eval()
+    assert model.config.layer_types == ["sliding_attention"] * 2
+    lengths = (7, 2, 9)
+    ids = torch.randint(3, VOCAB_SIZE, (1, sum(lengths)))
+    with torch.no_grad():
+        expected = [model(input_ids=row).logits for row in ids.split(list(lengths), dim=1)]
+        model.config._attn_implementation = "sdpa"
+        with attend_per_row([model]):
+            positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+            packed = model(input_ids=ids, position_ids=positions, **{ROW_LENGTHS: lengths}).logits
+        # Without the window the rows longer than 3 tokens would differ: the check can fail.
+        for layer in model.model.layers:
+            layer.self_attn.sliding_window = None
+        with attend_per_row([model]):
+            unwindowed = model(input_ids=ids, position_ids=positions, **{ROW_LENGTHS: lengths}).logits
+    # atol: eager attention takes its softmax in float32, whatever the model's dtype.
+    torch.testing.assert_close(packed, torch.cat(expected, dim=1), rtol=0, atol=1e-6)
+    assert (unwindowed[:, :7] - expected[0]).abs().max() > 1e-3

@@ -139,6 +139,10 @@ def test_groups_with_equal_scores_matches_a_brute_force_check():
     want = [len({float(scores[i]) for i in range(12) if ids[i] == gid}) == 1 for gid in sorted(set(ids.tolist()))]
     assert any(want) and not all(want)
     assert groups_with_equal_scores(scores, ids).tolist() == want
+    # The trainer's layout: ids dense in order of value, with their count (nothing read back on a GPU).
+    values = sorted(set(ids.tolist()))
+    dense = torch.tensor([values.index(i) for i in ids.tolist()])
+    assert groups_with_equal_scores(scores, dense, num_groups=len(values)).tolist() == want
     with pytest.raises(ValueError, match=r"group_ids must hold one id per score, shape \(12,\), got \(11,\)"):
         groups_with_equal_scores(scores, ids[:-1])
 

@@ -1,17 +1,19 @@
 """PPOTrainer behaviours a user porting classic TRL code meets: generation modes, constructor
 warnings, score shapes and the classic private helpers."""
 
-import logging
+import functools
 import math
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from devices import equal
 from tiny_models import make_gpt2, make_tokenizer, random_batch
 
-from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer, create_reference_model
+from trl_lite import AutoModelForCausalLMWithValueHead, NoDatasetWarning, PPOConfig, PPOTrainer, create_reference_model
+from trl_lite.core import respond_to_batch
 
 
 def make_trainer(dropout=0.0, batch_size=4, **config_kwargs):
@@ -73,21 +75,58 @@ def test_num_shared_layers_with_a_ref_model_warns_and_is_ignored():
     assert all(not p.requires_grad for p in ref.parameters())
 
 
-def test_no_dataset_is_noted_and_step_refuses_another_batch_size(caplog):
-    # A note at INFO, not a warning: training without a dataset is ordinary, and step() checks the size.
+# Classic TRL 0.11's stat keys that its test_ppo_step_no_dataset asserts.
+CLASSIC_EXPECTED_STATS = [
+    "objective/kl", "objective/kl_dist", "objective/logprobs", "objective/ref_logprobs", "objective/kl_coef",
+    "objective/entropy", "ppo/mean_non_score_reward", "ppo/loss/policy", "ppo/loss/value", "ppo/loss/total",
+    "ppo/policy/entropy", "ppo/policy/approxkl", "ppo/policy/policykl", "ppo/policy/clipfrac", "ppo/policy/advantages",
+    "ppo/policy/advantages_mean", "ppo/policy/ratio", "ppo/returns/mean", "ppo/returns/var", "ppo/val/vpred",
+    "ppo/val/error", "ppo/val/clipfrac", "ppo/val/mean", "ppo/val/var", "ppo/val/var_explained",
+    "time/ppo/forward_pass", "time/ppo/compute_rewards", "time/ppo/optimize_step", "time/ppo/calc_stats",
+    "time/ppo/total", "ppo/learning_rate",
+]  # fmt: skip
+
+
+def test_classic_ppo_step_no_dataset():
+    # Classic TRL 0.11's test_ppo_step_no_dataset with its imports changed and its hub models made locally.
+    tokenizer = make_tokenizer()
+    gpt2_model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2(seed=1))
+    gpt2_model_ref = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2(seed=1))
+    ppo_config = PPOConfig(batch_size=2, mini_batch_size=1, log_with=None)
+    query_tensor = tokenizer.encode("This morning I went to the ", return_tensors="pt")
+    ppo_config.batch_size = 1
+    response_tensor = respond_to_batch(gpt2_model, query_tensor)
+    with pytest.warns(UserWarning):
+        ppo_trainer = PPOTrainer(config=ppo_config, model=gpt2_model, ref_model=gpt2_model_ref, tokenizer=tokenizer)
+    ppo_trainer.optimizer.zero_grad = functools.partial(ppo_trainer.optimizer.zero_grad, set_to_none=False)
+    train_stats = ppo_trainer.step([query_tensor[0]], [response_tensor[0]], [torch.tensor([1.0])])
+    for name, param in ppo_trainer.model.named_parameters():
+        assert param.grad is not None, f"Parameter {name} has no gradient"
+    for name, param in ppo_trainer.ref_model.named_parameters():
+        assert param.grad is None, f"Parameter {name} has a gradient"
+    for stat in CLASSIC_EXPECTED_STATS:
+        assert stat in train_stats, f"Train stats should contain {stat}"
+
+
+def test_no_dataset_warning_names_batch_size_and_step_refuses_another_size():
     model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2(seed=1))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
-        with caplog.at_level(logging.INFO, logger="trl_lite.trainer.ppo_trainer"):
-            trainer = PPOTrainer(PPOConfig(batch_size=2, mini_batch_size=2), model, tokenizer=make_tokenizer())
-    assert "no dataset: step() expects batches of config.batch_size=2" in caplog.text
+    with pytest.warns(NoDatasetWarning, match=r"No dataset is provided\. .*config\.batch_size \(now 2\)") as record:
+        trainer = PPOTrainer(PPOConfig(batch_size=2, mini_batch_size=2), model, tokenizer=make_tokenizer())
+    assert issubclass(NoDatasetWarning, UserWarning)
+    assert [Path(w.filename).name for w in record] == [Path(__file__).name]  # points at the caller's line
     with pytest.raises(ValueError, match="config.batch_size=2"):
         trainer.step([torch.tensor([3, 4])] * 3, [torch.tensor([5])] * 3, [torch.tensor(1.0)] * 3)
-    caplog.clear()
+
+
+def test_a_dataset_or_a_filter_on_the_category_keeps_the_constructor_silent():
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2(seed=1))
     data = [{"input_ids": torch.tensor([3, 4])}] * 4
-    with caplog.at_level(logging.INFO, logger="trl_lite.trainer.ppo_trainer"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         PPOTrainer(PPOConfig(batch_size=2, mini_batch_size=2), model, tokenizer=make_tokenizer(), dataset=data)
-    assert "no dataset" not in caplog.text
+        with warnings.catch_warnings():  # what the examples do around a trainer that batches its own queries
+            warnings.simplefilter("ignore", NoDatasetWarning)
+            PPOTrainer(PPOConfig(batch_size=2, mini_batch_size=2), model, tokenizer=make_tokenizer())
 
 
 # ----------------------------------------------------------------------------------------------

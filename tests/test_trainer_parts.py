@@ -14,7 +14,7 @@ import trl_lite.trainer.ppo_trainer as ppo_trainer_module
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 from trl_lite.trainer.classic_helpers import ClassicHelpersMixin
 from trl_lite.trainer.experience import Experience
-from trl_lite.trainer.rows import action_mask, count_actions
+from trl_lite.trainer.rows import action_mask, actions_per_row
 
 
 def make_trainer(batch_size=4, mini_batch_size=2, value_model=None, **config_kwargs):
@@ -48,7 +48,9 @@ def test_action_mask_is_the_brute_force_rule(shift):
             if token < n and (shift == 0 or token >= 2) and masks[b][token] == 1:
                 want[b, k] = 1.0
     assert torch.equal(got, want)
-    assert count_actions([torch.zeros(int(n)) for n in lengths], masks, shift) == int(want.sum())
+    responses = [torch.zeros(int(n)) for n in lengths]
+    assert actions_per_row(responses, masks, shift) == tuple(int(n) for n in want.sum(-1))
+    assert actions_per_row(responses, None, shift) == tuple(max(int(n) - 2 * shift, 0) for n in lengths)
 
 
 def test_experience_is_built_once_and_frozen_and_minibatches_slice_it():

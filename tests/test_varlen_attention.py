@@ -54,27 +54,52 @@ def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *
 
 
 def reference_varlen_attn_210(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, is_causal=False):
-    """torch 2.10's ``varlen_attn`` signature on the CPU: ``is_causal``, equal head counts, default scale."""
-    assert is_causal and query.shape[1] == key.shape[1]
+    """torch 2.10's ``varlen_attn`` signature on the CPU: ``is_causal``, default scale, and a kernel that refuses
+    unequal head counts (raising before it runs, as a kernel's input check does)."""
+    assert is_causal
+    if query.shape[1] != key.shape[1]:
+        raise RuntimeError(f"number of heads in key/value must equal the query's, got {key.shape[1]} and {query.shape[1]}")
     return _segments(query, key, value, cu_seq_q, cu_seq_k, None, 1)
+
+
+def reference_varlen_attn_211(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                              window_size=(-1, -1)):  # fmt: skip
+    """torch 2.11's ``varlen_attn`` signature (``window_size`` and ``scale``, no ``enable_gqa``) with
+    FlashAttention-2's input checks: one dtype, last-dim stride 1, int32 offsets, a head dimension that is a
+    multiple of 8 up to 256, and key/value heads dividing the query heads (taken unrepeated)."""
+    assert window_size == (-1, 0) and return_aux is None
+    assert query.dtype == key.dtype == value.dtype and cu_seq_q.dtype == torch.int32
+    assert all(t.stride(-1) == 1 for t in (query, key, value))
+    assert query.shape[-1] % 8 == 0 and query.shape[-1] <= 256
+    assert isinstance(max_q, int) and max_q == max_k == int((cu_seq_q[1:] - cu_seq_q[:-1]).max())
+    if query.shape[1] % key.shape[1]:
+        raise RuntimeError("Number of heads in key/value must divide number of heads in query")
+    return _segments(query, key, value, cu_seq_q, cu_seq_k, scale, query.shape[1] // key.shape[1])
 
 
 class _Counting:
     """A kernel that records each call's total tokens and offsets, then runs ``kernel``."""
 
     def __init__(self, kernel):
-        self.kernel, self.calls = kernel, []
+        self.kernel, self.calls, self.heads = kernel, [], []
         self.__signature__ = inspect.signature(kernel)
 
     def __call__(self, query, *args, **kwargs):
+        out = self.kernel(query, *args, **kwargs)  # a refused call (it raises) is not counted
         self.calls.append((query.shape[0], args[2].tolist()))
-        return self.kernel(query, *args, **kwargs)
+        self.heads.append((query.shape[1], args[0].shape[1]))
+        return out
 
 
-def _on_cpu(monkeypatch, kernel=reference_varlen_attn, dtypes=(torch.float32, torch.float64)):
-    """Make ``kernel`` the varlen kernel, run on the CPU for ``dtypes``; return the counting wrapper."""
+# The devices the stand-in kernel is registered for: the CPU, and CUDA where the trainer runs there (the suite
+# under scripts/gpu_check.py), so that the trainer's passes reach it on whichever device they run.
+STAND_IN_DEVICES = frozenset({"cpu", "cuda"})
+
+
+def _with_stand_in(monkeypatch, kernel=reference_varlen_attn, dtypes=(torch.float32, torch.float64)):
+    """Make ``kernel`` the varlen kernel, for ``dtypes`` on the CPU and CUDA; return the counting wrapper."""
     counting = _Counting(kernel)
-    monkeypatch.setattr(varlen_attention, "KERNEL", VarlenKernel(counting, frozenset({"cpu"}), frozenset(dtypes)))
+    monkeypatch.setattr(varlen_attention, "KERNEL", VarlenKernel(counting, STAND_IN_DEVICES, frozenset(dtypes)))
     return counting
 
 
@@ -89,7 +114,7 @@ def test_the_offsets_are_built_once_on_the_host_as_int32():
     # Where the kernel does not run, only the host lengths: the per-row path needs nothing else.
     assert rows.lengths == LENGTHS and rows.max_length == 7 and rows.total == 16 and rows.cu_seqlens is None
     with pytest.MonkeyPatch.context() as mp:
-        _on_cpu(mp)
+        _with_stand_in(mp)
         rows = packed_rows(iter(LENGTHS), torch.device("cpu"))
     assert rows.cu_seqlens.dtype == torch.int32 and rows.cu_seqlens.tolist() == [0, 3, 8, 9, 16]
     assert isinstance(rows.max_length, int) and rows.max_length == 7
@@ -98,14 +123,14 @@ def test_the_offsets_are_built_once_on_the_host_as_int32():
             packed_rows(bad, "cpu")
 
 
-@pytest.mark.parametrize("kernel", [reference_varlen_attn, reference_varlen_attn_210])
+@pytest.mark.parametrize("kernel", [reference_varlen_attn, reference_varlen_attn_210, reference_varlen_attn_211])
 @pytest.mark.parametrize("heads, kv_heads", [(2, 2), (4, 2)])
 def test_one_kernel_call_equals_per_row_attention(monkeypatch, kernel, heads, kv_heads):
     module = types.SimpleNamespace(is_causal=True, num_key_value_groups=heads // kv_heads, training=False)
     query, key, value = _qkv(heads, kv_heads)
     expected, _ = packed_sdpa_attention_forward(module, query, key, value, None, scaling=0.3, **{ROW_LENGTHS: LENGTHS})
     expected_grads = torch.autograd.grad(expected.pow(2).sum(), (query, key, value))
-    counting = _on_cpu(monkeypatch, kernel)
+    counting = _with_stand_in(monkeypatch, kernel)
     rows = packed_rows(LENGTHS, "cpu")
     out, weights = packed_sdpa_attention_forward(module, query, key, value, None, scaling=0.3, **{ROW_LENGTHS: rows})
     assert weights is None and out.shape == (1, 16, heads, 8)
@@ -115,12 +140,47 @@ def test_one_kernel_call_equals_per_row_attention(monkeypatch, kernel, heads, kv
         torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel, unrepeated", [(reference_varlen_attn_211, True), (reference_varlen_attn_210, False)])
+def test_grouped_heads_go_unrepeated_where_the_kernel_takes_them(monkeypatch, caplog, kernel, unrepeated):
+    """Without ``enable_gqa`` the kernel is first given the Hkv key/value heads; one that refuses gets them
+    repeated, from then on (said once). Both give per-row attention's outputs and gradients."""
+    module = types.SimpleNamespace(is_causal=True, num_key_value_groups=3, training=False)
+    query, key, value = _qkv(6, 2)
+    expected, _ = packed_sdpa_attention_forward(module, query, key, value, None, scaling=0.3, **{ROW_LENGTHS: LENGTHS})
+    expected_grads = torch.autograd.grad(expected.pow(2).sum(), (query, key, value))
+    counting = _with_stand_in(monkeypatch, kernel)
+    rows = packed_rows(LENGTHS, "cpu")
+    with caplog.at_level(logging.INFO, logger=varlen_attention.__name__):
+        for _ in range(2):
+            out, _ = packed_sdpa_attention_forward(module, query, key, value, None, scaling=0.3, **{ROW_LENGTHS: rows})
+            torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+            grads = torch.autograd.grad(out.pow(2).sum(), (query, key, value))
+            for grad, expected_grad in zip(grads, expected_grads):
+                torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-5)
+    assert counting.heads == [(6, 2 if unrepeated else 6)] * 2
+    refusals = [r for r in caplog.records if "refuses unrepeated grouped key/value heads" in r.getMessage()]
+    assert len(refusals) == (0 if unrepeated else 1)
+
+
+@pytest.mark.parametrize("head_dim, takes", [(8, True), (64, True), (256, True), (12, False), (4, False), (264, False)])
+def test_head_dims_flash_attention_refuses_go_row_by_row(monkeypatch, head_dim, takes):
+    """FlashAttention-2 takes head dimensions that are multiples of 8 up to 256; others attend row by row,
+    with the reason (instead of an error inside the kernel)."""
+    _with_stand_in(monkeypatch, reference_varlen_attn_211, dtypes=(torch.bfloat16,))
+    rows = packed_rows(LENGTHS, "cpu")
+    reason = varlen_unsupported(torch.zeros(1, 2, 16, head_dim, dtype=torch.bfloat16), rows, types.SimpleNamespace(), {})
+    if takes:
+        assert reason is None
+    else:
+        assert reason == f"the head dimension is {head_dim} and the varlen kernel takes multiples of 8 up to 256"
+
+
 def test_layers_that_drop_the_keyword_read_the_rows_from_the_mask(monkeypatch):
     module = types.SimpleNamespace(is_causal=True, training=False)
     query, key, value = _qkv(2, 2)
     expected, _ = packed_sdpa_attention_forward(module, query, key, value, None, **{ROW_LENGTHS: LENGTHS})
     assert rows_mask(packed_rows(LENGTHS, "cpu"), "cpu") is None  # the CPU builds its masks as before
-    counting = _on_cpu(monkeypatch)
+    counting = _with_stand_in(monkeypatch)
     mask = rows_mask(packed_rows(LENGTHS, "cpu"), "cpu")
     # 4-D (transformers passes it on untouched), one byte, and no dtype sdpa would take as a mask.
     assert mask.shape == (1, 1, 16, 16) and mask.stride() == (0, 0, 0, 0) and mask.dtype == torch.uint8
@@ -137,7 +197,7 @@ def test_the_path_chosen_and_why(monkeypatch):
     assert "does not run on cpu" in varlen_unsupported(query, rows, module, {})
     monkeypatch.setattr(varlen_attention, "KERNEL", VarlenKernel(None, frozenset({"cpu"}), frozenset({torch.bfloat16})))
     assert "has no torch.nn.attention.varlen.varlen_attn" in varlen_unsupported(query, rows, module, {})
-    _on_cpu(monkeypatch, dtypes=(torch.bfloat16, torch.float16))
+    _with_stand_in(monkeypatch, dtypes=(torch.bfloat16, torch.float16))
     rows = packed_rows(LENGTHS, "cpu")
     assert "inputs are float32 and the varlen kernel takes bfloat16/float16" in varlen_unsupported(query, rows, module, {})
     half = query.bfloat16()
@@ -150,7 +210,7 @@ def test_the_path_chosen_and_why(monkeypatch):
     def no_causal(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k):
         raise AssertionError("never called")
 
-    _on_cpu(monkeypatch, no_causal, dtypes=(torch.bfloat16,))
+    _with_stand_in(monkeypatch, no_causal, dtypes=(torch.bfloat16,))
     assert "neither window_size nor is_causal" in varlen_unsupported(half, rows, module, {})
 
 
@@ -161,10 +221,10 @@ def test_the_path_is_said_once(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger=varlen_attention.__name__):
         for _ in range(3):
             packed_sdpa_attention_forward(module, query, key, value, None, **{ROW_LENGTHS: LENGTHS})
-        _on_cpu(monkeypatch, dtypes=(torch.bfloat16,))
+        _with_stand_in(monkeypatch, dtypes=(torch.bfloat16,))
         for _ in range(3):  # a kernel device without the kernel's dtype: a warning, once
             packed_sdpa_attention_forward(module, query, key, value, None, **{ROW_LENGTHS: packed_rows(LENGTHS, "cpu")})
-        _on_cpu(monkeypatch)
+        _with_stand_in(monkeypatch)
         for _ in range(3):
             packed_sdpa_attention_forward(module, query, key, value, None, **{ROW_LENGTHS: packed_rows(LENGTHS, "cpu")})
     said = [(r.levelname, r.getMessage()) for r in caplog.records]
@@ -186,11 +246,11 @@ def _qwen2():
     return AutoModelForCausalLMWithValueHead.from_pretrained(Qwen2ForCausalLM(config))
 
 
-@pytest.mark.parametrize("kernel", [reference_varlen_attn, reference_varlen_attn_210])
+@pytest.mark.parametrize("kernel", [reference_varlen_attn, reference_varlen_attn_210, reference_varlen_attn_211])
 def test_steps_on_the_kernel_equal_per_row_steps(monkeypatch, kernel):
     kwargs = dict(padding_side="left", with_masks=True, ppo_epochs=2)
     per_row = _steps(True, **kwargs)
-    counting = _on_cpu(monkeypatch, kernel)
+    counting = _with_stand_in(monkeypatch, kernel)
     on_kernel = _steps(True, **kwargs)
     _assert_same_steps(on_kernel, per_row)
     # 2 steps of 8 rows in mini-batches of 4 (test_packing's trainer), 2 layers: the rollout's policy
@@ -219,11 +279,11 @@ def _qwen2_passes(gradient_checkpointing):
     return rollout, grads
 
 
-@pytest.mark.parametrize("kernel", [reference_varlen_attn, reference_varlen_attn_210])
+@pytest.mark.parametrize("kernel", [reference_varlen_attn, reference_varlen_attn_210, reference_varlen_attn_211])
 @pytest.mark.parametrize("gradient_checkpointing", [False, True])
 def test_grouped_query_passes_on_the_kernel_equal_per_row_passes(monkeypatch, kernel, gradient_checkpointing):
     expected_rollout, expected_grads = _qwen2_passes(gradient_checkpointing)
-    counting = _on_cpu(monkeypatch, kernel)
+    counting = _with_stand_in(monkeypatch, kernel)
     rollout, grads = _qwen2_passes(gradient_checkpointing)
     # Rollout: 2 mini-batches x (policy, reference) x 2 layers; training: 2 layers, recomputed once more
     # in the backward pass under gradient checkpointing.
@@ -244,7 +304,7 @@ def test_a_separate_critic_attends_on_the_kernel_with_the_policy_offsets(monkeyp
         return trainer.experience_maker.passes(trainer.forward.make_rows(queries, responses, None))[:3]
 
     expected = values()
-    counting = _on_cpu(monkeypatch)
+    counting = _with_stand_in(monkeypatch)
     got = values()
     # Two mini-batches: policy, critic and reference passes, 2 layers each.
     assert len(counting.calls) == 2 * 3 * 2
@@ -280,7 +340,7 @@ def test_amp_and_bf16_weights_attend_on_the_kernel(monkeypatch, fresh_accelerate
         return trainer.experience_maker.passes(rows)[:3], trainer.step(queries, responses, scores)
 
     (expected_passes, expected_stats) = step()
-    counting = _on_cpu(monkeypatch, dtypes=(torch.bfloat16, torch.float16))
+    counting = _with_stand_in(monkeypatch, dtypes=(torch.bfloat16, torch.float16))
     passes, stats = step()
     # Rollout of make_rows (2 mini-batches, policy and reference), then the step's rollout and training.
     assert len(counting.calls) == (2 * 2 + 2 * 2 + 2) * 2

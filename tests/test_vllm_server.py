@@ -50,13 +50,14 @@ def model_dir(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def launched_server(model_dir, log, max_model_len: int, launcher_args: tuple[str, ...] = ()):
-    """``python -m trl_lite.vllm_server`` on ``model_dir`` (and ``launcher_args``) in its own session (its
-    engine processes die with it), its output in ``log``; yields ``(url, process)`` once it answers
-    ``/health``, and stops it after."""
+def launched_server(model_dir, log, max_model_len: int, launcher_args: tuple[str, ...] = (),
+                    serve_args: tuple[str, ...] = ()):  # fmt: skip
+    """``python -m trl_lite.vllm_server`` on ``model_dir`` (and ``launcher_args``; ``serve_args`` after ``--``) in
+    its own session (its engine processes die with it), its output in ``log``; yields ``(url, process)`` once it
+    answers ``/health``, and stops it after."""
     port = free_port()
     command = [sys.executable, "-m", "trl_lite.vllm_server", "--model", str(model_dir), "--port", str(port),
-               "--kv-cache-gb", "1", *launcher_args, "--", "--max-model-len", str(max_model_len)]  # fmt: skip
+               "--kv-cache-gb", "1", *launcher_args, "--", "--max-model-len", str(max_model_len), *serve_args]  # fmt: skip
     with open(log, "w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -15,6 +15,7 @@ from .models import (
 from .trainer import (
     AdaptiveKLController,
     FixedKLController,
+    NoDatasetWarning,
     PPOConfig,
     PPOTrainer,
     RewardConfig,
@@ -30,6 +31,7 @@ __all__ = [
     "DynamicSampler",
     "FixedKLController",
     "LengthSampler",
+    "NoDatasetWarning",
     "PPOConfig",
     "PPOTrainer",
     "PreTrainedModelWrapper",

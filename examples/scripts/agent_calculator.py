@@ -28,6 +28,7 @@ import random
 import re
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,7 +50,7 @@ from transformers import (
 from transformers.utils import get_json_schema
 from transformers.utils import logging as transformers_logging
 
-from trl_lite import PPOConfig, PPOTrainer, set_seed
+from trl_lite import NoDatasetWarning, PPOConfig, PPOTrainer, set_seed
 from trl_lite.agents import ChatFormat, episode_stats, run_episodes, step_inputs
 
 CALL_OPEN = '{"name": "calculator", "arguments": {"expression": "'
@@ -85,15 +86,14 @@ class ScriptArguments:
     tool_cost: float = field(default=0.1, metadata={"help": "Reward subtracted per tool call."})
     max_turns: int = field(default=3, metadata={"help": "Model turns per episode at most."})
     max_new_tokens: int = field(default=12, metadata={"help": "Tokens per model turn at most."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of the GRPO episodes."})
     eval_every: int = field(default=25, metadata={"help": "Held-out evaluation every this many GRPO steps."})
 
     def __post_init__(self):
         for name in ("num_sft", "num_heldout", "sft_steps", "sft_batch_size", "max_turns", "max_new_tokens", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)}.")
-        if not self.temperature > 0 or self.tool_cost < 0:
-            raise ValueError(f"temperature must be > 0 and tool_cost >= 0, got {self.temperature}, {self.tool_cost}.")
+        if self.tool_cost < 0:
+            raise ValueError(f"tool_cost must be >= 0, got {self.tool_cost}.")
 
 
 # 8 episodes per task; a fixed small KL to the SFT model and gradient clipping keep the policy near it.
@@ -268,8 +268,8 @@ def train(trainer, tasks: dict, args: ScriptArguments, evaluations: list[dict]) 
     progress = tqdm(range(1, config.steps + 1), desc="GRPO")
     for step in progress:
         chosen = [draw("hard" if i % 2 == 0 else "easy") for i in range(per_step)]
-        episodes, seconds = play(trainer, chosen, args, num_generations=k, do_sample=True, top_k=0,
-                                 temperature=args.temperature)  # fmt: skip
+        # Sampled at PPOConfig.temperature (--temperature), the temperature the trainer scores at.
+        episodes, seconds = play(trainer, chosen, args, num_generations=k, do_sample=True, top_k=0)
         rewards = [reward(chosen[e.prompt_index], e, args.tool_cost) for e in episodes]
         stats = trainer.step(**step_inputs(episodes), scores=[torch.tensor(r) for r in rewards])
         is_hard = [min(chosen[e.prompt_index]) > 1 for e in episodes]
@@ -308,7 +308,9 @@ def run(args: ScriptArguments, config: PPOConfig) -> dict:
     model.save_pretrained(output_dir / "sft_model")
     tokenizer.save_pretrained(output_dir / "sft_model")
 
-    trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
+    with warnings.catch_warnings():  # step() gets run_episodes' batch_size episodes, not a dataset's
+        warnings.simplefilter("ignore", NoDatasetWarning)
+        trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
     before = evaluate(trainer, tasks, args)
     print(f"SFT: {args.sft_steps} steps in {sft_seconds:.0f} s, last loss {sft_loss:.3f}; held-out {describe(before)}")
     evaluations = [{"step": 0, **before}]

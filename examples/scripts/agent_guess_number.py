@@ -27,6 +27,7 @@ import os
 import random
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,7 +48,7 @@ from transformers import (
 )
 from transformers.utils import logging as transformers_logging
 
-from trl_lite import PPOConfig, PPOTrainer, set_seed
+from trl_lite import NoDatasetWarning, PPOConfig, PPOTrainer, set_seed
 from trl_lite.agents import ChatFormat, episode_stats, run_episodes, step_inputs
 
 SPECIAL = ["<pad>", "<|im_start|>", "<|im_end|>"]
@@ -72,15 +73,12 @@ class ScriptArguments:
     n_embd: int = field(default=128, metadata={"help": "Width of the tiny GPT-2 (head size 32: vLLM's CPU minimum)."})
     n_layer: int = field(default=4, metadata={"help": "Layers of the tiny GPT-2."})
     num_eval_games: int = field(default=700, metadata={"help": "Sampled games of the evaluation (secrets in turn)."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of the GRPO games."})
     eval_every: int = field(default=25, metadata={"help": "Evaluation every this many GRPO steps."})
 
     def __post_init__(self):
         for name in ("max_number", "max_turns", "num_sft", "sft_steps", "sft_batch_size", "num_eval_games", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)}.")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be a float > 0, got {self.temperature}.")
 
 
 GRPO_DEFAULTS = {
@@ -235,8 +233,8 @@ def train(trainer, args: ScriptArguments, evaluations: list[dict]) -> tuple[list
     progress = tqdm(range(1, config.steps + 1), desc="GRPO")
     for step in progress:
         secrets = [rng.randint(1, args.max_number) for _ in range(config.batch_size // k)]
-        episodes, seconds = play(trainer, secrets, args, num_generations=k, do_sample=True, top_k=0,
-                                 temperature=args.temperature)  # fmt: skip
+        # Sampled at PPOConfig.temperature (--temperature), the temperature the trainer scores at.
+        episodes, seconds = play(trainer, secrets, args, num_generations=k, do_sample=True, top_k=0)
         scores = [torch.tensor(e.reward) for e in episodes]
         stats = trainer.step(**step_inputs(episodes), scores=scores)
         record = {"step": step, "success": float(np.mean([e.reward for e in episodes])),
@@ -277,7 +275,9 @@ def run(args: ScriptArguments, config: PPOConfig) -> dict:
     model.save_pretrained(output_dir / "sft_model")
     tokenizer.save_pretrained(output_dir / "sft_model")
 
-    trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
+    with warnings.catch_warnings():  # step() gets run_episodes' batch_size episodes, not a dataset's
+        warnings.simplefilter("ignore", NoDatasetWarning)
+        trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
     before = evaluate(trainer, args)
     print(f"SFT: {args.sft_steps} steps in {sft_seconds:.0f} s, last loss {sft_loss:.3f}; {describe(before)}")
     evaluations = [{"step": 0, **before}]

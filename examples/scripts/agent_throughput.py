@@ -16,6 +16,7 @@ import os
 import random
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +27,7 @@ from agent_guess_number import GuessTheNumber
 from agent_guess_number import prompt_of as guess_prompt
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
-from trl_lite import PPOConfig, PPOTrainer
+from trl_lite import NoDatasetWarning, PPOConfig, PPOTrainer
 from trl_lite.agents import run_episodes
 
 
@@ -49,7 +50,9 @@ def trainers(model_dir: str) -> dict:
     for name, use_vllm in (("transformers", False), ("vllm", True)):
         config = PPOConfig(batch_size=64, mini_batch_size=64, advantage_estimator="grpo", num_samples_per_query=8,
                            use_vllm=use_vllm, vllm_kv_cache_gb=1, seed=0)  # fmt: skip
-        built[name] = PPOTrainer(config, AutoModelForCausalLM.from_pretrained(model_dir), tokenizer=tokenizer)
+        with warnings.catch_warnings():  # the workloads batch their own episodes
+            warnings.simplefilter("ignore", NoDatasetWarning)
+            built[name] = PPOTrainer(config, AutoModelForCausalLM.from_pretrained(model_dir), tokenizer=tokenizer)
     return built
 
 

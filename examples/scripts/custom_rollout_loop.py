@@ -8,12 +8,13 @@ written by hand below, is the share of "yes" among the words it generates.
 
 import argparse
 import random
+import warnings
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-from trl_lite import AutoModelForCausalLMWithValueHead, LengthSampler, PPOConfig, PPOTrainer, set_seed
+from trl_lite import AutoModelForCausalLMWithValueHead, LengthSampler, NoDatasetWarning, PPOConfig, PPOTrainer, set_seed
 
 WORDS = "<pad> <eos> yes no maybe the a cat dog sat ran on mat is it ?".split()
 PROMPTS = ["is it a cat ?", "the dog sat on a mat", "the cat ran", "is the dog on the mat ?", "a dog ?"]
@@ -45,7 +46,9 @@ def main(steps: int = 30, batch_size: int = 16, use_vllm: bool = False) -> None:
         batch_size=batch_size, mini_batch_size=8, learning_rate=1e-3, init_kl_coef=0.05, steps=steps, use_vllm=use_vllm,
         vllm_kv_cache_gb=1, vllm_max_model_len=64,
     )  # fmt: skip
-    trainer = PPOTrainer(config, model, tokenizer=tokenizer)  # the reference model is a frozen copy
+    with warnings.catch_warnings():  # the loop below draws batch_size prompts per step itself
+        warnings.simplefilter("ignore", NoDatasetWarning)
+        trainer = PPOTrainer(config, model, tokenizer=tokenizer)  # the reference model is a frozen copy
     lengths = LengthSampler(3, 7)  # new tokens per generation: 3 to 6
 
     for step in range(steps):

@@ -67,7 +67,7 @@ from transformers import (  # noqa: E402
 )
 from transformers.utils import logging as transformers_logging  # noqa: E402
 
-from trl_lite import PPOConfig, PPOTrainer, set_seed  # noqa: E402
+from trl_lite import NoDatasetWarning, PPOConfig, PPOTrainer, set_seed  # noqa: E402
 from trl_lite.extras import DynamicSampler  # noqa: E402
 from trl_lite.rollouts import AsyncRollouts  # noqa: E402
 
@@ -95,7 +95,6 @@ class ScriptArguments:
         default=0,
         metadata={"help": "> 0: GRPO trains a LoRA adapter of this rank on the SFT model (PEFT); 0: all weights."},
     )
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature of the GRPO rollouts."})
     max_tries: int = field(default=8, metadata={"help": "Dynamic sampling: generate-and-score calls per step at most."})
     eval_every: int = field(default=25, metadata={"help": "Held-out greedy accuracy every this many GRPO steps."})
     async_rollouts: bool = field(
@@ -112,8 +111,6 @@ class ScriptArguments:
         for name in ("num_sft", "num_grpo", "num_heldout", "sft_steps", "sft_batch_size", "max_tries", "eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)}.")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be a float > 0, got {self.temperature}.")
         if self.architecture not in ("gpt2", "qwen2"):
             raise ValueError(f"architecture must be 'gpt2' or 'qwen2', got {self.architecture!r}.")
         if self.lora_rank < 0:
@@ -282,7 +279,7 @@ def rollout_function(trainer: PPOTrainer, problems, args: ScriptArguments, seed:
     rng = random.Random(seed)
     order: list[int] = []
     gen_kwargs = {
-        "do_sample": True, "top_k": 0, "top_p": 1.0, "temperature": args.temperature,
+        "do_sample": True, "top_k": 0, "top_p": 1.0,  # at PPOConfig.temperature (--temperature)
         "max_new_tokens": config.max_response_length, "num_return_sequences": k,
     }  # fmt: skip
 
@@ -444,9 +441,8 @@ def run(args: ScriptArguments, config: PPOConfig) -> dict:
     if args.lora_rank:
         model = with_lora(model, args)
 
-    with warnings.catch_warnings():
-        # Its reminder that step() takes batches of batch_size rows: DynamicSampler's batches are.
-        warnings.filterwarnings("ignore", message="PPOTrainer got no dataset", category=UserWarning)
+    with warnings.catch_warnings():  # step() gets DynamicSampler's batches of batch_size rows, not a dataset's
+        warnings.simplefilter("ignore", NoDatasetWarning)
         trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
     before = heldout_accuracy(trainer, problems["heldout"], config.max_response_length)
     print(

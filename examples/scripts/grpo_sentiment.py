@@ -24,6 +24,7 @@ policy and its tokenizer) and offline_models/ (the cached SFT and reward models)
 import json
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser  # noqa: E402
 
-from trl_lite import LengthSampler, PPOConfig, PPOTrainer  # noqa: E402
+from trl_lite import LengthSampler, NoDatasetWarning, PPOConfig, PPOTrainer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ppo_sentiment import (  # noqa: E402
@@ -157,7 +158,9 @@ def run(args: ScriptArguments, config: PPOConfig) -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "metrics.jsonl").write_text("")
     offline, model, tokenizer, prompts = start_run(args, config, main)
-    trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
+    with warnings.catch_warnings():  # the loader below batches the prompts for step()
+        warnings.simplefilter("ignore", NoDatasetWarning)
+        trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tokenizer)
     # A step holds batch_size rows: batch_size / k prompts, each continued k times.
     loader = DataLoader(
         prompts, batch_size=config.batch_size // config.num_samples_per_query, shuffle=True, drop_last=True,

@@ -21,6 +21,7 @@ import json
 import random
 import re
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, PreTrainedTokenizerFast
 
-from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer, TextEnvironment, set_seed
+from trl_lite import AutoModelForCausalLMWithValueHead, NoDatasetWarning, PPOConfig, PPOTrainer, TextEnvironment, set_seed
 
 TAGS = ["<request>", "<call>", "<response>", "<submit>", "<Calculator>", "Result="]
 CHARACTERS = list("0123456789+-?")
@@ -127,7 +128,9 @@ def main(args: Arguments) -> dict:
     model = AutoModelForCausalLMWithValueHead.from_pretrained(sft_model)
     config = PPOConfig(batch_size=args.batch_size, mini_batch_size=args.mini_batch_size, learning_rate=args.learning_rate,
                        init_kl_coef=0.02, seed=args.seed)
-    trainer = PPOTrainer(config, model, tokenizer=tokenizer)
+    with warnings.catch_warnings():  # the loop draws batch_size tasks per step itself
+        warnings.simplefilter("ignore", NoDatasetWarning)
+        trainer = PPOTrainer(config, model, tokenizer=tokenizer)
     env = TextEnvironment(
         trainer.model, tokenizer, {"Calculator": calculator}, exact_match_reward, max_turns=2,
         generation_kwargs={"do_sample": True, "top_k": 0, "top_p": 1.0, "max_new_tokens": 12, "pad_token_id": tokenizer.pad_token_id},

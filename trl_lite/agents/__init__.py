@@ -9,7 +9,7 @@
 
 Environments written for TRL's ``environment_factory`` (one class, or a dict routed by each row's
 ``environment`` field) and TRL-style ``reward_funcs`` run unchanged, with TRL's episode semantics
-(README, "Multi-turn agents"). The token layout of an episode, where its score lands and how groups
+(docs/agents.md). The token layout of an episode, where its score lands and how groups
 form - by prompt, so a group's members may start apart: docs/algorithm.md section 16.
 """
 

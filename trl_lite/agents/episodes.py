@@ -25,8 +25,8 @@ class Episode:
             model token.
         response_mask: ``(R,)`` long, 1 on the tokens the model sampled, 0 on the template's and the
             environment's.
-        logprobs: ``(R,)`` float32, the engine's log-prob of each sampled token at temperature 1; 0.0 at
-            mask-0 positions (ignored by ``step``).
+        logprobs: ``(R,)`` float32, the engine's log-prob of each sampled token under ``logits / T`` (``T`` the
+            run's ``PPOConfig.temperature``, docs/temperature.md); 0.0 at mask-0 positions (ignored by ``step``).
         reward: the weighted sum of its reward sources that scored it (TRL's ``nansum``): the reward
             functions and the environment's reward (``get_reward()``, or the sum of a step environment's
             rewards, 0.0 when it never stepped); NaN when no source scored it, None when there is no source.

@@ -17,7 +17,7 @@ import requests
 import torch
 from accelerate.utils import gather_object
 
-from ..engines import GenerationEngine, TransformersEngine
+from ..engines import GenerationEngine, TransformersEngine, resolve_sampling_kwargs
 from ..engines.generation import RolloutGeneration
 from .chat import ChatFormat, parse_tool_calls
 from .environments import (
@@ -120,7 +120,7 @@ def run_episodes(
     """Play ``num_generations`` multi-turn episodes per prompt on the trainer's engine; one :class:`Episode` each.
 
     Episodes follow TRL's GRPOTrainer (an environment written for its ``environment_factory`` runs
-    unchanged; README, "Agents"), except where a keyword below says otherwise.
+    unchanged; docs/agents.md), except where a keyword below says otherwise.
 
     Args:
         trainer: a ``PPOTrainer`` (generation on its engine - transformers, colocated vLLM or a vLLM
@@ -159,7 +159,8 @@ def run_episodes(
         tokenizer: the tokenizer with the chat template; default the trainer's (or the engine's).
         batch_size: queries per ``generate`` chunk on the transformers engine; default all at once.
         generation_kwargs: ``generate`` keyword arguments of every turn; ``max_new_tokens`` (tokens of
-            one model turn) is required. A turn stops at the template's end-of-turn token (and the
+            one model turn) is required. They sample at the engine's temperature (``PPOConfig.temperature``)
+            unless they give one; a different one is refused when that is not 1.0. A turn stops at the template's end-of-turn token (and the
             tokenizer's EOS, and any ``eos_token_id`` given); a turn that ends at EOS ends the episode.
 
     A model turn without a tool call ends an episode with tools; a step environment's ``done`` ends
@@ -178,7 +179,9 @@ def run_episodes(
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {value!r}.")
     options = _Options(max_turns, max_episode_tokens, answer_malformed_tool_calls, check_tool_arguments)
-    kwargs = _turn_kwargs(generation_kwargs, num_generations)
+    # The run's temperature (PPOConfig.temperature, held by the engine): a different one is refused here,
+    # before any environment exists.
+    kwargs = resolve_sampling_kwargs(_turn_kwargs(generation_kwargs, num_generations), engine.engine.temperature)
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError(f"prompts must be a non-empty list of chat prompts, got {prompts!r:.80}.")
     factories = environment_factories(environment_factory)

@@ -14,38 +14,50 @@ ADVANTAGE_ESTIMATORS = ("gae", "rloo", "grpo", "reinforce_pp")
 GRPO_EPS = 1e-6
 
 
-def _group_sums(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, the sum of ``values`` over its group and the group's size. Shape: ``(B,)`` twice -> ``(B,)`` twice."""
-    _, index = torch.unique(group_ids, return_inverse=True)
-    groups = int(index.max()) + 1 if index.numel() else 0
-    sums = values.new_zeros(groups).index_add_(0, index, values)
-    counts = values.new_zeros(groups).index_add_(0, index, torch.ones_like(values))
+def _group_sums(values: torch.Tensor, group_ids: torch.Tensor, num_groups: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the sum of ``values`` over its group and the group's size. Shape: ``(B,)`` twice -> ``(B,)`` twice.
+
+    ``num_groups``: with ids dense in ``[0, num_groups)`` (as the trainer gives them) the sums are taken
+    in place, nothing read back; None: ids of any values, made dense with ``torch.unique`` (on a GPU a
+    host sync for the unique ids and one for their count).
+    """
+    index = group_ids
+    if num_groups is None:
+        _, index = torch.unique(group_ids, return_inverse=True)
+        num_groups = int(index.max()) + 1 if index.numel() else 0
+    sums = values.new_zeros(num_groups).index_add_(0, index, values)
+    counts = values.new_zeros(num_groups).index_add_(0, index, torch.ones_like(values))
     return sums[index], counts[index]
 
 
-def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, num_groups: int | None = None) -> torch.Tensor:
     """REINFORCE leave-one-out: ``A_i = r_i - mean_{j in G(i), j != i} r_j``.
 
     Every group needs at least 2 rows (a row of a group of 1 gets NaN). Shape: rewards and
-    group_ids ``(B,)`` -> ``(B,)``.
+    group_ids ``(B,)`` -> ``(B,)``. ``num_groups``: see :func:`_group_sums`.
     """
-    sums, counts = _group_sums(rewards, group_ids)
+    sums, counts = _group_sums(rewards, group_ids, num_groups)
     return rewards - (sums - rewards) / (counts - 1)
 
 
 def grpo_advantages(
-    rewards: torch.Tensor, group_ids: torch.Tensor, scale_rewards: bool = True, eps: float = GRPO_EPS
+    rewards: torch.Tensor, group_ids: torch.Tensor, scale_rewards: bool = True, eps: float = GRPO_EPS,
+    num_groups: int | None = None,
 ) -> torch.Tensor:
     """GRPO: ``A_i = (r_i - mean_G r) / (std_G r + eps)``, the unbiased std of the group; without
     ``scale_rewards`` only the group mean is subtracted.
 
     With ``scale_rewards`` every group needs at least 2 rows. Shape: ``(B,)`` twice -> ``(B,)``.
+    ``num_groups``: see :func:`_group_sums`.
     """
-    sums, counts = _group_sums(rewards, group_ids)
+    if num_groups is None:  # made dense once, for both sums
+        _, group_ids = torch.unique(group_ids, return_inverse=True)
+        num_groups = int(group_ids.max()) + 1 if group_ids.numel() else 0
+    sums, counts = _group_sums(rewards, group_ids, num_groups)
     centred = rewards - sums / counts
     if not scale_rewards:
         return centred
-    squares, _ = _group_sums(centred**2, group_ids)
+    squares, _ = _group_sums(centred**2, group_ids, num_groups)
     return centred / ((squares / (counts - 1)).sqrt() + eps)
 
 

@@ -28,9 +28,8 @@ def ends_with_stop(responses: Sequence[torch.Tensor], stop_token_ids: int | Sequ
         raise TypeError(f"stop_token_ids must be an int or a non-empty sequence of ints, got {stop_token_ids!r}.")
     if len(responses) == 0:
         return torch.zeros(0, dtype=torch.bool)
-    device = responses[0].device
     # -1 is no token id, so an empty response never matches.
-    last = torch.cat([r[-1:] if r.numel() else r.new_full((1,), -1) for r in responses]).to(device)
+    last = torch.cat([r[-1:] if r.numel() else r.new_full((1,), -1) for r in responses])
     # Compared with each id as a Python number: no tensor of ids to copy to the device.
     ends = last == ids[0]
     for stop in ids[1:]:
@@ -100,17 +99,21 @@ def shape_scores(
     return scores
 
 
-def groups_with_equal_scores(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+def groups_with_equal_scores(scores: torch.Tensor, group_ids: torch.Tensor, num_groups: int | None = None) -> torch.Tensor:
     """For each group, whether all its scores are equal (zero spread: no signal for RLOO/GRPO).
 
     Groups are ordered by id. Shape: scores ``(B,)``, group_ids ``(B,)`` integer -> bool ``(G,)``.
+    ``num_groups``: with ids dense in ``[0, num_groups)`` on the scores' device nothing is read back; None:
+    ids of any values, made dense with ``torch.unique`` (host syncs on a GPU).
     """
     if group_ids.shape != scores.shape:
         raise ValueError(
             f"group_ids must hold one id per score, shape {tuple(scores.shape)}, got {tuple(group_ids.shape)}."
         )
-    _, index = torch.unique(group_ids.to(scores.device), return_inverse=True)
-    groups = int(index.max()) + 1 if index.numel() else 0
+    index, groups = group_ids, num_groups
+    if num_groups is None:
+        _, index = torch.unique(group_ids.to(scores.device), return_inverse=True)
+        groups = int(index.max()) + 1 if index.numel() else 0
     highest = scores.new_full((groups,), -torch.inf).scatter_reduce(0, index, scores, reduce="amax")
     lowest = scores.new_full((groups,), torch.inf).scatter_reduce(0, index, scores, reduce="amin")
     return highest == lowest

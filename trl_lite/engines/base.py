@@ -19,10 +19,12 @@ class GenerationEngine(ABC):
 
     ``needs_weight_sync``: whether the engine holds its own copy of the policy's weights, which
     :meth:`load_weights` must refresh after every update (False for an engine that runs the trained
-    model itself).
+    model itself). ``temperature``: the run's (``PPOConfig.temperature``), which its sampling and its
+    log-probs follow (:func:`~.temperature.resolve_sampling_kwargs`).
     """
 
     needs_weight_sync: bool = False
+    temperature: float = 1.0
 
     @abstractmethod
     def generate(
@@ -39,7 +41,8 @@ class GenerationEngine(ABC):
 
         Returns the rows and, with ``return_logprobs``, one 1-D float tensor per row holding the
         log-probability of each generated token (the prompt excluded; ``len(row) - len(query)``
-        entries with ``return_prompt``) under the engine's model at temperature 1; else None.
+        entries with ``return_prompt``) under ``softmax(z / temperature)`` of the engine's model's logits
+        ``z``, untruncated by top-k/top-p; else None.
         """
 
     @abstractmethod

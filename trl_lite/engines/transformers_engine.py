@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, contextmanager
 
@@ -10,6 +11,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from .base import GenerationEngine, trim_rows
+from .temperature import resolve_sampling_kwargs
 
 _NO_MASK_WARNING = "We strongly recommend passing in an `attention_mask`"
 
@@ -61,16 +63,23 @@ class TransformersEngine(GenerationEngine):
         is_encoder_decoder: responses then start with the decoder start token, and no prompt is cut off.
         is_zero3: weights are gathered once per call, and every process makes the same number of
             ``generate`` calls (a process with fewer chunks joins the others' with a one-row stand-in).
+        temperature: the run's (``PPOConfig.temperature``): calls sample as
+            :func:`~.temperature.resolve_sampling_kwargs` says, and log-probs are ``log_softmax(z / temperature)``.
+        halve_on_oom: a chunk that raises ``torch.OutOfMemoryError`` is generated again in halves, and the
+            rest of the call in chunks of that size (``PPOConfig.oom_backoff``; not under ZeRO-3, whose
+            ``generate`` calls are collectives every process must make alike).
     """
 
     def __init__(self, model_context: Callable[[], AbstractContextManager], accelerator, tokenizer, pad_token_id: int,
-                 is_encoder_decoder: bool, is_zero3: bool):  # fmt: skip
+                 is_encoder_decoder: bool, is_zero3: bool, temperature: float = 1.0, halve_on_oom: bool = False):  # fmt: skip
         self.model_context = model_context
         self.accelerator = accelerator
         self.tokenizer = tokenizer
         self.pad_token_id = pad_token_id
         self.is_encoder_decoder = is_encoder_decoder
         self.is_zero3 = is_zero3
+        self.temperature = temperature
+        self.halve_on_oom = halve_on_oom
 
     @contextmanager
     def _generation_model(self):
@@ -88,20 +97,27 @@ class TransformersEngine(GenerationEngine):
     def generate_one(self, query, generation_kwargs, return_prompt):
         """One 1-D query (on the CPU or the accelerator's device) -> ``(k, S)`` on the accelerator's device."""
         query = query.unsqueeze(0).to(self.accelerator.device)
+        kwargs = resolve_sampling_kwargs(generation_kwargs, self.temperature)  # refused before the model is touched
         with self._generation_model() as model:
-            response = model.generate(input_ids=query, **generation_kwargs)
+            # Again with the model's defaults: a call that leaves do_sample to them may sample.
+            kwargs = resolve_sampling_kwargs(kwargs, self.temperature, _generation_defaults(model))
+            response = model.generate(input_ids=query, **kwargs)
         if not return_prompt and not self.is_encoder_decoder:
             response = response[:, query.shape[1] :]
         return response
 
     def generate(self, queries, generation_kwargs, length_sampler, batch_size, return_prompt, remove_padding,
                  return_logprobs):  # fmt: skip
-        """Chunks of ``batch_size`` queries; ``length_sampler`` draws ``max_new_tokens`` once per chunk.
+        """Chunks of ``batch_size`` queries; ``length_sampler`` draws ``max_new_tokens`` once per chunk. With
+        ``halve_on_oom``, a chunk that runs out of memory goes on in halves (its draw kept, the random state of
+        its start restored), and so do the chunks after it (docs/out_of_memory.md).
 
         The queries are sorted by length before being cut into chunks, so a chunk holds queries of
         similar length and little left padding is computed (at every decoding step, too: the padding
-        stays in the key/value cache). Log-probs come from the raw logits ``generate`` returns
-        (``output_logits``), before any temperature or top-k/top-p processing.
+        stays in the key/value cache). Log-probs are ``log_softmax(z / temperature)`` of the raw logits
+        ``generate`` returns (``output_logits``), the engine's temperature applied and nothing else: not
+        transformers' processed scores (``output_scores``), which a top-k/top-p warper truncates
+        (docs/temperature.md).
 
         Devices: the queries may sit on the CPU (a tokenizer's output) or on the accelerator's device;
         each chunk is padded where its queries are and moved in one copy. The responses and log-probs are
@@ -111,7 +127,7 @@ class TransformersEngine(GenerationEngine):
             raise ValueError("generate() with a list of queries needs the trainer's tokenizer (for padding); got None.")
         device = self.accelerator.device
         pad = self.pad_token_id
-        kwargs = dict(generation_kwargs)
+        kwargs = resolve_sampling_kwargs(generation_kwargs, self.temperature)
         kwargs.setdefault("pad_token_id", pad)
         if return_logprobs:
             if int(kwargs.get("num_beams") or 1) != 1:
@@ -125,35 +141,75 @@ class TransformersEngine(GenerationEngine):
         order = sorted(range(len(queries)), key=lambda i: len(queries[i]))
         starts = range(0, len(queries), batch_size)
         with self._generation_model() as gen_model, _mask_is_passed():
+            # Again with the model's defaults: a call that leaves do_sample to them may sample.
+            kwargs = resolve_sampling_kwargs(kwargs, self.temperature, _generation_defaults(gen_model))
             for _ in range(self._missing_generate_calls(len(starts))):
                 # Under ZeRO-3 every forward pass is a collective, so a process with fewer chunks
                 # than another joins the extra calls with a one-row stand-in whose output is dropped.
                 stand_in = (queries[0][:1] if len(queries) else torch.tensor([pad])).to(device).unsqueeze(0)
                 gen_model.generate(input_ids=stand_in, attention_mask=torch.ones_like(stand_in), **kwargs)
+            size = batch_size
             for start in starts:
                 if length_sampler is not None:
-                    kwargs["max_new_tokens"] = length_sampler()
-                rows = order[start : start + batch_size]
-                input_ids = _left_padded([queries[i] for i in rows], pad, device)
-                lengths = [len(queries[i]) for i in rows]
-                attention_mask = (
-                    torch.arange(input_ids.shape[1], device=device)
-                    >= (input_ids.shape[1] - torch.tensor(lengths, device=device)).unsqueeze(1)
-                ).long()
-                generated = gen_model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-                sequences = generated.sequences if return_logprobs else generated
-                row_lengths = [n for n in lengths for _ in range(per_query)]
-                trimmed = self.trim(sequences, input_ids.shape[1], row_lengths, return_prompt, remove_padding)
-                chunk_logprobs = _sampled_logprobs(sequences, generated.logits) if return_logprobs else None
-                for index, generation in enumerate(trimmed):
-                    slot = rows[index // per_query] * per_query + index % per_query
-                    outputs[slot] = generation
-                    if return_logprobs:
-                        prompt = (1 if self.is_encoder_decoder else row_lengths[index]) if (
-                            return_prompt or self.is_encoder_decoder
-                        ) else 0  # fmt: skip
-                        logprobs[slot] = chunk_logprobs[index, : len(generation) - prompt]
+                    kwargs["max_new_tokens"] = length_sampler()  # once per chunk, whatever the retries
+                chunk, done = order[start : start + batch_size], 0
+                while done < len(chunk):
+                    rows, rng = chunk[done : done + size], self._rng_state()
+                    try:
+                        self._generate_rows(gen_model, queries, rows, kwargs, outputs, logprobs, return_prompt,
+                                            remove_padding)  # fmt: skip
+                        done += len(rows)
+                        continue
+                    except torch.OutOfMemoryError:
+                        if not self.halve_on_oom or len(rows) == 1 or self.is_zero3:
+                            raise
+                    # Outside the handler: the failed call's tensors are free. Its rows again, in halves, from the
+                    # same random state (greedy decoding gives the same tokens).
+                    size = len(rows) // 2
+                    self._restore_rng(rng)
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+                    warnings.warn(f"generate() ran out of memory on {len(rows)} queries: going on in chunks of {size}.")
         return outputs, logprobs
+
+    def _generate_rows(self, gen_model, queries, rows, kwargs, outputs, logprobs, return_prompt, remove_padding):
+        """One ``generate`` call on the queries ``rows`` (positions into ``queries``), left-padded; writes each
+        row's responses (and log-probs, when ``logprobs`` is a list) into its slots."""
+        device, pad = self.accelerator.device, self.pad_token_id
+        per_query = int(kwargs.get("num_return_sequences") or 1)
+        input_ids = _left_padded([queries[i] for i in rows], pad, device)
+        lengths = [len(queries[i]) for i in rows]
+        attention_mask = (
+            torch.arange(input_ids.shape[1], device=device)
+            >= (input_ids.shape[1] - torch.tensor(lengths, device=device)).unsqueeze(1)
+        ).long()
+        generated = gen_model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        return_logprobs = logprobs is not None
+        sequences = generated.sequences if return_logprobs else generated
+        row_lengths = [n for n in lengths for _ in range(per_query)]
+        trimmed = self.trim(sequences, input_ids.shape[1], row_lengths, return_prompt, remove_padding)
+        chunk_logprobs = _sampled_logprobs(sequences, generated.logits, self.temperature) if return_logprobs else None
+        for index, generation in enumerate(trimmed):
+            slot = rows[index // per_query] * per_query + index % per_query
+            outputs[slot] = generation
+            if return_logprobs:
+                prompt = (1 if self.is_encoder_decoder else row_lengths[index]) if (
+                    return_prompt or self.is_encoder_decoder
+                ) else 0  # fmt: skip
+                logprobs[slot] = chunk_logprobs[index, : len(generation) - prompt]
+
+    def _rng_state(self):
+        """torch's random state on the host and the device (to replay a failed chunk's draws), when it may be needed."""
+        if not self.halve_on_oom:
+            return None
+        device = self.accelerator.device
+        return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+    def _restore_rng(self, state) -> None:
+        host, cuda = state
+        torch.set_rng_state(host)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.accelerator.device)
 
     def trim(self, generations, prompt_width, lengths, return_prompt, remove_padding) -> list[torch.Tensor]:
         """:func:`trim_rows` with this engine's EOS (the tokenizer's) and model kind."""
@@ -176,10 +232,17 @@ def _left_padded(chunk: list[torch.Tensor], pad: int, device) -> torch.Tensor:
     return pad_sequence(chunk, batch_first=True, padding_value=pad, padding_side="left").to(device)
 
 
-def _sampled_logprobs(sequences: torch.Tensor, logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def _generation_defaults(model):
+    """The ``GenerationConfig`` of a model or of the transformers model inside a value-head wrapper (None if neither)."""
+    config = getattr(model, "generation_config", None)
+    return config if config is not None else getattr(getattr(model, "pretrained_model", None), "generation_config", None)
+
+
+def _sampled_logprobs(sequences: torch.Tensor, logits: tuple[torch.Tensor, ...], temperature: float) -> torch.Tensor:
     """Log-probabilities ``(n, T)`` of the T generated tokens (the last T columns of ``sequences (n, S)``)
-    under the raw per-step ``logits`` (T tensors ``(n, V)``), computed in float32 or wider."""
+    under ``softmax(z / temperature)`` of the raw per-step logits ``z`` (T tensors ``(n, V)``), in float32 or
+    wider. Dividing by 1.0 changes no bit: the classic run's log-probs are those of the raw logits."""
     steps = torch.stack(logits, dim=1)
-    steps = steps.to(torch.promote_types(steps.dtype, torch.float32))
+    steps = steps.to(torch.promote_types(steps.dtype, torch.float32)) / temperature
     tokens = sequences[:, sequences.shape[1] - len(logits) :]
     return torch.log_softmax(steps, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

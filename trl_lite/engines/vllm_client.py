@@ -28,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import cached_property
 
 import requests
 import torch
@@ -205,8 +206,8 @@ class VLLMServerClient:
         if chunk:
             yield chunk
 
-    def max_lora_rank(self) -> int | None:
-        """The largest adapter rank the server serves; None when it was launched without LoRA."""
+    def _server_config(self) -> dict:
+        """The server's vLLM configuration (``/server_info``, JSON)."""
         url = f"{self.base_url}/server_info"
         try:
             response = self._session.get(url, params={"config_format": "json"}, timeout=self.timeout)
@@ -214,8 +215,17 @@ class VLLMServerClient:
             raise ConnectionError(f"lost the vLLM server at {self.base_url} during /server_info: {error}") from error
         if not response.ok:
             raise RuntimeError(f"the vLLM server at {url} refused its configuration: HTTP {response.status_code}.")
-        lora = (response.json().get("vllm_config") or {}).get("lora_config")
+        return response.json().get("vllm_config") or {}
+
+    def max_lora_rank(self) -> int | None:
+        """The largest adapter rank the server serves; None when it was launched without LoRA."""
+        lora = self._server_config().get("lora_config")
         return None if not lora else int(lora["max_lora_rank"])
+
+    @cached_property
+    def logprobs_mode(self) -> str:
+        """What the server's log-probs are (vLLM's ``--logprobs-mode``, fixed at its launch; docs/temperature.md)."""
+        return (self._server_config().get("model_config") or {}).get("logprobs_mode", "raw_logprobs")
 
     def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config) -> None:
         """Load a new adapter version (PEFT names, ``LoraConfig``) from the shared directory under a new

@@ -34,6 +34,7 @@ import torch
 
 from .base import GenerationEngine
 from .lora_sync import write_peft_adapter
+from .temperature import check_vllm_logprobs, resolve_sampling_kwargs, vllm_logprobs_mode
 from .vllm_logging import configure_vllm_logging
 from .vllm_options import (
     EnginePlacement,
@@ -145,15 +146,21 @@ class VLLMEngine(GenerationEngine):
             default stop token.
         pad_token_id: pads the rows of the single-query output.
         generation_defaults: the policy's ``GenerationConfig``, for the kwargs a call leaves unset.
+        temperature: the run's (``PPOConfig.temperature``): sampling and log-probs follow
+            :func:`~.temperature.resolve_sampling_kwargs`, and a call whose log-probs the backend's
+            ``logprobs_mode`` would not give as ``log_softmax(z / temperature)`` is refused
+            (:func:`~.temperature.check_vllm_logprobs`).
     """
 
     needs_weight_sync = True
 
-    def __init__(self, backend, eos_token_id: int | None, pad_token_id: int, generation_defaults=None):
+    def __init__(self, backend, eos_token_id: int | None, pad_token_id: int, generation_defaults=None,
+                 temperature: float = 1.0):  # fmt: skip
         self.backend = backend
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.generation_defaults = generation_defaults
+        self.temperature = temperature
 
     def generate(self, queries, generation_kwargs, length_sampler, batch_size, return_prompt, remove_padding,
                  return_logprobs):  # fmt: skip
@@ -161,11 +168,15 @@ class VLLMEngine(GenerationEngine):
 
         ``length_sampler`` draws ``max_new_tokens`` once per query (its ``num_return_sequences`` rows
         share it), not once per chunk. Rows end at a stop token; with ``remove_padding`` a row is also cut
-        after the tokenizer's first EOS. Log-probs are the engine's, of the raw logits (temperature 1).
+        after the tokenizer's first EOS. Log-probs are the engine's, ``log_softmax(z / temperature)`` of
+        the sampled tokens: vLLM's raw ones at temperature 1, its processed ones otherwise.
         """
-        kwargs = dict(generation_kwargs)
+        kwargs = resolve_sampling_kwargs(generation_kwargs, self.temperature, self.generation_defaults)
         lengths = [len(q) for q in queries]
         params = sampling_params(kwargs, lengths, self.generation_defaults, self.eos_token_id, return_logprobs)
+        if return_logprobs and params:
+            # The prompts' parameters differ in lengths and seeds only.
+            check_vllm_logprobs(params[0], self.temperature, getattr(self.backend, "logprobs_mode", "raw_logprobs"))
         if length_sampler is not None:
             for p in params:
                 p["max_tokens"] = int(length_sampler())
@@ -286,12 +297,13 @@ class ColocatedVLLM:
             the ``PPOConfig.vllm_*`` fields; ``seed``: the run's seed (see
             :func:`~.vllm_options.colocated_llm_options`); ``placement``: default one process alone;
         max_lora_rank: the largest adapter rank it serves (None: no LoRA).
+        logprobs_mode: vLLM's, what the returned log-probs are (:func:`~.temperature.vllm_logprobs_mode`).
     """
 
     def __init__(self, model_config, generation_config, *, dtype: str = "auto", max_model_len: int | None = None,
                  enforce_eager: bool = True, gpu_memory_utilization: float = 0.3, kv_cache_gb: float | None = None,
                  seed: int = 0, placement: EnginePlacement | None = None, enable_sleep_mode: bool = False,
-                 max_lora_rank: int | None = None):  # fmt: skip
+                 max_lora_rank: int | None = None, logprobs_mode: str = "raw_logprobs"):  # fmt: skip
         vllm = require_vllm()
         placement = engine_placement(0, 0, 1, 1) if placement is None else placement
         # The trainer reaches the model runner to push weights: the engine core must live in this process.
@@ -317,8 +329,9 @@ class ColocatedVLLM:
         options = colocated_llm_options(
             self._dir, placement, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
             gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_sleep_mode=enable_sleep_mode,
-            on_gpu=torch.cuda.is_available(), max_lora_rank=max_lora_rank,
+            on_gpu=torch.cuda.is_available(), max_lora_rank=max_lora_rank, logprobs_mode=logprobs_mode,
         )  # fmt: skip
+        self.logprobs_mode = logprobs_mode
         self._lora = None  # the LoRARequest generation runs with
         self._shares_process_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         threads = torch.get_num_threads()
@@ -455,7 +468,7 @@ def build_vllm_backend(config, model_config, generation_config, *, policy_dtype:
     ``mixed_precision`` (:func:`~.vllm_options.engine_dtype`); ``placement``: this process's place
     among the engines (default: alone, :func:`~.vllm_options.engine_placement`); sleep mode as
     ``vllm_enable_sleep_mode`` says, where vLLM has it (:func:`~.vllm_options.resolve_sleep_mode`);
-    with LoRA up to ``max_lora_rank`` (None: without).
+    with LoRA up to ``max_lora_rank`` (None: without); ``logprobs_mode`` as ``config.temperature`` needs.
     A server's engine settings (dtype, KV cache, lengths, parallelism, sleep) are those it was launched with
     (``python -m trl_lite.vllm_server``); the trainer only needs ``vllm_server_url`` and ``vllm_server_timeout``.
     """
@@ -476,5 +489,5 @@ def build_vllm_backend(config, model_config, generation_config, *, policy_dtype:
         model_config, generation_config, dtype=dtype, max_model_len=config.vllm_max_model_len,
         enforce_eager=config.vllm_enforce_eager, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
         kv_cache_gb=config.vllm_kv_cache_gb, seed=config.seed, placement=placement, enable_sleep_mode=sleep,
-        max_lora_rank=max_lora_rank,
+        max_lora_rank=max_lora_rank, logprobs_mode=vllm_logprobs_mode(config.temperature),
     )  # fmt: skip

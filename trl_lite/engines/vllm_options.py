@@ -91,7 +91,8 @@ def engine_placement(rank: int, local_rank: int, world_size: int, tensor_paralle
 
 def colocated_llm_options(model_dir: str, placement: EnginePlacement, *, dtype: str, max_model_len: int | None,
                           enforce_eager: bool, gpu_memory_utilization: float, seed: int, enable_sleep_mode: bool,
-                          on_gpu: bool, max_lora_rank: int | None = None) -> dict:  # fmt: skip
+                          on_gpu: bool, max_lora_rank: int | None = None,
+                          logprobs_mode: str = "raw_logprobs") -> dict:  # fmt: skip
     """The ``vllm.LLM`` keyword arguments of the engine ``placement`` describes.
 
     The engine starts without weights (``load_format='dummy'``; the trainer pushes them) and without
@@ -99,7 +100,8 @@ def colocated_llm_options(model_dir: str, placement: EnginePlacement, *, dtype: 
     group index, so that the processes of one engine sample alike and different engines do not.
     ``gpu_memory_utilization`` is passed on a GPU only (on CPU the KV cache is sized by
     ``VLLM_CPU_KVCACHE_SPACE``). ``max_lora_rank``: serve one LoRA adapter of up to that rank (the
-    policy's, :mod:`.lora_sync`); None: no LoRA.
+    policy's, :mod:`.lora_sync`); None: no LoRA. ``logprobs_mode``: vLLM's, passed when not its default
+    ``'raw_logprobs'`` (:func:`~.temperature.vllm_logprobs_mode`).
     """
     options = dict(
         model=model_dir, skip_tokenizer_init=True, load_format="dummy", dtype=dtype, enforce_eager=enforce_eager,
@@ -114,6 +116,8 @@ def colocated_llm_options(model_dir: str, placement: EnginePlacement, *, dtype: 
         options["distributed_executor_backend"] = placement.executor
     if enable_sleep_mode:
         options["enable_sleep_mode"] = True
+    if logprobs_mode != "raw_logprobs":
+        options["logprobs_mode"] = logprobs_mode
     if max_lora_rank is not None:
         # One adapter slot, on the device and in the CPU cache: a new version evicts the old one.
         options.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1, max_cpu_loras=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,6 +14,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 from ..core import set_seed
 from ..models import PreTrainedModelWrapper
 from ..engines.generation import eval_mode
+from ..engines.temperature import resolve_sampling_kwargs
 
 
 def _as_query_list(tokenized_query) -> list[torch.Tensor]:
@@ -54,6 +56,8 @@ class BestOfNSampler:
         seed: when given, ``set_seed(seed)`` is called once here.
         n_candidates: texts returned per query, best first.
         generation_config: passed to ``model.generate``; keyword arguments of :meth:`generate` override it.
+        temperature: the policy's ``PPOConfig.temperature``: samples are drawn at it unless :meth:`generate`'s
+            kwargs give one (a different one is refused when it is not 1.0; docs/temperature.md).
     """
 
     def __init__(
@@ -66,6 +70,7 @@ class BestOfNSampler:
         seed: int | None = None,
         n_candidates: int = 1,
         generation_config: GenerationConfig | None = None,
+        temperature: float = 1.0,
     ) -> None:
         if not isinstance(tokenizer, PreTrainedTokenizerBase):
             raise ValueError(f"tokenizer must be a PreTrainedTokenizer or PreTrainedTokenizerFast, got {type(tokenizer).__name__}.")
@@ -78,6 +83,8 @@ class BestOfNSampler:
             raise TypeError("queries_to_scores and length_sampler must be callables.")
         if not (isinstance(sample_size, int) and isinstance(n_candidates, int) and 1 <= n_candidates <= sample_size):
             raise ValueError(f"BestOfNSampler needs integers 1 <= n_candidates <= sample_size, got n_candidates={n_candidates!r}, sample_size={sample_size!r}.")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
+            raise ValueError(f"temperature must be a positive finite number, got {temperature!r}.")
         if seed is not None:
             set_seed(seed)
         self.model = model
@@ -87,6 +94,7 @@ class BestOfNSampler:
         self.gen_config = generation_config
         self.sample_size = sample_size
         self.n_candidates = n_candidates
+        self.temperature = temperature
 
     def _pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
@@ -112,6 +120,8 @@ class BestOfNSampler:
         (they are moved there in one copy).
         """
         queries = _as_query_list(tokenized_query)
+        defaults = self.gen_config if self.gen_config is not None else self.model.pretrained_model.generation_config
+        generation_kwargs = resolve_sampling_kwargs(generation_kwargs, self.temperature, defaults)
         lengths = [int(self.length_sampler()) for _ in queries]
         pad_id = self._pad_id()
         device = device if device is not None else next(self.model.parameters()).device

@@ -1,5 +1,8 @@
 """Language models with a value head: one scalar value per token next to the next-token logits."""
 
+import functools
+import inspect
+
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
@@ -10,6 +13,21 @@ from .modeling_base import PreTrainedModelWrapper, is_peft_model
 # scaling); for these the fast path (backbone + LM head at chosen positions) would differ from forward.
 _LOGIT_POSTPROCESSING_ATTRIBUTES = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 _INIT_STRATEGIES = (None, "normal")
+# What a transformers forward calls its key/value cache: `cache` in later releases (5.24 warns on the old
+# name, 5.40 drops it), classic `past_key_values` before. The wrappers keep classic's name for their callers.
+_CACHE_NAMES = ("cache", "past_key_values")
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword(forward) -> str:
+    """The keyword under which a model's `forward` takes a cache, read from its signature."""
+    parameters = inspect.signature(forward).parameters
+    return next((name for name in _CACHE_NAMES if name in parameters), "past_key_values")
+
+
+def _returned_cache(outputs):
+    """The cache a transformers output holds, under either name; None when it holds none."""
+    return next((outputs[name] for name in _CACHE_NAMES if name in outputs), None)
 
 
 def _hidden_size(config) -> int:
@@ -169,12 +187,18 @@ class _ValueHeadModel(PreTrainedModelWrapper):
             return lm_logits, loss, value, past_key_values
         return lm_logits, loss, value
 
-    def _prepare_kwargs(self, past_key_values, return_past_key_values: bool, kwargs: dict) -> dict:
-        """Forward kwargs: the cache only when asked for or given (it costs memory in training)."""
-        kwargs.setdefault("use_cache", return_past_key_values or past_key_values is not None)
-        # Prompt-learning adapters (prefix tuning, ...) build their own past_key_values.
-        if not (self.is_peft_model and self.pretrained_model.active_peft_config.is_prompt_learning):
-            kwargs["past_key_values"] = past_key_values
+    def _prepare_kwargs(self, past_key_values, return_past_key_values: bool, kwargs: dict, callee: nn.Module) -> dict:
+        """Forward kwargs: a cache built only when asked for or given (it costs memory in training), and a given
+        one (as classic `past_key_values` or as `cache`) passed under the name `callee.forward` takes."""
+        cache = kwargs.pop("cache", None)
+        if cache is not None and past_key_values is not None:
+            raise ValueError("pass the key/value cache once, as past_key_values or as cache; both were given")
+        cache = past_key_values if cache is None else cache
+        kwargs.setdefault("use_cache", return_past_key_values or cache is not None)
+        # Prompt-learning adapters (prefix tuning, ...) build their own cache.
+        prompt_learning = self.is_peft_model and self.pretrained_model.active_peft_config.is_prompt_learning
+        if cache is not None and not prompt_learning:
+            kwargs[_cache_keyword(type(callee).forward)] = cache
         return kwargs
 
 
@@ -212,10 +236,13 @@ class AutoModelForCausalLMWithValueHead(_ValueHeadModel):
         and past_key_values last when `return_past_key_values`. With `return_lm_head_inputs`, the
         first output is the LM head's input at `logits_positions`, (B, K, H) or (N, H), in the
         model's dtype. With `return_values=False` the value head does not run and value is None
-        (critic-free training, a separate critic, the reference pass).
+        (critic-free training, a separate critic, the reference pass). A cache from an earlier call goes
+        in as `past_key_values` (or `cache`) and reaches the model under the name its forward takes.
         """
-        kwargs = self._prepare_kwargs(past_key_values, return_past_key_values, kwargs)
         parts = self._backbone_and_lm_head(kwargs) if logits_positions is not None else None
+        # The PEFT wrapper's forward passes its kwargs on: the name is the transformers model's.
+        callee = parts[0] if parts is not None else self.transformers_model
+        kwargs = self._prepare_kwargs(past_key_values, return_past_key_values, kwargs, callee)
         if return_lm_head_inputs and (parts is None or self.linear_lm_head() is None):
             raise ValueError(
                 "return_lm_head_inputs=True needs logits_positions, no labels, and a model whose "
@@ -242,7 +269,7 @@ class AutoModelForCausalLMWithValueHead(_ValueHeadModel):
                 lm_logits = gather_positions(lm_logits, logits_positions)
         value = self.v_head(hidden_states) if return_values else None
         return self._outputs(
-            lm_logits, loss, value, outputs.past_key_values, return_past_key_values, upcast=not return_lm_head_inputs
+            lm_logits, loss, value, _returned_cache(outputs), return_past_key_values, upcast=not return_lm_head_inputs
         )
 
     def linear_lm_head(self) -> nn.Linear | None:
@@ -302,10 +329,11 @@ class AutoModelForSeq2SeqLMWithValueHead(_ValueHeadModel):
         (B, K) of decoder positions, or a pair (rows, positions) of length N. Returns lm_logits
         (B, S_dec, V), (B, K, V) or (N, V); loss or None;
         value (B, S_dec), or None with `return_values=False` (the head does not run); past_key_values
-        last when `return_past_key_values`. The full forward runs even with `logits_positions`, whose logits are then gathered: decoder
+        last when `return_past_key_values` (a cache goes in as `past_key_values` or `cache`, as for the causal
+        wrapper). The full forward runs even with `logits_positions`, whose logits are then gathered: decoder
         lengths in PPO are short, and the LM head input differs between architectures (T5 rescales it).
         """
-        kwargs = self._prepare_kwargs(past_key_values, return_past_key_values, kwargs)
+        kwargs = self._prepare_kwargs(past_key_values, return_past_key_values, kwargs, self.transformers_model)
         outputs = self.pretrained_model(
             input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=return_values, **kwargs
         )
@@ -314,4 +342,4 @@ class AutoModelForSeq2SeqLMWithValueHead(_ValueHeadModel):
         if logits_positions is not None:
             _check_logits_positions(logits_positions, lm_logits.shape[0])
             lm_logits = gather_positions(lm_logits, logits_positions)
-        return self._outputs(lm_logits, outputs.loss, value, outputs.past_key_values, return_past_key_values)
+        return self._outputs(lm_logits, outputs.loss, value, _returned_cache(outputs), return_past_key_values)

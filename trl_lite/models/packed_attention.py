@@ -97,17 +97,32 @@ def packed_sdpa_attention_forward(module, query, key, value, attention_mask, **k
     if reason is None:
         return varlen_attention.varlen_attention(query, key, value, rows, kwargs.get("scaling")), None
     kwargs["is_causal"] = True
+    window = kwargs.pop("sliding_window", None)
     lengths = list(rows.lengths)
     pieces = zip(query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2))
-    with _without_cudnn(query):
-        outputs = [sdpa_attention_forward(module, q, k, v, None, **kwargs)[0] for q, k, v in pieces]
+    with without_cudnn(query.device):
+        outputs = [
+            sdpa_attention_forward(module, q, k, v, _window_mask(q.shape[2], window, q.device), **kwargs)[0]
+            for q, k, v in pieces
+        ]
     return torch.cat(outputs, dim=1), None
 
 
-def _without_cudnn(query: torch.Tensor):
-    """On CUDA, sdpa without its cuDNN backend (which compiles a graph for every new row length);
-    elsewhere nothing changes."""
-    if query.device.type != "cuda":
+def _window_mask(length: int, window: int | None, device) -> torch.Tensor | None:
+    """The boolean ``(length, length)`` mask of causal attention within a sliding ``window`` (query ``i`` reads
+    keys ``i - window < j <= i``, transformers' sliding-window layers), or None where plain causal attention
+    is the same (no window, or a row no longer than it)."""
+    if window is None or length <= window:
+        return None
+    positions = torch.arange(length, device=device)
+    offsets = positions.unsqueeze(1) - positions.unsqueeze(0)  # query minus key position
+    return (offsets >= 0) & (offsets < window)
+
+
+def without_cudnn(device):
+    """On CUDA, sdpa without its cuDNN backend (which compiles a graph for every new input shape: row lengths,
+    mini-batch widths); elsewhere nothing changes. Every pass of the trainer runs inside it."""
+    if torch.device(device).type != "cuda":
         return nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

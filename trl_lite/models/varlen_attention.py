@@ -43,11 +43,14 @@ def _torch_varlen_attn():
 class VarlenKernel:
     """A variable-length attention function with the signature of ``varlen_attn``
     (``query, key, value (T, H, D), cu_seq_q, cu_seq_k (n + 1,) int32, max_q, max_k``, keywords), the
-    device types it runs on and the input dtypes it takes. ``function`` None: no kernel (older torch)."""
+    device types it runs on, the input dtypes it takes and the head sizes ``D`` it takes (multiples of
+    ``head_dim_multiple`` up to ``max_head_dim``: FlashAttention-2's rule). ``function`` None: no kernel."""
 
     function: object
     device_types: frozenset
     dtypes: frozenset
+    head_dim_multiple: int = 8
+    max_head_dim: int = 256
 
 
 #: The kernel packed passes use. FlashAttention's varlen kernel: CUDA, 16-bit inputs.
@@ -120,6 +123,12 @@ def varlen_unsupported(query: torch.Tensor, rows: PackedRows, module, kwargs: di
             f"the attention inputs are {str(dtype).removeprefix('torch.')} and the varlen kernel takes {allowed} "
             "(train under AMP or with 16-bit weights)"
         )
+    head_dim = query.shape[-1]
+    if head_dim % kernel.head_dim_multiple or head_dim > kernel.max_head_dim:
+        return (
+            f"the head dimension is {head_dim} and the varlen kernel takes multiples of {kernel.head_dim_multiple} "
+            f"up to {kernel.max_head_dim}"
+        )
     if rows.cu_seqlens is None or rows.cu_seqlens.device != query.device:
         return "the pass built no offsets on the attention's device"
     if kwargs.get("dropout", 0.0) and getattr(module, "training", False):
@@ -158,19 +167,46 @@ def varlen_attention(query, key, value, rows: PackedRows, scaling: float | None)
         options["window_size"] = (-1, 0)  # causal: every key to the left, none to the right
     else:
         options["is_causal"] = True
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        if "enable_gqa" in keywords:
-            options["enable_gqa"] = True
-        else:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     if scaling is not None:
         if "scale" in keywords:
             options["scale"] = scaling
         else:
             q = q * (scaling * math.sqrt(q.shape[-1]))  # the kernel's own scale is 1 / sqrt(D)
-    out = function(q, k, v, rows.cu_seqlens, rows.cu_seqlens, rows.max_length, rows.max_length, **options)
-    return out.unsqueeze(0)
+    args = (rows.cu_seqlens, rows.cu_seqlens, rows.max_length, rows.max_length)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and "enable_gqa" in keywords:
+        options["enable_gqa"] = True
+    elif groups > 1:
+        if _GROUPED_KV.get(function, True):
+            out = _unrepeated(function, q, k, v, args, options)
+            if out is not None:
+                return out.unsqueeze(0)
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return function(q, k, v, *args, **options).unsqueeze(0)
+
+
+# Per kernel function: whether it takes Hkv < Hq key/value heads unrepeated (absent: not tried yet).
+_GROUPED_KV: dict = {}
+
+
+def _unrepeated(function, q, k, v, args, options) -> torch.Tensor | None:
+    """``function``'s output ``(N, Hq, D)`` for key/value heads not repeated, or None where it refuses them.
+
+    FlashAttention-2 reads Hkv heads for Hq (Hkv dividing Hq) natively and torch 2.11's wrapper checks no head
+    counts (it has no ``enable_gqa``): unrepeated, the K/V of the call and those kept for the backward are
+    Hq / Hkv times smaller. A kernel that refuses raises before it launches; it then gets repeated heads
+    (said once, and remembered for the run).
+    """
+    try:
+        out = function(q, k, v, *args, **options)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as error:
+        _GROUPED_KV[function] = False
+        logger.info("the varlen kernel refuses unrepeated grouped key/value heads (%s): they are repeated.", error)
+        return None
+    _GROUPED_KV[function] = True
+    return out
 
 
 _ANNOUNCED: set = set()

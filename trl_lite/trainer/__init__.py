@@ -3,10 +3,12 @@ from .ppo_config import PPOConfig
 from .ppo_trainer import PPOTrainer
 from .reward import RewardConfig, RewardDataCollatorWithPadding, RewardTrainer
 from .running_moments import RunningMoments
+from .step_inputs import NoDatasetWarning
 
 __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
+    "NoDatasetWarning",
     "PPOConfig",
     "PPOTrainer",
     "RewardConfig",

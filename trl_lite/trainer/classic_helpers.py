@@ -84,10 +84,17 @@ class ClassicHelpersMixin:
     def train_minibatch(self, old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns):
         """One guarded optimisation step on precomputed new log-probs/values (classic signature).
 
-        ``logprobs``, ``vpreds`` and ``logits`` must come from a forward pass with grad. Returns the
-        mini-batch statistics (see :meth:`.learner.Learner.train_minibatch`).
+        ``logprobs``, ``vpreds`` and ``logits`` must come from a forward pass with grad. Called like classic's,
+        inside the caller's ``accelerator.accumulate`` if any; the lone mini-batch is its own backward batch
+        (``global_token_mean``). Returns the mini-batch statistics; when the update was skipped (see
+        :meth:`.learner.Learner.guarded_update`) the weights are unchanged and ``skipped_minibatches`` counts it.
         """
-        return self.learner.train_minibatch(old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns)
+        learner = self.learner
+        learner.model.train()
+        pg_loss, vf_loss, stats = learner.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns)
+        policy_loss, critic_loss = learner.split_losses(pg_loss, vf_loss, stats)
+        learner.guarded_update(policy_loss, critic_loss, stats, mask)
+        return stats
 
     def _trim_generations(self, generations, prompt_width, lengths, return_prompt, remove_padding) -> list:
         """The transformers engine's trimming of a left-padded ``generate`` output (see :func:`.engines.trim_rows`)."""

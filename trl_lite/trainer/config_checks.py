@@ -51,6 +51,7 @@ def validate_config(config) -> None:
         raise TypeError(f"max_tokens_per_minibatch must be None or a positive int, got {budget!r} ({type(budget).__name__}).")
     if budget is not None and budget < 1:
         raise ValueError(f"max_tokens_per_minibatch must be None or a positive int, got {budget}.")
+    _validate_memory(config)
     if config.padding_free not in (None, True, False):
         raise TypeError(f"padding_free must be None, True or False, got {config.padding_free!r}.")
     if config.mini_batch_size > config.batch_size:
@@ -81,6 +82,8 @@ def validate_config(config) -> None:
             raise TypeError(f"{name} must be a dict, got {type(getattr(config, name)).__name__}.")
     _validate_objective(config)
     _validate_engine(config)
+    _validate_temperature(config)
+    _validate_dropout(config)
     config.backward_batch_size = backward_batch_size
     # Not a field (as in classic TRL): the step() calls of a script's run, which classic scripts read.
     config.total_ppo_epochs = math.ceil(config.steps / config.batch_size)
@@ -163,6 +166,17 @@ def _validate_engine(config) -> None:
         )
 
 
+def _validate_temperature(config) -> None:
+    """``temperature``: the sampling and scoring temperature (docs/temperature.md)."""
+    _check_positive_float("temperature", config.temperature)
+
+
+def _validate_dropout(config) -> None:
+    """``disable_dropout``: a bool."""
+    if not isinstance(config.disable_dropout, bool):
+        raise TypeError(f"disable_dropout must be True or False, got {config.disable_dropout!r}.")
+
+
 def _check_log_with(value) -> None:
     if value not in (None, "wandb", "tensorboard", "comet_ml", "mlflow", "aim", "clearml", "dvclive", "all"):
         raise ValueError(
@@ -192,3 +206,9 @@ def _check_positive_float(name: str, value) -> None:
         raise TypeError(f"{name} must be a positive number, got {value!r} ({type(value).__name__}).")
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a positive finite number, got {value}.")
+
+
+def _validate_memory(config) -> None:
+    """The out-of-memory back-off's field (docs/out_of_memory.md)."""
+    if not isinstance(config.oom_backoff, bool):
+        raise TypeError(f"oom_backoff must be True or False, got {config.oom_backoff!r} ({type(config.oom_backoff).__name__}).")

@@ -21,7 +21,10 @@ class StepBatch:
     ``response_masks``: per row 0/1 like the response, or None; ``groups``: ``(B,)`` group ids of
     'rloo'/'grpo' (None otherwise); ``generation_logprobs``: per row the engine's log-prob of each
     response token, or None; ``ptx_inputs``: per row a token sequence for the PTX loss, or None;
-    ``staleness (B,)``: per row, the policy updates (``step()`` calls) since its generation, or None.
+    ``staleness (B,)``: per row, the policy updates (``step()`` calls) since its generation, or None;
+    ``num_groups``: how many groups ``groups`` names (its ids are dense in ``[0, num_groups)``), a host int;
+    ``actions``: per row its action tokens (host ints, from the input checks), or None (then counted on the host
+    before the batch's copy).
     """
 
     queries: list
@@ -32,6 +35,8 @@ class StepBatch:
     generation_logprobs: list | None = None
     ptx_inputs: list | None = None
     staleness: torch.Tensor | None = None
+    num_groups: int | None = None
+    actions: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,9 @@ class Experience:
     in the loss); ``kl_in_loss``: whether the learner adds ``kl_coef * k3`` to the policy loss (then it
     uses ``ref_logprobs``); ``ptx``: per row the PTX token sequence on the device, or None; ``staleness``:
     as in :class:`StepBatch`;
-    ``gap_stats``: the ``rollout/*`` log-prob gap statistics; ``timings``: seconds of each phase.
+    ``gap_stats``: the ``rollout/*`` log-prob gap statistics; ``timings``: each phase's ``(start, end)`` marks
+    (:class:`~.timing.StepClock`);
+    ``num_groups`` and ``actions``: as in :class:`StepBatch` (host numbers: read without a device sync).
     """
 
     rows: Rows
@@ -73,6 +80,8 @@ class Experience:
     generation: torch.Tensor | None = None
     gap_stats: dict = field(default_factory=dict)
     timings: dict = field(default_factory=dict)
+    num_groups: int | None = None
+    actions: tuple | None = None
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -8,7 +8,6 @@ reference and critic, no grad), 15 (the log-prob gap to the generating engine an
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 
@@ -29,8 +28,9 @@ from ..parallel import sequence_parallel_size
 from .experience import Experience, StepBatch
 from .forward import ForwardPass
 from .rollout_plan import EVERY_PASS, RolloutPlan
-from .rows import to_device
+from .rows import actions_per_row, to_device
 from .step_inputs import scores_tensor
+from .timing import StepClock
 from .transfer import batch_to_device
 
 
@@ -64,6 +64,7 @@ class ExperienceMaker:
         self.policy_values = policy_values
         self.plan = plan
         self.device = accelerator.device
+        self.clock = StepClock(self.device)
 
     def make(self, batch: StepBatch) -> Experience:
         """One step's experience; see the module docstring for the sections it runs.
@@ -83,12 +84,15 @@ class ExperienceMaker:
         # Sections 14 and 2: the rollout's penalties, then scaling and clipping
         lengths = to_device([len(r) for r in batch.responses], self.device)
         ends_with_eos = core.ends_with_stop(batch.responses, self.eos_ids) if self.eos_ids else None
+        actions = batch.actions
+        if actions is None:  # a batch that skipped step()'s checks: counted here, on the host before the copy
+            actions = actions_per_row(batch.responses, batch.response_masks, 1 if self.forward.is_encoder_decoder else 0)
         # The batch's tensors reach the device in one copy (see transfer.py for every sync of a step).
         batch, ends_with_eos = batch_to_device(batch, self.device, ends_with_eos)
         scores = self.shape_scores(scores_tensor(batch.scores, self.device), lengths, ends_with_eos)
 
         # Section 3: forward passes without grad, and section 15: the gap to the generating engine
-        t = time.time()
+        t = self.clock.mark()
         rows = self.forward.make_rows(batch.queries, batch.responses, batch.response_masks)
         mask = rows.action_mask
         logprobs, ref_logprobs, values, full_kl = self.passes(rows)
@@ -96,10 +100,10 @@ class ExperienceMaker:
         gap_stats, token_weights = {}, None
         if logprobs is not None:
             gap_stats, token_weights = self.generation_gap(logprobs, generation, mask)
-        timings["time/ppo/forward_pass"] = time.time() - t
+        timings["time/ppo/forward_pass"] = (t, self.clock.mark())
 
         # Section 4: KL-shaped rewards; with kl_in_reward=False the KL goes to the loss (section 12)
-        t = time.time()
+        t = self.clock.mark()
         kl_coef = self.kl_ctl.value
         kls = None
         if logprobs is not None and ref_logprobs is not None:
@@ -108,16 +112,16 @@ class ExperienceMaker:
         # Without kls the plan guarantees the rewards' KL coefficient is 0 (checked above).
         reward_kls = kls if kls is not None else torch.zeros_like(mask)
         rewards, non_score_reward = compute_kl_rewards(scores, reward_kls, mask, 0.0 if kl_in_loss else kl_coef)
-        timings["time/ppo/compute_rewards"] = time.time() - t
+        timings["time/ppo/compute_rewards"] = (t, self.clock.mark())
 
         # Section 5 (GAE), or section 12 for the critic-free estimators
-        t = time.time()
+        t = self.clock.mark()
         if config.critic_free:
-            advantages = self.critic_free_advantages(scores, rewards, non_score_reward, mask, batch.groups)
+            advantages = self.critic_free_advantages(scores, rewards, non_score_reward, mask, batch.groups, batch.num_groups)
             values = returns = None
         else:
             values, advantages, returns = self.advantages(values, rewards, mask)
-        timings["time/ppo/compute_advantages"] = time.time() - t
+        timings["time/ppo/compute_advantages"] = (t, self.clock.mark())
 
         ptx = None
         if batch.ptx_inputs is not None:
@@ -127,7 +131,7 @@ class ExperienceMaker:
             ref_logprobs=ref_logprobs, values=values, returns=returns, kls=kls, rewards=rewards,
             non_score_reward=non_score_reward, advantages=advantages, token_weights=token_weights,
             kl_coef=kl_coef, kl_in_loss=kl_in_loss, ptx=ptx, staleness=batch.staleness, generation=generation,
-            gap_stats=gap_stats, timings=timings,
+            gap_stats=gap_stats, timings=timings, num_groups=batch.num_groups, actions=tuple(actions),
         )  # fmt: skip
 
     def complete(self, experience: Experience, logprobs: torch.Tensor) -> Experience:
@@ -161,9 +165,10 @@ class ExperienceMaker:
             config.overlong_buffer_len, config.overlong_penalty_factor,
         )  # fmt: skip
         if config.use_score_scaling:
-            self.running.update(scores)
-            scale = self.running.std + self.running.eps
-            scores = (scores - self.running.mean) / scale if config.use_score_norm else scores / scale
+            # On the device: the moments are read back only when asked for (a checkpoint, a user).
+            mean, std = self.running.update_on_device(scores)
+            scale = (std + self.running.eps).to(scores.dtype)
+            scores = (scores - mean.to(scores.dtype)) / scale if config.use_score_norm else scores / scale
         if config.score_clip is not None:
             scores = scores.clamp(-config.score_clip, config.score_clip)
         return scores
@@ -176,11 +181,12 @@ class ExperienceMaker:
         advantages = self.whiten(advantages, mask)
         return values * mask, advantages.detach(), returns.detach()
 
-    def critic_free_advantages(self, scores, rewards, non_score_reward, mask, groups):
+    def critic_free_advantages(self, scores, rewards, non_score_reward, mask, groups, num_groups=None):
         """Advantages ``(B, L)`` of the critic-free estimators (section 12).
 
         ``scores (B,)`` after shaping; ``rewards``, ``non_score_reward`` ``(B, L)`` (the latter zero
-        when the KL is in the loss); ``groups (B,)`` group ids for 'rloo'/'grpo'.
+        when the KL is in the loss); ``groups (B,)`` group ids for 'rloo'/'grpo' on the scores' device,
+        dense in ``[0, num_groups)`` (a host int; None: any ids, made dense on the device).
         """
         config = self.config
         if config.advantage_estimator == "reinforce_pp":
@@ -188,11 +194,10 @@ class ExperienceMaker:
                 rewards = self.whiten(rewards, mask, shift_mean=False)
             return (self.whiten(discounted_returns(rewards, mask, config.gamma), mask) * mask).detach()
         sequence_rewards = scores + non_score_reward.sum(-1)
-        groups = groups.to(sequence_rewards.device)
         if config.advantage_estimator == "rloo":
-            sequence_advantages = rloo_advantages(sequence_rewards, groups)
+            sequence_advantages = rloo_advantages(sequence_rewards, groups, num_groups)
         else:
-            sequence_advantages = grpo_advantages(sequence_rewards, groups, config.grpo_scale_rewards)
+            sequence_advantages = grpo_advantages(sequence_rewards, groups, config.grpo_scale_rewards, num_groups=num_groups)
         return sequence_to_tokens(sequence_advantages, mask).detach()
 
     def generation_columns(self, generation_logprobs, mask, shift: int) -> torch.Tensor | None:

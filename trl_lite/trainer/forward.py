@@ -19,9 +19,10 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from ..core import full_kl_from_logits, logprobs_from_hidden, logprobs_from_logits
 from ..models import PreTrainedModelWrapper
-from ..models.packed_attention import PACKED_SDPA, ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths
+from ..models.packed_attention import PACKED_SDPA, ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths, without_cudnn
 from ..models.varlen_attention import packed_rows
 from ..parallel.sequence_parallel import SEQUENCE_PASS, ULYSSES_SDPA, SequenceParallel, check_models
+from .oom_backoff import MemoryBackoff
 from .rows import InputLayout, Rows, at_positions, make_rows, to_compact, to_device
 from .token_budget import split_by_tokens
 
@@ -44,12 +45,15 @@ class ForwardPass:
             transformers' block-diagonal mask, to the same result.
         reuse_logits_buffer: whether the fused LM head writes into one buffer kept between passes
             (CPU with ``keep_freed_cpu_memory``, see :meth:`logits_out`).
+        oom_backoff: whether a pass that runs out of memory is redone with half the budget
+            (``PPOConfig.oom_backoff``); ``memory``, the :class:`~.oom_backoff.MemoryBackoff` that holds the
+            current budget, is shared with the learner.
         sequence: the sequence-parallel group packed passes are cut over, or None (see :meth:`gather_slots`).
     """
 
     def __init__(self, accelerator, models: list[tuple], layout: InputLayout, *, is_encoder_decoder: bool,
                  mini_batch_size: int, pack: bool = False, row_attention: dict | None = None,
-                 reuse_logits_buffer: bool = False, max_tokens: int | None = None,
+                 reuse_logits_buffer: bool = False, max_tokens: int | None = None, oom_backoff: bool = False,
                  sequence: SequenceParallel | None = None):  # fmt: skip
         self.accelerator = accelerator
         self.device = accelerator.device
@@ -60,7 +64,7 @@ class ForwardPass:
         self.pack = pack
         self.row_attention = row_attention or {}
         self.reuse_logits_buffer = reuse_logits_buffer
-        self.max_tokens = max_tokens
+        self.memory = MemoryBackoff(accelerator, max_tokens, oom_backoff)
         self._logits_buffer = None
         self._warned_long_row = False
         self.sequence = sequence
@@ -91,7 +95,17 @@ class ForwardPass:
             check_models(sequence.size, pack, modules, row_attention)
         return cls(accelerator, models, layout, is_encoder_decoder=unwrapped.is_encoder_decoder,
                    mini_batch_size=config.mini_batch_size, pack=pack, row_attention=row_attention,
-                   reuse_logits_buffer=reuse, max_tokens=config.max_tokens_per_minibatch, sequence=sequence)  # fmt: skip
+                   reuse_logits_buffer=reuse, max_tokens=config.max_tokens_per_minibatch,
+                   oom_backoff=config.oom_backoff, sequence=sequence)  # fmt: skip
+
+    @property
+    def max_tokens(self) -> int | None:
+        """The token budget of a pass now: the configured one, or the one an out-of-memory back-off left."""
+        return self.memory.budget
+
+    def buffer_rows(self, rows: Rows) -> int:
+        """The LM-head buffer rows of a pass over ``rows`` (see :meth:`.oom_backoff.MemoryBackoff.buffer_rows`)."""
+        return self.memory.buffer_rows(rows.buffer_rows)
 
     # ------------------------------------------------------------------------------------------
     # Rows and mini-batches
@@ -157,11 +171,15 @@ class ForwardPass:
         """Whether the passes of ``model`` take packed rows: packing is on and ``model`` is one the trainer checked."""
         return self.pack and any(model is known for known, _ in self.models)
 
+    @contextmanager
     def per_row_attention(self):
-        """The block in which packed passes attend within each row (forward and backward passes); under
-        sequence parallelism through the Ulysses all-to-all."""
+        """The block every pass of the trainer runs in (forward and backward): packed passes attend within each
+        row (under sequence parallelism through the Ulysses all-to-all), and on CUDA sdpa runs without cuDNN
+        attention - padded and PTX passes too, whose widths change from mini-batch to mini-batch (cuDNN builds
+        a graph per new shape, docs/gpu_path.md)."""
         implementation = PACKED_SDPA if self.sequence is None else ULYSSES_SDPA
-        return attend_per_row(self.row_attention.values(), implementation)
+        with attend_per_row(self.row_attention.values(), implementation), without_cudnn(self.device):
+            yield
 
     @property
     def replicas(self) -> int:
@@ -288,7 +306,7 @@ class ForwardPass:
         else:
             out = self.logits_out(rows, head)
             with self.head_autocast():
-                logprobs = logprobs_from_hidden(outputs, head.weight, head.bias, targets, rows.buffer_rows, out)
+                logprobs = logprobs_from_hidden(outputs, head.weight, head.bias, targets, self.buffer_rows(rows), out)
         logprobs, outputs = self.gather_slots(logprobs, outputs if return_logits else None)
         logprobs = to_compact(logprobs, slots, len(index), width)
         return logprobs, values, (outputs if return_logits else None), (slots if return_logits else None), width
@@ -306,31 +324,48 @@ class ForwardPass:
         :class:`~.rollout_plan.RolloutPlan`; ``full_kl`` needs both).
         """
         batch, width = len(rows), rows.action_mask.shape[1]
-        out = torch.zeros(4 if full_kl else 3, batch, width, device=self.device)
         policy.eval()
         if critic is not None:
             critic.eval()
-        with self.per_row_attention():
-            for index, idx in self.minibatches(rows):
-                if policy_pass:
-                    logprobs, values, logits, slots, w = self.logprobs(
-                        policy, rows, index, idx, return_logits=full_kl, return_values=policy_values, critic=critic
-                    )
-                    out[0, idx, :w] = logprobs
-                    if values is not None:
-                        out[2, idx, :w] = values
-                if reference_pass:
-                    with reference() as ref:
-                        ref_logprobs, _, ref_logits, _, w = self.logprobs(
-                            ref, rows, index, idx, return_logits=full_kl, return_values=False
-                        )
-                    out[1, idx, :w] = ref_logprobs
-                if full_kl:
-                    out[3, idx, :w] = to_compact(full_kl_from_logits(logits, ref_logits), slots, len(index), w)
+        models = (policy, reference, critic, policy_values, full_kl, policy_pass, reference_pass)
+
+        def passes():
+            out = torch.zeros(4 if full_kl else 3, batch, width, device=self.device)
+            with self.per_row_attention():
+                for index, idx in self.minibatches(rows):
+                    self.memory.begin_pass(sum(rows.tokens(i) for i in index), len(index))
+                    with self.memory.attempt(what="a rollout pass"):
+                        self.rollout_pass(out, rows, index, idx, *models)
+                    if self.memory.stop_early:
+                        break
+            return out
+
+        # A pass that runs out of memory: every pass again with half the budget (see oom_backoff).
+        out = self.memory.until_done(passes)
         mask = rows.action_mask
         logprobs = out[0] * mask if policy_pass else None
         values = out[2] * mask if policy_pass else None
         return logprobs, (out[1] * mask if reference_pass else None), values, (out[3] * mask if full_kl else None)
+
+    def rollout_pass(self, out, rows: Rows, index: list[int], idx: torch.Tensor, policy, reference, critic,
+                     policy_values: bool, full_kl: bool, policy_pass: bool, reference_pass: bool) -> None:  # fmt: skip
+        """One pass of :meth:`rollout` over rows ``index``: writes their log-probs, reference log-probs, values
+        (and exact KL) into ``out`` ``(3 or 4, B, L)``."""
+        if policy_pass:
+            logprobs, values, logits, slots, w = self.logprobs(
+                policy, rows, index, idx, return_logits=full_kl, return_values=policy_values, critic=critic
+            )
+            out[0, idx, :w] = logprobs
+            if values is not None:
+                out[2, idx, :w] = values
+        if reference_pass:
+            with reference() as ref:
+                ref_logprobs, _, ref_logits, _, w = self.logprobs(
+                    ref, rows, index, idx, return_logits=full_kl, return_values=False
+                )
+            out[1, idx, :w] = ref_logprobs
+        if full_kl:
+            out[3, idx, :w] = to_compact(full_kl_from_logits(logits, ref_logits), slots, len(index), w)
 
     def prepare_model_inputs(self, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> dict:
         """Pad one batch the classic way: query+response (decoder-only) or encoder/decoder inputs.
@@ -365,24 +400,38 @@ class ForwardPass:
             cols = (pad_left + rows.query_len - 1).unsqueeze(1) + columns
         valid = cols < length
         cols = cols.clamp(max=length - 1)
-        logprobs = torch.zeros(batch, length, device=device)
-        values = torch.zeros_like(logprobs)
-        masks = torch.zeros_like(logprobs)
-        logits_out = None
         model.eval()
-        for index, idx in self.minibatches(rows):
-            with self.per_row_attention():
-                lp, val, logits, slots, w = self.logprobs(model, rows, index, idx, return_logits=return_logits)
-            ok = valid[idx, :w] & rows.action_mask[idx, :w].bool()
-            # Only the action entries are written: the clamped compact padding repeats column T - 1,
-            # and a scatter with repeated indices may keep the padding's zero over a real action.
-            r, c = idx.unsqueeze(1).expand(-1, w)[ok], cols[idx, :w][ok]
-            logprobs[r, c], values[r, c], masks[r, c] = lp[ok], val[ok], 1.0
-            if return_logits:
-                if logits_out is None:
-                    logits_out = torch.zeros(batch, length, logits.shape[-1], device=device)
-                logits_out[r, c] = to_compact(logits.float(), slots, len(index), w)[ok]
-        return logprobs, logits_out, values, masks
+
+        def passes():
+            outs = [torch.zeros(batch, length, device=device) for _ in range(3)]  # log-probs, values, masks
+            logits_out = []  # filled at the first pass: (B, T, V)
+            for index, idx in self.minibatches(rows):
+                self.memory.begin_pass(sum(rows.tokens(i) for i in index), len(index))
+                with self.memory.attempt(what="a batched_forward_pass pass"):
+                    self.classic_pass(model, rows, index, idx, valid, cols, outs, logits_out, return_logits)
+                if self.memory.stop_early:
+                    break
+            return outs[0], (logits_out[0] if logits_out else None), outs[1], outs[2]
+
+        # A pass that runs out of memory: every pass again with half the budget (see oom_backoff) - on one
+        # process only: a user may call this on some processes, and the agreement would wait for the others.
+        return self.memory.until_done(passes, every_process=False)
+
+    def classic_pass(self, model, rows: Rows, index: list[int], idx: torch.Tensor, valid: torch.Tensor,
+                     cols: torch.Tensor, outs: list, logits_out: list, return_logits: bool) -> None:  # fmt: skip
+        """One pass of :meth:`batched_forward_pass` over rows ``index``: writes their log-probs, values and
+        mask into ``outs`` (three ``(B, T)``) and, with ``return_logits``, their logits into ``logits_out[0]``."""
+        with self.per_row_attention():
+            lp, val, logits, slots, w = self.logprobs(model, rows, index, idx, return_logits=return_logits)
+        ok = valid[idx, :w] & rows.action_mask[idx, :w].bool()
+        # Only the action entries are written: the clamped compact padding repeats column T - 1,
+        # and a scatter with repeated indices may keep the padding's zero over a real action.
+        r, c = idx.unsqueeze(1).expand(-1, w)[ok], cols[idx, :w][ok]
+        outs[0][r, c], outs[1][r, c], outs[2][r, c] = lp[ok], val[ok], 1.0
+        if return_logits:
+            if not logits_out:
+                logits_out.append(torch.zeros(*outs[0].shape, logits.shape[-1], device=self.device))
+            logits_out[0][r, c] = to_compact(logits.float(), slots, len(index), w)[ok]
 
 
 @contextmanager

@@ -5,7 +5,8 @@ each a forward pass with grad, the policy's loss (the :class:`~.objective.Policy
 6, 12, 13 and 15), the value loss, the PTX loss (section 10), a guarded backward (policy before critic)
 and, at each accumulation boundary, clipped optimizer steps and the EMA update (section 11), with
 early stopping on the policy's KL. Under ``max_tokens_per_minibatch`` each backward batch is trained in
-passes by token budget, every loss taken over the whole backward batch (section 18, :mod:`.pass_plan`).
+passes by token budget, every loss taken over the whole backward batch (section 18, :mod:`.pass_plan`);
+a backward batch whose pass runs out of memory is trained again in smaller passes (:mod:`.oom_backoff`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..core import (
 )
 from .experience import Experience, Minibatch
 from .forward import ForwardPass
+from .oom_backoff import PassOutOfMemory, drop_gradients
 from .pass_plan import PassPlan, combine_pass_stats, plan_epoch
 from .rows import to_compact, to_device
 from .transfer import Selected
@@ -91,38 +93,35 @@ class Learner:
         were ``lp_old`` (else None)."""
         config = self.config
         minibatch_stats, ratios, masks, pass_tokens = [], [], [], []
-        width = experience.action_mask.shape[1]
         forward_logprobs = torch.zeros_like(experience.action_mask) if experience.logprobs is None else None
         skipped_before = self.skipped_minibatches
         self.model.train()
         if self.critic is not None:
             self.critic.train()
-        with self.forward.per_row_attention():  # over the backward passes too: gradient checkpointing recomputes
+        # Per-row attention over the backward passes too (gradient checkpointing recomputes); a pass out of memory
+        # is redone with half the budget (docs/out_of_memory.md).
+        with self.forward.per_row_attention(), self.forward.memory.catching():
             for _ in range(config.ppo_epochs):
-                # Drawn on the host from torch's global generator: the same permutation on every run and process.
+                # Drawn on the host from torch's global generator: the same permutation on every run and process,
+                # once per epoch (a backward batch redone after an out-of-memory error draws nothing).
                 order = torch.randperm(len(experience)).tolist()
                 epoch_policykl = []
-                for plan in plan_epoch(config, self.accelerator, self.forward, self.objective, experience, order):
-                    parts = []  # under a budget: (statistics, action tokens) of each trained pass
-                    for j, index in enumerate(plan.passes):
-                        minibatch = experience.minibatch(index)
-                        stats, ratio, old_logprobs = self.train_rows(experience, minibatch, plan, j)
-                        pass_tokens.append(plan.tokens[j])
-                        if forward_logprobs is not None:
-                            forward_logprobs[minibatch.idx, : old_logprobs.shape[1]] = old_logprobs
-                        if stats is None:
-                            continue
-                        ratios.append(torch.nn.functional.pad(ratio, (0, width - ratio.shape[1])))
-                        masks.append(torch.nn.functional.pad(minibatch.mask, (0, width - ratio.shape[1])))
-                        if plan.by_tokens:
-                            parts.append((stats, plan.actions[j]))
-                        else:
-                            minibatch_stats.append(stats)
-                            epoch_policykl.append(stats["policy/policykl"])
-                    combined = combine_pass_stats(parts) if plan.by_tokens else None
-                    if combined is not None:
-                        minibatch_stats.append(combined)
-                        epoch_policykl.append(combined["policy/policykl"])
+                plans = plan_epoch(config, self.accelerator, self.forward, self.objective, experience, order)
+                b, skipped = 0, self.skipped_minibatches
+                while b < len(plans):
+                    try:
+                        units, trained = self.train_backward_batch(experience, plans[b], forward_logprobs)
+                    except PassOutOfMemory:  # every process backed off: nothing of this backward batch is kept
+                        drop_gradients(self.trained_models())
+                        self.skipped_minibatches = skipped
+                        plans = plans[:b] + plan_epoch(config, self.accelerator, self.forward, self.objective,
+                                                       experience, order)[b:]  # fmt: skip
+                        continue
+                    skipped = self.skipped_minibatches
+                    minibatch_stats += units
+                    epoch_policykl += [unit["policy/policykl"] for unit in units]
+                    ratios, masks, pass_tokens = (mine + new for mine, new in zip((ratios, masks, pass_tokens), trained))
+                    b += 1
                 if config.early_stopping and self.should_stop(epoch_policykl):
                     break
         if minibatch_stats:
@@ -140,7 +139,32 @@ class Learner:
         stats["ppo/minibatches"] = torch.tensor(float(len(pass_tokens)))
         stats["ppo/tokens_per_minibatch/mean"] = torch.tensor(sum(pass_tokens) / max(len(pass_tokens), 1))
         stats["ppo/tokens_per_minibatch/max"] = torch.tensor(float(max(pass_tokens, default=0)))
+        stats.update(self.forward.memory.step_stats())
         return stats, forward_logprobs
+
+    def train_backward_batch(self, experience: Experience, plan: PassPlan, forward_logprobs) -> tuple[list, list]:
+        """One backward batch: its statistics (per mini-batch, or per backward batch under a budget) and per
+        trained pass its ratios and masks ``(b, L)`` and tokens; fills ``forward_logprobs`` (when not None).
+        Raises :class:`~.oom_backoff.PassOutOfMemory` when a pass ran out of memory on some process."""
+        width = experience.action_mask.shape[1]
+        units, ratios, masks, tokens, parts = [], [], [], [], {}
+        self.forward.memory.discardable = True
+        for j, index in enumerate(plan.passes):
+            minibatch = experience.minibatch(index)
+            stats, ratio, old_logprobs = self.train_rows(experience, minibatch, plan, j)
+            tokens.append(plan.tokens[j])
+            if forward_logprobs is not None:
+                forward_logprobs[minibatch.idx, : old_logprobs.shape[1]] = old_logprobs
+            if stats is None:
+                continue
+            ratios.append(torch.nn.functional.pad(ratio, (0, width - ratio.shape[1])))
+            masks.append(torch.nn.functional.pad(minibatch.mask, (0, width - ratio.shape[1])))
+            if plan.by_tokens:
+                parts.setdefault(plan.unit(j), []).append((stats, plan.actions[j]))
+            else:
+                units.append(stats)
+        combined = [combine_pass_stats(unit_parts) for unit_parts in parts.values()]
+        return units + [unit for unit in combined if unit is not None], [ratios, masks, tokens]
 
     def should_stop(self, epoch_policykl: list) -> bool:
         """Early stopping: the epoch's mean policykl over all processes above 1.5 * target_kl."""
@@ -163,52 +187,64 @@ class Learner:
         """Pass ``j`` of ``plan`` (rows ``mb``): forward with grad, losses, guarded backward and optimizer step(s).
 
         Returns its statistics (None when skipped), the per-token ratios ``(b, L_mb)`` the loss used (None
-        when skipped) and ``lp_old`` ``(b, L_mb)``.
+        when skipped) and ``lp_old`` ``(b, L_mb)``; raises :class:`~.oom_backoff.PassOutOfMemory` (see there).
         """
-        rows, forward, shares = experience.rows, self.forward, plan.denominators
+        memory, result = self.forward.memory, None
+        memory.begin_pass(plan.tokens[j], len(plan.passes[j]))
         with self.pass_context(plan, j):
-            head = forward.linear_head(self.model)
-            outputs, targets, vpreds, slots, width = forward.head_inputs(
-                self.model, rows, mb.index, mb.idx, head is not None, return_values=self.policy_values, critic=self.critic
-            )
-            if head is None:
-                logprobs, entropy = logprobs_and_entropy_from_logits(outputs, targets)
-            else:
-                with forward.head_autocast():
-                    logprobs, entropy = logprobs_and_entropy_from_hidden(
-                        outputs, head.weight, head.bias, targets, rows.buffer_rows, forward.logits_out(rows, head)
-                    )
-            del outputs  # the logits, when the head ran in the model: the saved softmax replaces them
-            logprobs, entropy = forward.gather_slots(logprobs, entropy)
-            logprobs = to_compact(logprobs, slots, len(mb.index), width)
-            entropy = to_compact(entropy, slots, len(mb.index), width)
-            old_logprobs, token_weights = mb.old_logprobs, mb.token_weights
-            if old_logprobs is None:
-                # The step's one optimizer step comes after this forward: the policy is still the one the
-                # rollout pass would have run, so lp_old is this log-prob, detached (docs/algorithm.md section 3).
-                old_logprobs = logprobs.detach()
-                if mb.generation is not None and self.config.importance_sampling_correction == "tis":
-                    token_weights = truncated_importance_weights(
-                        old_logprobs, mb.generation, mb.mask, self.config.importance_sampling_cap
-                    )
-            pg_loss, vf_loss, stats = self.loss(
-                old_logprobs, mb.old_values, None, vpreds, logprobs, mb.mask, mb.advantages, mb.returns,
-                entropy=entropy, ref_logprobs=mb.ref_logprobs, kl_coef=experience.kl_coef,
-                token_weights=token_weights, tokens_per_minibatch=plan.tokens_per_minibatch, denominators=shares,
-            )  # fmt: skip
-            ptx_loss = self.ptx_loss(mb.ptx, None if shares is None else shares.ptx) if mb.ptx is not None else None
-            policy_loss, critic_loss = self.split_losses(pg_loss, vf_loss, stats, ptx_loss)
-            if shares is not None:
-                # accelerate (DeepSpeed) divides each backward's loss by the accumulation steps; the passes'
-                # shares already add up to the backward batch's loss (docs/algorithm.md section 18).
-                scale = self.config.gradient_accumulation_steps
-                policy_loss = policy_loss * scale
-                critic_loss = None if critic_loss is None else critic_loss * scale
-            if not self.guarded_update(policy_loss, critic_loss, stats, mb.mask, shares):
+            with memory.attempt(what="a training forward"):
+                result = self.pass_losses(experience, mb, plan, j)
+            memory.raise_if_alone()
+            if result is None:  # out of memory here: the peers learn it from the skip check's flags, and all back off
+                self.skip_reason(None, None, None)
+            policy_loss, critic_loss, stats, logprobs, old_logprobs = result
+            if not self.guarded_update(policy_loss, critic_loss, stats, mb.mask, plan.shares(j)):
                 return None, None, old_logprobs
         with torch.no_grad():
             ratio = importance_ratio(logprobs, old_logprobs, mb.mask, self.config.importance_sampling_level)
         return stats, ratio, old_logprobs
+
+    def pass_losses(self, experience: Experience, mb: Minibatch, plan: PassPlan, j: int):
+        """Pass ``j``'s forward with grad: the policy's and critic's losses, statistics, log-probs, ``lp_old``."""
+        rows, forward, shares = experience.rows, self.forward, plan.shares(j)
+        head = forward.linear_head(self.model)
+        outputs, targets, vpreds, slots, width = forward.head_inputs(
+            self.model, rows, mb.index, mb.idx, head is not None, return_values=self.policy_values, critic=self.critic
+        )
+        if head is None:
+            logprobs, entropy = logprobs_and_entropy_from_logits(outputs, targets)
+        else:
+            with forward.head_autocast():
+                logprobs, entropy = logprobs_and_entropy_from_hidden(
+                    outputs, head.weight, head.bias, targets, forward.buffer_rows(rows), forward.logits_out(rows, head)
+                )
+        del outputs  # the logits, when the head ran in the model: the saved softmax replaces them
+        logprobs, entropy = forward.gather_slots(logprobs, entropy)
+        logprobs = to_compact(logprobs, slots, len(mb.index), width)
+        entropy = to_compact(entropy, slots, len(mb.index), width)
+        old_logprobs, token_weights = mb.old_logprobs, mb.token_weights
+        if old_logprobs is None:
+            # The step's one optimizer step comes after this forward: the policy is still the one the
+            # rollout pass would have run, so lp_old is this log-prob, detached (docs/algorithm.md section 3).
+            old_logprobs = logprobs.detach()
+            if mb.generation is not None and self.config.importance_sampling_correction == "tis":
+                token_weights = truncated_importance_weights(
+                    old_logprobs, mb.generation, mb.mask, self.config.importance_sampling_cap
+                )
+        pg_loss, vf_loss, stats = self.loss(
+            old_logprobs, mb.old_values, None, vpreds, logprobs, mb.mask, mb.advantages, mb.returns,
+            entropy=entropy, ref_logprobs=mb.ref_logprobs, kl_coef=experience.kl_coef,
+            token_weights=token_weights, tokens_per_minibatch=plan.tokens_per_minibatch, denominators=shares,
+        )  # fmt: skip
+        ptx_loss = self.ptx_loss(mb.ptx, None if shares is None else shares.ptx) if mb.ptx is not None else None
+        policy_loss, critic_loss = self.split_losses(pg_loss, vf_loss, stats, ptx_loss)
+        if shares is not None and plan.pieces is None:
+            # accelerate (DeepSpeed) divides each backward's loss by the accumulation steps; the passes' shares
+            # already add up to the backward batch's loss (docs/algorithm.md section 18); pieces' do not.
+            scale = self.config.gradient_accumulation_steps
+            policy_loss = policy_loss * scale
+            critic_loss = None if critic_loss is None else critic_loss * scale
+        return policy_loss, critic_loss, stats, logprobs, old_logprobs
 
     @contextmanager
     def pass_context(self, plan: PassPlan, j: int):
@@ -311,19 +347,28 @@ class Learner:
 
         ``backward_batch_actions``: under a token budget, the action tokens of the pass's backward batch on
         this process; the pass is then skipped for lack of actions only when every process has none.
+        A pass out of memory on any process (here: ``loss`` None) makes all back off (:mod:`.oom_backoff`).
         """
+        memory = self.forward.memory
+        if loss is None:  # this pass's forward ran out of memory here: neutral stand-ins, only that flag is up
+            loss = mean_ratio = torch.zeros((), device=self.forward.device)
+            mask, backward_batch_actions = torch.ones(1, device=self.forward.device), None
         if backward_batch_actions is None:
             empty, needed = mask.sum() == 0, 1
         else:
-            empty, needed = torch.tensor(backward_batch_actions == 0, device=loss.device), self.accelerator.num_processes
+            # A fill on the device from a host number: no blocking copy (the flags are read once, below).
+            empty, needed = loss.new_full((), float(backward_batch_actions == 0)), self.accelerator.num_processes
         flags = torch.stack([
             empty.float(),
             (~torch.isfinite(loss)).float(),
             (mean_ratio > self.config.ratio_threshold).float(),
+            torch.full((), float(memory.failed), device=loss.device),  # a fill, no host-to-device copy
         ])  # fmt: skip
         if self.accelerator.num_processes > 1:
             flags = self.accelerator.reduce(flags, reduction="sum")
-        no_actions, not_finite, ratio_high = flags.tolist()
+        no_actions, not_finite, ratio_high, out_of_memory = flags.tolist()
+        if out_of_memory:
+            memory.agree()
         if no_actions >= needed:
             # Its masked means are 0 / 0: there is nothing to learn from, and no finite loss.
             return "it has no action tokens (every response in it is masked out or too short)"
@@ -340,15 +385,23 @@ class Learner:
     def backward_and_step(self, policy_loss, critic_loss) -> bool:
         """Backward of each model's own loss; at an accumulation boundary, clip, check and step both
         optimizers and update the EMA. False when the update was skipped for non-finite gradients."""
-        accelerator = self.accelerator
-        # The policy's backward first: it holds the vocabulary-sized gradient of the LM head, and
-        # the critic's gradients would otherwise be alive under it (a higher peak).
-        accelerator.backward(policy_loss)
-        if critic_loss is not None:
-            if self._critic_engine is not None:
-                self._critic_engine.backward(critic_loss, sync_gradients=accelerator.sync_gradients)
-            else:
-                accelerator.backward(critic_loss)
+        accelerator, memory = self.accelerator, self.forward.memory
+        # A DeepSpeed engine keeps what a backward accumulated, and on several processes the boundary's backward
+        # reduces the gradients: an out-of-memory error there cannot be redone (docs/out_of_memory.md).
+        recoverable = not self.is_deepspeed and (accelerator.num_processes == 1 or not accelerator.sync_gradients)
+        with memory.attempt(recoverable, what="a training backward"):
+            memory.discardable = not self.is_deepspeed
+            # The policy's backward first: it holds the vocabulary-sized gradient of the LM head, and
+            # the critic's gradients would otherwise be alive under it (a higher peak).
+            accelerator.backward(policy_loss)
+            if critic_loss is not None:
+                if self._critic_engine is not None:
+                    self._critic_engine.backward(critic_loss, sync_gradients=accelerator.sync_gradients)
+                else:
+                    accelerator.backward(critic_loss)
+        memory.raise_if_alone()
+        if memory.failed:  # several processes: the next pass's skip check tells them, before its backward
+            return True
         if not accelerator.sync_gradients:
             return True
         optimizers = [self.optimizer] + ([self.critic_optimizer] if self.critic is not None else [])
@@ -443,19 +496,3 @@ class Learner:
             with self.forward.head_autocast():
                 logprobs, _ = logprobs_and_entropy_from_hidden(outputs, head.weight, head.bias, targets, total)
         return -logprobs.mean() if denominator is None else -logprobs.sum() / denominator
-
-    # ------------------------------------------------------------------------------------------
-    # The classic train_minibatch
-    # ------------------------------------------------------------------------------------------
-    def train_minibatch(self, old_logprobs, values, logprobs, logits, vpreds, mask, advantages, returns) -> dict:
-        """One guarded optimisation step on precomputed new log-probs/values (classic ``train_minibatch``).
-
-        Called like classic's, inside the caller's ``accelerator.accumulate`` if any; the lone mini-batch is
-        its own backward batch (``global_token_mean``). Returns the mini-batch statistics; when the update
-        was skipped (see :meth:`guarded_update`) the weights are unchanged and ``skipped_minibatches`` counts it.
-        """
-        self.model.train()
-        pg_loss, vf_loss, stats = self.loss(old_logprobs, values, logits, vpreds, logprobs, mask, advantages, returns)
-        policy_loss, critic_loss = self.split_losses(pg_loss, vf_loss, stats)
-        self.guarded_update(policy_loss, critic_loss, stats, mask)
-        return stats

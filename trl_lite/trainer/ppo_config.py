@@ -168,6 +168,14 @@ class PPOConfig:
                   "importance_sampling_cap) when step() gets generation_logprobs. None: off."},
     )
     importance_sampling_cap: float = field(default=2.0, metadata={"help": "Cap of the TIS weight."})
+    # Sampling temperature (docs/temperature.md)
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "The sampling temperature: generate() samples at it unless its kwargs give one (a different "
+                  "one is refused when this is not 1.0); the policy's log-probs, entropy and KL terms in every pass, "
+                  "and the engines' generation_logprobs, are taken under logits / temperature, the reference's at "
+                  "the same temperature. 1.0: the classic behaviour (scores under the raw logits)."},
+    )
     # Generation engine
     use_vllm: bool = field(
         default=False,
@@ -251,6 +259,17 @@ class PPOConfig:
             "a row longer than the budget gets a pass of its own. Also bounds the rollout's passes."
         },
     )
+    oom_backoff: bool = field(
+        default=True,
+        metadata={
+            "help": "When a rollout or training pass raises torch.OutOfMemoryError, free what it held, halve the "
+            "token budget (the failed pass's tokens when none was set) and redo that backward batch (or rollout) "
+            "in smaller passes: the update is the one the whole pass would have given (docs/out_of_memory.md). "
+            "On by default: it costs nothing until a pass fails, and a failure otherwise ends the run and loses "
+            "its rollouts. The smaller budget stays for the run, is saved in checkpoints and reported as "
+            "memory/max_tokens_per_minibatch (memory/oom_retries counts the failures). False: the error ends the step."
+        },
+    )
     world_size: int | None = field(default=None, metadata={"help": "Set by the trainer: number of processes."})
     ppo_epochs: int = field(default=4, metadata={"help": "Optimisation epochs over each batch."})
     max_grad_norm: float | None = field(default=None, metadata={"help": "Clip the global gradient norm to this."})
@@ -267,6 +286,15 @@ class PPOConfig:
     whiten_rewards: bool = field(default=False, metadata={"help": "Whiten rewards (without shifting) before GAE."})
     # Memory
     gradient_checkpointing: bool = field(default=False, metadata={"help": "Enable gradient checkpointing."})
+    disable_dropout: bool = field(
+        default=False,
+        metadata={
+            "help": "Set every dropout of the policy, reference, critic and value head to 0 when the trainer is built "
+            "(TRL 1.x's name). Off by default: classic TRL never changed the model's dropout, and a step of a model "
+            "with dropout then gives classic TRL's numbers; on CUDA attention dropout keeps the training passes off "
+            "the varlen kernel (docs/gpu_path.md)."
+        },
+    )
     keep_freed_cpu_memory: bool = field(
         default=True,
         metadata={

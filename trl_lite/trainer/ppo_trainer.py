@@ -20,9 +20,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import logging
 import os
-import time
 from dataclasses import asdict
 
 import torch
@@ -32,6 +30,7 @@ from transformers import PreTrainedTokenizerBase
 from .. import core
 from ..core import flatten_dict
 from ..models import PreTrainedModelWrapper, as_value_model, create_reference_model
+from ..models.dropout import disable_dropout_in_model
 from .accelerate_setup import (
     build_accelerator,
     default_optimizer,
@@ -65,14 +64,13 @@ from .step_inputs import (
     validate_generation_logprobs,
     validate_ptx_inputs,
     validate_step_inputs,
+    warn_without_dataset,
     wrap_plain_model,
 )
 from .timing import PhaseTimer
 
 # Where save_pretrained(save_value_model=True) writes the critic, inside the policy's directory.
 VALUE_MODEL_SUBFOLDER = "value_model"
-
-logger = logging.getLogger(__name__)
 
 
 class PPOTrainer(ClassicHelpersMixin):
@@ -151,6 +149,8 @@ class PPOTrainer(ClassicHelpersMixin):
         if ref_model is None and not self.is_peft_model and self.rollout_plan.reference:
             ref_model = create_reference_model(model, num_shared_layers=num_shared_layers)
         self.ref_model = ref_model  # None: a PEFT policy's reference is itself without its adapter, or none runs
+        if config.disable_dropout:
+            disable_dropout_in_model(model, ref_model, self.critic)
         if config.keep_freed_cpu_memory and self.accelerator.device.type == "cpu":
             keep_freed_cpu_memory()
         self.optimizer = optimizer or default_optimizer(model, config.learning_rate)
@@ -161,13 +161,7 @@ class PPOTrainer(ClassicHelpersMixin):
         self._data_generator = torch.Generator().manual_seed(config.seed)
         dataloader = self._build_dataloader(dataset, data_collator) if dataset is not None else None
         if dataset is None:
-            # A note, not a warning: training without a dataset (agents, custom loops) is an ordinary use,
-            # and step() refuses a batch of another size with an error naming config.batch_size.
-            logger.info(
-                "PPOTrainer got no dataset: step() expects batches of config.batch_size=%d rows per process; make "
-                "sure that is the number of queries you pass to each step().",
-                config.batch_size,
-            )
+            warn_without_dataset(config.batch_size)
         self._prepare(model, dataloader, lr_scheduler, critic_optimizer)
         self.current_device = self.accelerator.device
         self._phase_timer = PhaseTimer(self.current_device)
@@ -229,7 +223,7 @@ class PPOTrainer(ClassicHelpersMixin):
             self.critic, self.critic_optimizer, self._ema, self._uses_value_head,
         )  # fmt: skip
         self.statistics = StepStatistics(config, accelerator)
-        self.checkpointer = Checkpointer(accelerator)
+        self.checkpointer = Checkpointer(accelerator, self.forward.memory)
         self.generation = build_generation(
             config, model=self.model, unwrapped=unwrapped, accelerator=accelerator, tokenizer=self.tokenizer,
             pad_token_id=self.forward.layout.pad_id, is_encoder_decoder=self.is_encoder_decoder,
@@ -290,16 +284,17 @@ class PPOTrainer(ClassicHelpersMixin):
             queries, responses, scores, response_masks, group_ids, ptx_inputs, generation_logprobs, policy_version
         )
         config = self.config
-        t0 = time.time()
+        clock = self.experience_maker.clock
+        t0 = clock.mark()
         experience = self.experience_maker.make(batch)
-        t = time.time()
+        t = clock.mark()
         train_stats, forward_logprobs = self.learner.train(experience)
         if forward_logprobs is not None:  # lp_old came from the training forwards (no policy pass)
             experience = self.experience_maker.complete(experience, forward_logprobs)
-        timing = {**experience.timings, "time/ppo/optimize_step": time.time() - t}
-        t = time.time()
+        spans = {**experience.timings, "time/ppo/optimize_step": (t, clock.mark())}
+        t = clock.mark()
         stats = self.statistics.step_stats(experience, train_stats)
-        timing["time/ppo/calc_stats"] = time.time() - t
+        spans["time/ppo/calc_stats"] = (t, clock.mark())
         stats["ppo/learning_rate"] = self.optimizer.param_groups[0]["lr"]
 
         # Section 7: the KL controller and the scheduler
@@ -310,8 +305,8 @@ class PPOTrainer(ClassicHelpersMixin):
         self.current_step += 1
         if config.optimize_device_cache:
             empty_device_cache()
-        timing["time/ppo/total"] = time.time() - t0
-        stats.update(timing)
+        spans["time/ppo/total"] = (t0, clock.mark())
+        stats.update(clock.seconds(spans))
         stats.update(self._phase_timer.pop())
         return stats
 
@@ -319,17 +314,18 @@ class PPOTrainer(ClassicHelpersMixin):
                            generation_logprobs, policy_version) -> StepBatch:  # fmt: skip
         """Every check of ``step()``'s arguments, before any state changes; the batch they make."""
         config = self.config
-        validate_step_inputs(
+        actions = validate_step_inputs(
             queries, responses, scores, response_masks,
             batch_size=config.batch_size, vocab_size=self._vocab_size, is_encoder_decoder=self.is_encoder_decoder,
         )  # fmt: skip
-        groups = resolve_group_ids(group_ids, queries, config)
+        groups = resolve_group_ids(group_ids, queries, config)  # dense ids on the host
         validate_ptx_inputs(ptx_inputs, config, self.is_encoder_decoder, self._vocab_size)
         validate_generation_logprobs(generation_logprobs, responses)
         self._check_eos_penalty(config)  # the field may have been set on trainer.config since
         return StepBatch(
             queries, responses, scores, response_masks, groups, generation_logprobs, ptx_inputs,
             staleness(policy_version, self.current_step, config.batch_size),
+            num_groups=int(groups.max()) + 1 if groups is not None else None, actions=actions,
         )  # fmt: skip
 
     def generate(
@@ -352,7 +348,10 @@ class PPOTrainer(ClassicHelpersMixin):
         With ``generate_ref_response`` the reference model's responses are returned too (always by
         transformers). With ``return_logprobs=True`` (a list only) the last returned element is one
         1-D float tensor per row: the log-probability of each generated token (prompt excluded) under
-        the generating model's raw logits (temperature 1), ready for ``step(..., generation_logprobs=...)``.
+        ``softmax(logits / PPOConfig.temperature)`` of the generating model, untruncated by top-k/top-p,
+        ready for ``step(..., generation_logprobs=...)``. Sampling is at ``PPOConfig.temperature`` unless
+        the kwargs give a temperature; one that differs from a config temperature other than 1.0 is
+        refused (:func:`~trl_lite.engines.resolve_sampling_kwargs`, docs/temperature.md).
 
         The transformers engine (default) generates in chunks of ``batch_size`` queries and draws
         ``length_sampler`` once per chunk; under ZeRO-3 generation is collective (every process calls

@@ -52,14 +52,22 @@ def padded_masks(response_masks: list[torch.Tensor] | None, device) -> torch.Ten
     return pad_sequence([m.to(device=device, dtype=torch.float32) for m in response_masks], batch_first=True)
 
 
-def count_actions(responses: list[torch.Tensor], response_masks: list[torch.Tensor] | None, shift: int) -> int:
-    """Action tokens of a batch (see :func:`action_mask`): response tokens ``2 * shift ..`` with mask 1.
+def actions_per_row(responses: list[torch.Tensor], response_masks: list[torch.Tensor] | None, shift: int) -> tuple:
+    """Per row its action tokens (see :func:`action_mask`: response tokens ``2 * shift ..`` with mask 1), host ints.
 
-    Without masks from the host lengths alone; with masks one read per device they are on.
+    Without masks from the host lengths alone; with masks one read per device they are on (none for host masks).
     """
     if response_masks is None:
-        return sum(max(len(r) - 2 * shift, 0) for r in responses)
-    return sum(int(flat.sum()) for flat in concat_by_device([m[2 * shift :] for m in response_masks]))
+        return tuple(max(len(r) - 2 * shift, 0) for r in responses)
+    by_device = {}
+    for i, mask in enumerate(response_masks):
+        by_device.setdefault(mask.device, []).append(i)
+    counts = [0] * len(response_masks)
+    for rows in by_device.values():
+        sums = torch.stack([response_masks[i][2 * shift :].sum() for i in rows]).tolist()
+        for i, n in zip(rows, sums):
+            counts[i] = int(n)
+    return tuple(counts)
 
 
 def concat_by_device(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -134,8 +134,9 @@ class StepStatistics:
             stats["rollout/staleness/max"] = experience.staleness.max()
         if experience.groups is not None:
             scores = experience.scores
-            equal = groups_with_equal_scores(scores, experience.groups.to(scores.device)).float()
-            stats["env/frac_groups_zero_std"] = torch.stack([equal.sum(), equal.new_tensor(float(equal.numel()))])
+            # The ids came dense with the batch's one copy and the count as a host int: nothing read back here.
+            equal = groups_with_equal_scores(scores, experience.groups, experience.num_groups).float()
+            stats["env/frac_groups_zero_std"] = torch.stack([equal.sum(), equal.new_full((), float(equal.numel()))])
         return stats
 
     def reduce(self, stats: dict) -> dict:

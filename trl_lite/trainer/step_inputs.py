@@ -16,12 +16,30 @@ from ..models import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWit
 from ..models.modeling_base import is_peft_model
 from .forward import packing_unsupported
 from .ppo_config import PPOConfig
-from .rows import concat_by_device, count_actions
+from .rows import actions_per_row, concat_by_device
 
 SUPPORTED_MODELS = (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead)
 # Estimators whose baseline comes from the other responses to the same query.
 GROUP_ESTIMATORS = ("rloo", "grpo")
 
+
+
+class NoDatasetWarning(UserWarning):
+    """A ``PPOTrainer`` was built without a dataset: the caller batches the queries for ``step()``."""
+
+
+def warn_without_dataset(batch_size: int) -> None:
+    """Classic TRL's warning for a trainer without a dataset, as a ``UserWarning`` (``NoDatasetWarning``).
+
+    A loop that feeds ``step()`` its own batches on purpose silences it around the constructor with
+    ``warnings.simplefilter("ignore", NoDatasetWarning)`` inside ``warnings.catch_warnings()``.
+    """
+    warnings.warn(
+        f"No dataset is provided. Make sure to set config.batch_size (now {batch_size}) to the number of queries "
+        "each process passes to step() before training: step() refuses batches of any other size.",
+        NoDatasetWarning,
+        stacklevel=3,  # the caller of PPOTrainer(...)
+    )
 
 def _is_plain_model(model) -> bool:
     """A transformers model or a PEFT model of one, without a value head."""
@@ -203,7 +221,9 @@ def resolve_group_ids(group_ids, queries, config) -> torch.Tensor | None:
 def validate_step_inputs(
     queries, responses, scores, response_masks, *, batch_size: int, vocab_size: int | None, is_encoder_decoder: bool
 ) -> None:
-    """Reject a malformed batch with a message naming the argument and row, before any state changes."""
+    """Reject a malformed batch with a message naming the argument and row, before any state changes.
+
+    Returns per row its action tokens (host ints; the token budget's passes are planned from them)."""
     n = batch_size
     for name, value in (("queries", queries), ("responses", responses), ("scores", scores)):
         if not isinstance(value, (list, tuple)):
@@ -258,13 +278,15 @@ def validate_step_inputs(
         if not _all_hold(response_masks, lambda flat: (flat == 0) | (flat == 1)):
             i = next(i for i, m in enumerate(response_masks) if not ((m == 0) | (m == 1)).all())
             raise ValueError(f"response_masks[{i}] must hold only 0 and 1, got values {response_masks[i].unique().tolist()}.")
-    n_actions = count_actions(responses, response_masks, shift=1 if is_encoder_decoder else 0)
+    actions = actions_per_row(responses, response_masks, shift=1 if is_encoder_decoder else 0)
+    n_actions = sum(actions)
     if n_actions < 2:
         raise ValueError(
             f"responses/response_masks: the batch has {n_actions} action token(s) (response tokens with mask 1"
             f"{', excluding the first and last decoder token' if is_encoder_decoder else ''}); "
             "advantage whitening needs at least 2."
         )
+    return actions
 
 
 def _all_hold(tensors: list, check) -> bool:

@@ -1,4 +1,5 @@
-"""Wall-clock time of the phases of a user's PPO loop, reported in the statistics of the next ``step()``."""
+"""Time of the phases of a user's PPO loop (reported in the statistics of the next ``step()``) and of the
+phases of ``step()`` itself (``time/ppo/*``), counted where the work runs: on CUDA the GPU's own time."""
 
 from __future__ import annotations
 
@@ -45,3 +46,31 @@ class PhaseTimer:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+class StepClock:
+    """Marks of the phases of one ``step()``: a phase is ``(start, end)`` marks, its seconds :meth:`seconds`.
+
+    On CUDA a mark is a CUDA event recorded in stream order (no host sync): a phase counts the GPU work it
+    queued, not the host's launching, which runs ahead. The seconds are read once, at the end of the step
+    (:meth:`seconds` waits on the last mark: by then the statistics' copy back has waited for the queued
+    kernels, so that wait finds the device idle). Elsewhere a mark is the host clock.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, spans: dict) -> dict[str, float]:
+        """``{name: seconds}`` of ``spans`` (``{name: (start, end)}`` marks of this clock)."""
+        if not self.cuda:
+            return {name: end - start for name, (start, end) in spans.items()}
+        for _, end in spans.values():
+            end.synchronize()  # complete already but for the step's last marks, recorded on an idle device
+        return {name: start.elapsed_time(end) / 1000.0 for name, (start, end) in spans.items()}

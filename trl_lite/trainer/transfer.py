@@ -15,14 +15,20 @@ The host syncs of one ``step()`` on a GPU, all of them (:func:`sync_budget` coun
   takes alike);
 - per optimizer update (each mini-batch without gradient accumulation): whether the clipped gradients
   are finite (``Learner.backward_and_step``);
-- only where configured: one per epoch with ``early_stopping`` (the epoch's policy KL), two per step
-  with ``use_score_scaling`` (the running moments);
+- only where configured: one per epoch with ``early_stopping`` (the epoch's policy KL);
 - only for inputs given on the device: one per kind of input (queries, responses, masks and the
   count of their actions, scores, generation log-probs) for ``step()``'s checks of their values;
 - only when it happens: a mini-batch skipped for its ratio reads the mean ratio for its warning.
 
 That is one process; with several, the collectives (whitening, the statistics' reductions, the skip
-guard's) wait as well.
+guard's) wait as well. Nothing else: the group ids of 'rloo'/'grpo' travel in the batch's copy, dense, with
+their count as a host int (no ``torch.unique``, no ``int(tensor)``); a token budget plans its passes from the
+action counts of ``step()``'s input checks (host numbers), and its skip guard runs per pass with its flags
+filled on the device from host numbers (no blocking ``torch.tensor(..., device=...)``); ``use_score_scaling``
+merges the running moments on the device (:meth:`~.running_moments.RunningMoments.update_on_device`), read
+back only for a checkpoint or a user. The phase timings' CUDA events are read after the copy back, when the
+device is idle (:class:`~.timing.StepClock`). ``tests/test_host_syncs.py`` counts every synchronising
+operation of a step at torch's dispatcher, per estimator and option, against :func:`sync_budget`.
 
 The batch's copy and the packed passes' offsets (:func:`~trl_lite.models.varlen_attention.packed_rows`)
 are non-blocking from pinned memory: no sync. Neither are the packed passes' masks (see
@@ -122,9 +128,9 @@ def batch_to_device(batch, device, ends_with_eos: torch.Tensor | None = None):
     ``ends_with_eos`` (bool ``(B,)`` or None, computed on the host) moved with it.
 
     Queries, responses, response masks, generation log-probs, the scores (as one float32 ``(B,)``
-    tensor) and the staleness go into one buffer (:func:`to_device_together`). Scores that are
-    tensors on ``device`` already are stacked there instead (no round trip through the host). The
-    group ids and PTX inputs stay as they are (their own code moves them, once per step).
+    tensor), the group ids and the staleness go into one buffer (:func:`to_device_together`). Scores that
+    are tensors on ``device`` already are stacked there instead (no round trip through the host). The
+    PTX inputs stay as they are (their own code moves them, once per step).
     """
     device = torch.device(device)
     n = len(batch.queries)
@@ -137,14 +143,14 @@ def batch_to_device(batch, device, ends_with_eos: torch.Tensor | None = None):
         else:
             scores = torch.stack([torch.as_tensor(s, dtype=torch.float32, device="cpu").reshape(()) for s in scores])
     moved = to_device_together(
-        [*batch.queries, *batch.responses, *masks, *gen, scores, batch.staleness, ends_with_eos], device
+        [*batch.queries, *batch.responses, *masks, *gen, scores, batch.groups, batch.staleness, ends_with_eos], device
     )
     k = 2 * n + len(masks)
     batch = dataclasses.replace(
-        batch, queries=moved[:n], responses=moved[n : 2 * n], scores=moved[-3].float(),
+        batch, queries=moved[:n], responses=moved[n : 2 * n], scores=moved[-4].float(),
         response_masks=moved[2 * n : k] if batch.response_masks is not None else None,
         generation_logprobs=moved[k : k + len(gen)] if batch.generation_logprobs is not None else None,
-        staleness=moved[-2],
+        groups=moved[-3], staleness=moved[-2],
     )  # fmt: skip
     return batch, moved[-1]
 
@@ -159,7 +165,7 @@ def sync_budget(config, device_inputs: int = 0) -> dict:
     """
     minibatches = config.ppo_epochs * -(-config.batch_size // config.mini_batch_size)
     per_update = 1 / config.gradient_accumulation_steps
-    per_step = 1 + device_inputs + (2 if config.use_score_scaling else 0)
+    per_step = 1 + device_inputs
     per_step += config.ppo_epochs if config.early_stopping else 0
     per_minibatch = 1 + per_update
     return {

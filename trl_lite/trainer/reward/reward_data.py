@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
 from transformers.data.data_collator import pad_without_fast_tokenizer_warning
 
@@ -17,9 +17,26 @@ TOKEN_COLUMNS = ("input_ids_chosen", "input_ids_rejected")
 # What the trainer reads from a prepared dataset.
 PREPARED_COLUMNS = (*TOKEN_COLUMNS, "margin")
 
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+
+def _dataset_class():
+    """``datasets.Dataset``, imported here: only the reward trainer needs the package, so ``import trl_lite``
+    and PPO training work where it is not installed (the GPU machine's own Python has no ``datasets``)."""
+    try:
+        from datasets import Dataset
+    except ImportError as error:
+        raise ImportError(
+            "RewardTrainer's data preparation needs the 'datasets' package, which is not installed: "
+            "pip install datasets."
+        ) from error
+    return Dataset
+
 
 def as_dataset(data, name: str) -> Dataset:
     """``data`` as a ``datasets.Dataset``: a Dataset is returned as is, a list of dicts converted."""
+    Dataset = _dataset_class()
     if isinstance(data, Dataset):
         return data
     if isinstance(data, list) and all(isinstance(row, dict) for row in data):

@@ -1,0 +1,64 @@
+"""One step on 2 processes with an out-of-memory error injected on rank 1 only (docs/out_of_memory.md).
+
+    accelerate launch --config_file accelerate_configs/multi_gpu.yaml --num_processes 2 \\
+        tests/distributed/oom_backoff_step.py --output_dir OUT --inject forward --call 1
+    accelerate launch --config_file accelerate_configs/deepspeed_zero2.yaml --num_processes 2 \\
+        tests/distributed/oom_backoff_step.py --output_dir OUT --inject forward --call 0
+
+Each process trains 4 rows of a fixed global batch of 8 (mini-batches of 2, 2 accumulation steps: one backward
+batch, so one optimizer step per epoch; REINFORCE++, SGD). ``--inject forward|backward`` raises
+``torch.OutOfMemoryError`` on rank 1 in the forward (or the backward) of its training pass number ``--call``
+(tests/oom_injection.py); ``none`` runs clean. Rank 0 writes OUT/result.pt: its full weights, the step's
+scalar statistics and every process's token budget after the step (gathered with torch.distributed).
+"""
+
+import argparse
+import os
+
+import torch
+from common import finish, full_named_parameters, gather_across_processes
+
+from oom_injection import InjectedOutOfMemory
+from tiny_models import make_gpt2, make_tokenizer, random_batch
+from trl_lite import PPOConfig, PPOTrainer, set_seed
+
+GLOBAL_BATCH = 8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--inject", choices=("none", "forward", "backward"), default="none")
+    parser.add_argument("--call", type=int, default=0)
+    parser.add_argument("--ppo_epochs", type=int, default=2)
+    args = parser.parse_args()
+
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    per_process = GLOBAL_BATCH // world_size
+    config = PPOConfig(
+        batch_size=per_process, mini_batch_size=2, gradient_accumulation_steps=per_process // 2,
+        ppo_epochs=args.ppo_epochs, learning_rate=0.5, advantage_estimator="reinforce_pp", max_grad_norm=None, seed=0,
+    )  # fmt: skip
+    set_seed(0)
+    model = make_gpt2(seed=0)
+    trainer = PPOTrainer(config, model, tokenizer=make_tokenizer(), optimizer=torch.optim.SGD(model.parameters(), lr=0.5))
+    assert trainer.accelerator.num_processes == world_size
+
+    queries, responses, scores = random_batch(GLOBAL_BATCH, seed=3, query_len=(2, 5), response_len=(1, 9))
+    mine = slice(rank * per_process, (rank + 1) * per_process)
+    inject = dict(calls=(args.call,) if args.inject != "none" and rank == 1 else (), in_backward=args.inject == "backward")
+    torch.manual_seed(1)
+    with InjectedOutOfMemory(trainer.accelerator.unwrap_model(trainer.model), **inject) as injected:
+        stats = trainer.step(queries[mine], responses[mine], scores[mine])
+    budget = torch.tensor(float(trainer.forward.max_tokens or 0))
+    budgets = [float(b) for b in gather_across_processes(budget, trainer.accelerator.device)]
+    weights = full_named_parameters(trainer)
+    if rank == 0:
+        scalars = {key: float(value) for key, value in stats.items() if getattr(value, "ndim", 0) == 0}
+        torch.save({"named_parameters": weights, "stats": scalars, "budgets": budgets}, os.path.join(args.output_dir, "result.pt"))
+    print(f"rank {rank}: {injected.failures} injected failures, retries {stats['memory/oom_retries']}", flush=True)
+    finish(trainer)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The colocated vLLM engine of a run at PPOConfig.temperature=0.7 (docs/temperature.md): started with
+logprobs_mode='processed_logprobs', its generation_logprobs of sampled rows equal a float64 recomputation of
+log_softmax(z / 0.7) to vLLM's own float32 noise, and the requests whose processed log-probs would be another
+distribution's (greedy rows, top-k/top-p) or another temperature's are refused before anything is generated;
+the same log-probs from a server launched with ``-- --logprobs-mode processed_logprobs``, whose mode the client
+reads from the server.
+"""
+
+import pytest
+import torch
+from engine_checks import assert_sampled_rows_and_logprobs
+from test_vllm_server import launched_server
+from tiny_models import make_gpt2, make_tokenizer
+
+from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+
+import vllm  # noqa: F401  (a test dependency: without it this module fails, it is not skipped)
+
+# The worker of the other colocated-engine tests: one engine at a time per process.
+pytestmark = pytest.mark.xdist_group("vllm_engine")
+
+EOS = 1
+T = 0.7
+QUERIES = [torch.tensor(q) for q in ([5, 6, 7, 8, 9], [10], [11, 12, 13], [14, 15])]
+
+
+def test_sampled_rows_logprobs_are_log_softmax_of_logits_over_the_temperature_and_mismatches_are_refused():
+    config = PPOConfig(
+        batch_size=4, mini_batch_size=2, use_vllm=True, vllm_kv_cache_gb=1, vllm_max_model_len=64,
+        vllm_dtype="float32", vllm_enable_sleep_mode=False, temperature=T,
+    )  # fmt: skip
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2(seed=1, n_embd=64))
+    trainer = PPOTrainer(config, model, tokenizer=make_tokenizer())
+    try:
+        assert trainer.generation.engine.backend.logprobs_mode == "processed_logprobs"
+        lm = trainer.model.pretrained_model.eval()
+        k, new = 3, 12
+        # No temperature kwarg: the engine samples at the run's 0.7 and returns log_softmax(z / 0.7).
+        rows, logprobs = trainer.generate(QUERIES, return_prompt=True, max_new_tokens=new, do_sample=True, top_k=0,
+                                          top_p=1.0, num_return_sequences=k, return_logprobs=True)  # fmt: skip
+        assert_sampled_rows_and_logprobs(rows, logprobs, lm, QUERIES, k, new, EOS, temperature=T)
+        # A log-prob at temperature 1 would be off by far more than vLLM's noise.
+        with pytest.raises(AssertionError):
+            assert_sampled_rows_and_logprobs(rows, logprobs, lm, QUERIES, k, new, EOS, temperature=1.0)
+        for kwargs, message in (
+            (dict(do_sample=True, temperature=1.0), "got temperature=1.0, but PPOConfig.temperature=0.7"),
+            (dict(do_sample=True), "top_k=50"),  # transformers' default top-k truncates
+            (dict(do_sample=True, top_k=0, top_p=0.9), "top_p=0.9"),
+            (dict(do_sample=False), "greedy decoding"),
+        ):  # fmt: skip
+            with pytest.raises(ValueError, match=message):
+                trainer.generate(QUERIES, max_new_tokens=2, return_logprobs=True, **kwargs)
+        # Without log-probs, greedy rows are transformers' greedy rows, as at temperature 1.
+        greedy = trainer.generate(QUERIES, return_prompt=False, max_new_tokens=4, do_sample=False)
+        with torch.no_grad():
+            expected = [lm.generate(input_ids=q[None], attention_mask=torch.ones_like(q[None]), do_sample=False,
+                                    max_new_tokens=4, pad_token_id=0)[0, len(q) :] for q in QUERIES]  # fmt: skip
+        assert [row.tolist() for row in greedy] == [row.tolist() for row in expected]
+    finally:
+        trainer.generation.close()
+
+
+def test_a_server_launched_with_processed_logprobs_gives_them_at_the_run_temperature(tmp_path):
+    model_dir = tmp_path / "served"
+    make_gpt2(seed=1, n_embd=64).save_pretrained(model_dir)
+    serve_args = ("--logprobs-mode", "processed_logprobs")
+    with launched_server(model_dir, tmp_path / "server.log", 64, serve_args=serve_args) as (url, _):
+        config = PPOConfig(batch_size=4, mini_batch_size=2, use_vllm=True, vllm_mode="server", vllm_server_url=url,
+                           vllm_server_timeout=120, temperature=T)  # fmt: skip
+        model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2(seed=2, n_embd=64))  # not the served weights
+        trainer = PPOTrainer(config, model, tokenizer=make_tokenizer())
+        try:
+            assert trainer.generation.engine.backend.logprobs_mode == "processed_logprobs"  # read from the server
+            k, new = 2, 8
+            rows, logprobs = trainer.generate(QUERIES, return_prompt=True, max_new_tokens=new, do_sample=True,
+                                              top_k=0, num_return_sequences=k, return_logprobs=True)  # fmt: skip
+            lm = trainer.model.pretrained_model.eval()
+            assert_sampled_rows_and_logprobs(rows, logprobs, lm, QUERIES, k, new, EOS, temperature=T)
+        finally:
+            trainer.generation.close()
