@@ -39,15 +39,15 @@ def make_tokenizer(padding_side: str = "right") -> PreTrainedTokenizerFast:
 VOCAB_SIZE = len(SPECIAL) + len(WORDS)
 
 
-def make_gpt2(seed: int = 0, n_layer: int = 2, n_embd: int = 32, dropout: float = 0.0) -> GPT2LMHeadModel:
-    """A randomly initialised 2-layer GPT-2 over the tiny tokenizer's vocabulary."""
+def make_gpt2(seed: int = 0, n_layer: int = 2, n_embd: int = 32, dropout: float = 0.0, n_head: int = 2) -> GPT2LMHeadModel:
+    """A randomly initialised 2-layer GPT-2 (2 heads unless ``n_head``) over the tiny tokenizer's vocabulary."""
     torch.manual_seed(seed)
     config = GPT2Config(
         vocab_size=VOCAB_SIZE,
         n_positions=128,
         n_embd=n_embd,
         n_layer=n_layer,
-        n_head=2,
+        n_head=n_head,
         resid_pdrop=dropout,
         embd_pdrop=dropout,
         attn_pdrop=dropout,

@@ -56,6 +56,8 @@ class RolloutGeneration:
         self._held_version = None
         self.last_push_bytes = 0
         self._awake_depth = 0  # nesting of awake()
+        # Under sequence parallelism: makes every process of a group return the same generations (see build_generation).
+        self.share = None
         if engine.sleeps:
             # It holds nothing worth keeping yet: the first generate wakes it and pushes the weights.
             engine.sleep()
@@ -130,6 +132,12 @@ class RolloutGeneration:
                  generate_ref_response: bool = False, remove_padding: bool = True, return_logprobs: bool = False,
                  **generation_kwargs):  # fmt: skip
         """See :meth:`PPOTrainer.generate`."""
+        result = self._generate(query_tensor, length_sampler, batch_size, return_prompt, generate_ref_response,
+                                remove_padding, return_logprobs, **generation_kwargs)  # fmt: skip
+        return result if self.share is None else self.share(result)
+
+    def _generate(self, query_tensor, length_sampler, batch_size, return_prompt, generate_ref_response, remove_padding,
+                  return_logprobs, **generation_kwargs):  # fmt: skip
         if not isinstance(return_logprobs, bool):
             raise TypeError(f"return_logprobs must be a bool, got {return_logprobs!r}.")
         if isinstance(query_tensor, (list, tuple)):
@@ -174,12 +182,23 @@ def _check_queries(queries) -> None:
 
 
 def build_generation(config, *, model, unwrapped, accelerator, tokenizer, pad_token_id: int, is_encoder_decoder: bool,
-                     is_zero3: bool, reference_context, optimizer, timer) -> RolloutGeneration:  # fmt: skip
+                     is_zero3: bool, reference_context, optimizer, timer, sequence=None) -> RolloutGeneration:  # fmt: skip
     """The generation part ``config`` asks for (``use_vllm``, ``vllm_mode``); refuses what the engine cannot run.
 
     ``model``: the prepared policy; ``unwrapped``: its value-head wrapper; ``reference_context``: a
-    context manager factory yielding the reference module.
+    context manager factory yielding the reference module; ``sequence``: the run's
+    :class:`~trl_lite.parallel.SequenceParallel` group (its processes then all return the responses of
+    the group's first process), or None.
     """
+    generation = _build_generation(config, model, unwrapped, accelerator, tokenizer, pad_token_id, is_encoder_decoder,
+                                   is_zero3, reference_context, optimizer, timer)  # fmt: skip
+    generation.share = None if sequence is None else sequence.share
+    return generation
+
+
+def _build_generation(config, model, unwrapped, accelerator, tokenizer, pad_token_id, is_encoder_decoder, is_zero3,
+                      reference_context, optimizer, timer) -> RolloutGeneration:  # fmt: skip
+    """:func:`build_generation` without sequence parallelism."""
 
     @contextmanager
     def policy_context():

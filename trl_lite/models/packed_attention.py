@@ -167,9 +167,10 @@ def takes_row_lengths(transformers_model) -> bool:
 
 
 @contextmanager
-def attend_per_row(transformers_models):
+def attend_per_row(transformers_models, implementation: str = PACKED_SDPA):
     """Switch ``transformers_models`` (sdpa models, see :func:`takes_row_lengths`) to :data:`PACKED_SDPA`
-    for the block: their forward passes given :data:`ROW_LENGTHS` then attend within each row only.
+    (or another registered ``implementation`` built on it) for the block: their forward passes given
+    :data:`ROW_LENGTHS` then attend within each row only.
 
     Hold it over the backward passes too when gradient checkpointing recomputes the layers, so the
     recomputation runs the same attention as the forward pass did.
@@ -177,7 +178,7 @@ def attend_per_row(transformers_models):
     configs = [model.config for model in transformers_models]
     before = [config._attn_implementation for config in configs]
     for config in configs:
-        config._attn_implementation = PACKED_SDPA
+        config._attn_implementation = implementation
     try:
         yield
     finally:

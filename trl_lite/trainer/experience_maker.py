@@ -24,6 +24,7 @@ from ..core import (
     sequence_to_tokens,
     truncated_importance_weights,
 )
+from ..parallel import sequence_parallel_size
 from .experience import Experience, StepBatch
 from .forward import ForwardPass
 from .rollout_plan import EVERY_PASS, RolloutPlan
@@ -240,8 +241,11 @@ class ExperienceMaker:
         accelerator = self.accelerator
         if accelerator.num_processes == 1:
             return masked_whiten(values, mask, shift_mean)
-        sums = accelerator.reduce(torch.stack([(values * mask).sum(), mask.sum()]), reduction="sum")
+        # The processes of a sequence-parallel group hold the same rows: each adds its share (exact for
+        # powers of two), so every row counts once.
+        share = 1 / sequence_parallel_size(accelerator)
+        sums = accelerator.reduce(torch.stack([(values * mask).sum(), mask.sum()]) * share, reduction="sum")
         mean, count = sums[0] / sums[1], sums[1]
-        squares = accelerator.reduce((((values - mean) ** 2) * mask).sum().reshape(1), reduction="sum")[0]
+        squares = accelerator.reduce((((values - mean) ** 2) * mask).sum().reshape(1) * share, reduction="sum")[0]
         whitened = (values - mean) * torch.rsqrt(squares / (count - 1).clamp(min=1) + 1e-8)
         return whitened if shift_mean else whitened + mean

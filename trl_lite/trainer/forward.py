@@ -8,6 +8,7 @@ the fused LM head, and the prepared-to-unwrapped model map.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import sys
 import warnings
@@ -18,8 +19,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from ..core import full_kl_from_logits, logprobs_from_hidden, logprobs_from_logits
 from ..models import PreTrainedModelWrapper
-from ..models.packed_attention import ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths, without_cudnn
+from ..models.packed_attention import PACKED_SDPA, ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths, without_cudnn
 from ..models.varlen_attention import packed_rows
+from ..parallel.sequence_parallel import SEQUENCE_PASS, ULYSSES_SDPA, SequenceParallel, check_models
 from .oom_backoff import MemoryBackoff
 from .rows import InputLayout, Rows, at_positions, make_rows, to_compact, to_device
 from .token_budget import split_by_tokens
@@ -46,11 +48,13 @@ class ForwardPass:
         oom_backoff: whether a pass that runs out of memory is redone with half the budget
             (``PPOConfig.oom_backoff``); ``memory``, the :class:`~.oom_backoff.MemoryBackoff` that holds the
             current budget, is shared with the learner.
+        sequence: the sequence-parallel group packed passes are cut over, or None (see :meth:`gather_slots`).
     """
 
     def __init__(self, accelerator, models: list[tuple], layout: InputLayout, *, is_encoder_decoder: bool,
                  mini_batch_size: int, pack: bool = False, row_attention: dict | None = None,
-                 reuse_logits_buffer: bool = False, max_tokens: int | None = None, oom_backoff: bool = False):  # fmt: skip
+                 reuse_logits_buffer: bool = False, max_tokens: int | None = None, oom_backoff: bool = False,
+                 sequence: SequenceParallel | None = None):  # fmt: skip
         self.accelerator = accelerator
         self.device = accelerator.device
         self.models = models
@@ -63,6 +67,8 @@ class ForwardPass:
         self.memory = MemoryBackoff(accelerator, max_tokens, oom_backoff)
         self._logits_buffer = None
         self._warned_long_row = False
+        self.sequence = sequence
+        self._sequence_pass = None  # this process's slice of the last packed pass (sequence parallelism)
 
     @classmethod
     def build(cls, accelerator, policy, reference, critic, tokenizer, config, pack: bool) -> ForwardPass:
@@ -83,10 +89,14 @@ class ForwardPass:
             pass_position_ids="position_ids" in inspect.signature(unwrapped.transformers_model.forward).parameters,
         )
         reuse = accelerator.device.type == "cpu" and config.keep_freed_cpu_memory
+        sequence = SequenceParallel.from_accelerator(accelerator, layout.pad_id)
+        if sequence is not None:
+            modules = [m for m in (policy, reference, critic) if m is not None]
+            check_models(sequence.size, pack, modules, row_attention)
         return cls(accelerator, models, layout, is_encoder_decoder=unwrapped.is_encoder_decoder,
                    mini_batch_size=config.mini_batch_size, pack=pack, row_attention=row_attention,
                    reuse_logits_buffer=reuse, max_tokens=config.max_tokens_per_minibatch,
-                   oom_backoff=config.oom_backoff)  # fmt: skip
+                   oom_backoff=config.oom_backoff, sequence=sequence)  # fmt: skip
 
     @property
     def max_tokens(self) -> int | None:
@@ -101,10 +111,16 @@ class ForwardPass:
     # Rows and mini-batches
     # ------------------------------------------------------------------------------------------
     def make_rows(self, queries, responses, response_masks=None) -> Rows:
-        """One batch on the device with its compact action mask (see :func:`~.rows.make_rows`)."""
-        return make_rows(queries, responses, response_masks, device=self.device,
+        """One batch on the device with its compact action mask (see :func:`~.rows.make_rows`); under
+        sequence parallelism the LM-head buffers sized for one slice of a pass."""
+        rows = make_rows(queries, responses, response_masks, device=self.device,
                          is_encoder_decoder=self.is_encoder_decoder, mini_batch_size=self.mini_batch_size,
                          max_tokens=self.max_tokens)  # fmt: skip
+        if self.sequence is None:
+            return rows
+        tokens = [rows.tokens(i) for i in range(len(rows))]
+        slice_rows = self.sequence.slice_buffer_rows(rows.buffer_rows, tokens, self.mini_batch_size, self.max_tokens)
+        return dataclasses.replace(rows, buffer_rows=slice_rows)
 
     def minibatches(self, rows: Rows):
         """The no-grad passes over every row of ``rows``: ``(index, idx)``, a host list and the same on the device.
@@ -158,10 +174,25 @@ class ForwardPass:
     @contextmanager
     def per_row_attention(self):
         """The block every pass of the trainer runs in (forward and backward): packed passes attend within each
-        row, and on CUDA sdpa runs without cuDNN attention - padded and PTX passes too, whose widths change
-        from mini-batch to mini-batch (cuDNN builds a graph per new shape, docs/gpu_path.md)."""
-        with attend_per_row(self.row_attention.values()), without_cudnn(self.device):
+        row (under sequence parallelism through the Ulysses all-to-all), and on CUDA sdpa runs without cuDNN
+        attention - padded and PTX passes too, whose widths change from mini-batch to mini-batch (cuDNN builds
+        a graph per new shape, docs/gpu_path.md)."""
+        implementation = PACKED_SDPA if self.sequence is None else ULYSSES_SDPA
+        with attend_per_row(self.row_attention.values(), implementation), without_cudnn(self.device):
             yield
+
+    @property
+    def replicas(self) -> int:
+        """Processes that compute what one process computes without sequence parallelism (the group's size)."""
+        return 1 if self.sequence is None else self.sequence.size
+
+    def gather_slots(self, *per_slot: torch.Tensor | None) -> tuple:
+        """Per-slot results ``(n, ...)`` of the last pass's LM head, whole: under sequence parallelism this
+        process's slice's ``n`` slots gathered to the pass's ``N`` over the group (differentiable, see
+        :class:`~trl_lite.parallel.sequence_parallel.SequencePass`); otherwise as given."""
+        if self._sequence_pass is None:
+            return per_slot
+        return self._sequence_pass.gather_slots(*per_slot)
 
     def linear_head(self, model) -> torch.nn.Linear | None:
         """The model's LM head when the pass may fuse it with the log-softmax, else None.
@@ -217,6 +248,11 @@ class ForwardPass:
         """
         packed = self.packs(model)
         inputs, positions, slots, targets, width = self.layout.inputs(rows, index, idx, packed=packed)
+        piece = self._sequence_pass = None
+        if packed and self.sequence is not None:
+            inputs, piece = self.cut(inputs, rows, index)
+            targets = targets[piece.slots]
+            self._sequence_pass = piece
         critic_inputs = {key: value for key, value in inputs.items() if key != "logits_positions"}
         if lm_head_inputs:
             inputs["return_lm_head_inputs"] = True
@@ -224,19 +260,34 @@ class ForwardPass:
             # Built once for the pass and shared by its layers and the critic's: the offsets of the
             # varlen kernel (one host-to-device copy) and, on CUDA, the mask that spares transformers'
             # packed-row detection its host read (see models.packed_attention.rows_mask).
-            attention_rows = packed_rows((len(rows.sequences[i]) for i in index), self.device)
-            mask = rows_mask(attention_rows, self.device)
+            # A slice's layers get its SequencePass, which holds the whole stream's rows.
+            if piece is None:
+                attention_rows = packed_rows((len(rows.sequences[i]) for i in index), self.device)
+                mask, keywords = rows_mask(attention_rows, self.device), {ROW_LENGTHS: attention_rows}
+            else:
+                mask, keywords = None, {SEQUENCE_PASS: piece}
             for module, module_inputs in ((model, inputs), (critic, critic_inputs)):
                 if id(module) in self.row_attention:
-                    module_inputs[ROW_LENGTHS] = attention_rows
+                    module_inputs.update(keywords)
                     if mask is not None:
                         module_inputs["attention_mask"] = mask
         outputs, _, values = model(**inputs, return_values=return_values and critic is None)
         if critic is not None:
             values = critic(**critic_inputs)
         if values is not None:
+            values = values if piece is None else piece.gather_tokens(values)
             values = (values[:, :-1] if rows.shift else at_positions(values, positions)).float()
         return outputs, targets, values, slots, width
+
+    def cut(self, inputs: dict, rows: Rows, index: list[int]):
+        """This process's slice of the packed pass of rows ``index`` (see
+        :meth:`~trl_lite.parallel.sequence_parallel.SequenceParallel.cut`), from host-side lengths."""
+        lengths = [len(rows.sequences[i]) for i in index]
+        firsts, start = [], 0
+        for i, length in zip(index, lengths):
+            firsts.append(start + len(rows.queries[i]) - 1)
+            start += length
+        return self.sequence.cut(inputs, lengths, firsts, [rows.slot_count(i) for i in index])
 
     def logprobs(self, model, rows: Rows, index: list[int], idx: torch.Tensor, return_logits: bool = False,
                  return_values: bool = True, critic=None):  # fmt: skip
@@ -256,6 +307,7 @@ class ForwardPass:
             out = self.logits_out(rows, head)
             with self.head_autocast():
                 logprobs = logprobs_from_hidden(outputs, head.weight, head.bias, targets, self.buffer_rows(rows), out)
+        logprobs, outputs = self.gather_slots(logprobs, outputs if return_logits else None)
         logprobs = to_compact(logprobs, slots, len(index), width)
         return logprobs, values, (outputs if return_logits else None), (slots if return_logits else None), width
 

@@ -219,6 +219,7 @@ class Learner:
                     outputs, head.weight, head.bias, targets, forward.buffer_rows(rows), forward.logits_out(rows, head)
                 )
         del outputs  # the logits, when the head ran in the model: the saved softmax replaces them
+        logprobs, entropy = forward.gather_slots(logprobs, entropy)
         logprobs = to_compact(logprobs, slots, len(mb.index), width)
         entropy = to_compact(entropy, slots, len(mb.index), width)
         old_logprobs, token_weights = mb.old_logprobs, mb.token_weights
@@ -312,7 +313,8 @@ class Learner:
         """
         policy_loss = pg_loss
         if ptx_loss is not None:
-            policy_loss = policy_loss + self.config.ptx_coef * ptx_loss
+            # Each process of a sequence-parallel group computes the whole PTX loss: its backward takes a share.
+            policy_loss = policy_loss + self.config.ptx_coef * ptx_loss / self.forward.replicas
             stats["loss/ptx"] = ptx_loss.detach()
             stats["loss/total"] = stats["loss/total"] + self.config.ptx_coef * ptx_loss.detach()
         if self.critic is not None or vf_loss is None:

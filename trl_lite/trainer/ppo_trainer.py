@@ -187,7 +187,7 @@ class PPOTrainer(ClassicHelpersMixin):
         self.is_deepspeed_enabled = getattr(accelerator.state, "deepspeed_plugin", None) is not None
         self._is_zero3 = self.is_deepspeed_enabled and accelerator.state.deepspeed_plugin.zero_stage == 3
         if self.is_deepspeed_enabled:
-            fill_deepspeed_config(accelerator, config)
+            fill_deepspeed_config(accelerator, config, model, self.critic)
         to_prepare = [model, self.optimizer] + ([dataloader] if dataloader is not None else [])
         to_prepare += [lr_scheduler] if lr_scheduler is not None else []
         prepared = list(accelerator.prepare(*to_prepare))
@@ -228,7 +228,7 @@ class PPOTrainer(ClassicHelpersMixin):
             config, model=self.model, unwrapped=unwrapped, accelerator=accelerator, tokenizer=self.tokenizer,
             pad_token_id=self.forward.layout.pad_id, is_encoder_decoder=self.is_encoder_decoder,
             is_zero3=self._is_zero3, reference_context=self._reference, optimizer=self.optimizer,
-            timer=self._phase_timer,
+            timer=self._phase_timer, sequence=self.forward.sequence,
         )  # fmt: skip
 
     plan_rollout = staticmethod(RolloutPlan.from_config)  # the passes without grad, decided once (see rollout_plan)
@@ -299,7 +299,7 @@ class PPOTrainer(ClassicHelpersMixin):
 
         # Section 7: the KL controller and the scheduler
         if self.rollout_plan.reference:  # else the coefficient is 0 and stays 0, and the KL is not measured
-            update_kl_controller(self.kl_ctl, stats["objective/kl"], config.batch_size * self.accelerator.num_processes)
+            update_kl_controller(self.kl_ctl, stats["objective/kl"], self.statistics.global_rows)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.current_step += 1

@@ -9,6 +9,7 @@ import torch
 from accelerate.utils import gather_object
 
 from ..core import groups_with_equal_scores, masked_mean, stats_to_np
+from ..parallel import data_parallel_size, sequence_parallel_size
 from .transfer import Selected, stack_scalars, to_host_together
 
 # Statistics that are distributions (1-D arrays): concatenated over processes instead of averaged.
@@ -74,7 +75,7 @@ class StepStatistics:
         if experience.kls is None:
             # No reference pass ran (docs/algorithm.md section 8): the KL statistics keep their keys, NaN.
             # Filled after the reduction, so that every process gives the same shapes without a collective.
-            rows = self.config.batch_size * self.accelerator.num_processes
+            rows = self.global_rows
             out["objective/kl"] = float("nan")
             out["objective/kl_dist"] = np.full(rows, np.nan, dtype=np.float32)
             out["objective/ref_logprobs"] = np.full_like(out["objective/logprobs"], np.nan)
@@ -173,7 +174,7 @@ class StepStatistics:
                 scalars = means
             for key, value in dists.items():
                 padded = accelerator.pad_across_processes(value, dim=0, pad_index=float("nan"))
-                gathered = accelerator.gather(padded)
+                gathered = self.one_per_group(accelerator.gather(padded))
                 dists[key] = gathered[~torch.isnan(gathered)]
         ratio_values = ratios[:, 0] / ratios[:, 1] if ratios is not None else scalars.new_zeros(0)
         parts = [scalars, ratio_values]
@@ -190,6 +191,20 @@ class StepStatistics:
                 distributions[key] = distributions[key][next(host).astype(bool)]
         out.update(stats_to_np(distributions))
         return out
+
+    @property
+    def global_rows(self) -> int:
+        """Rows of one step over all processes: ``batch_size`` per data-parallel group (a sequence-parallel
+        group's processes share theirs)."""
+        return self.config.batch_size * data_parallel_size(self.accelerator)
+
+    def one_per_group(self, gathered: torch.Tensor) -> torch.Tensor:
+        """Of a gather of equal pieces from every process, the pieces of the first process of each
+        sequence-parallel group (its other processes hold the same rows); all of them without one."""
+        size = sequence_parallel_size(self.accelerator)
+        if size == 1:
+            return gathered
+        return gathered.reshape(self.accelerator.num_processes, -1)[::size].flatten()
 
     def log(self, step: int, stats: dict, batch: dict, rewards, columns_to_log=("query", "response")) -> None:
         """Send ``stats`` and reward statistics of this step to the accelerate trackers (main process).
@@ -214,7 +229,7 @@ class StepStatistics:
                 )
         rewards = torch.stack([torch.as_tensor(r, dtype=torch.float32) for r in rewards]).to(self.device)
         # Gathered on the device, then read back once.
-        rewards = self.accelerator.gather(rewards.reshape(-1)).cpu()
+        rewards = self.one_per_group(self.accelerator.gather(rewards.reshape(-1))).cpu()
         logs = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
         logs["env/reward_mean"] = rewards.mean().item()
         logs["env/reward_std"] = rewards.std().item() if rewards.numel() > 1 else 0.0

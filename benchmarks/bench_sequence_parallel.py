@@ -1,0 +1,164 @@
+"""Per-process tensor peak and time of a PPO step on long rows: 1 process against 2 processes of one
+sequence-parallel group (Ulysses, docs/sequence_parallel.md), on the CPU.
+
+The workload: a GPT-2 shape (``--layers`` layers, ``--width`` wide, ``--heads`` heads, a 512-token
+vocabulary, random weights, fp32) with a value head; one batch of rows of ``--lengths`` tokens (64 of query
+each), one row per mini-batch, 1 PPO epoch, SGD, packed passes. Each run does 3 steps on the same batch:
+the first timed, the next two under ``torch.profiler`` with ``profile_memory=True``. A step's tensor peak is
+the highest sum of live CPU tensor bytes counted from the step's start (the larger of the two profiled
+steps is reported: under several processes the collectives' buffers are freed by gloo's threads, and the
+peak moves by some 10% between steps): weights, and buffers made once in the
+first step, do not count; the training pass of the longest row is the step's largest. DeepSpeed's gradient
+bucket (``reduce_bucket_size``, by default 5e8 elements: a 2 GB buffer allocated in every backward whatever
+the model) is sized to the model's parameters, as one would for a model this small: the 2 processes run under
+a copy of ``accelerate_configs/deepspeed_sequence_parallel.yaml`` whose DeepSpeed settings come from a JSON
+file with that bucket size. The 1-process run uses all ``--threads`` torch threads; each of the 2 processes
+gets half.
+
+Usage:
+    python benchmarks/bench_sequence_parallel.py [--lengths 8192 16384] [--layers 2] [--width 256] [--heads 4]
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULT_MARKER = "BENCH_RESULT "
+
+
+def tensor_peak_mb(prof: torch.profiler.profile) -> float:
+    """Highest sum of live CPU tensor bytes during a profiled region, counted from its start, in MB."""
+    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    records = sorted((e.start_ns(), e.nbytes()) for e in records if e.device_type() == torch.autograd.DeviceType.CPU)
+    live = peak = 0
+    for _, nbytes in records:
+        live += nbytes
+        peak = max(peak, live)
+    return peak / 2**20
+
+
+def worker(args) -> None:
+    """One process of a run: build the trainer, profile one step, time the next; print a result line."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer, set_seed
+    from trl_lite.parallel import sequence_parallel_size
+
+    set_seed(0)
+    config = GPT2Config(
+        vocab_size=512, n_positions=max(args.lengths), n_embd=args.width, n_layer=args.layers, n_head=args.heads,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(GPT2LMHeadModel(config))
+    ppo_config = PPOConfig(batch_size=len(args.lengths), mini_batch_size=1, ppo_epochs=1, padding_free=True, seed=0)
+    trainer = PPOTrainer(ppo_config, model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3))
+    g = torch.Generator().manual_seed(0)
+    queries = [torch.randint(3, 512, (64,), generator=g) for _ in args.lengths]
+    responses = [torch.randint(3, 512, (n - 64,), generator=g) for n in args.lengths]
+    scores = [torch.randn((), generator=g) for _ in args.lengths]
+    start = time.perf_counter()
+    stats = trainer.step(queries, responses, scores)
+    seconds = time.perf_counter() - start
+    peaks = []
+    for _ in range(2):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            trainer.step(queries, responses, scores)
+        peaks.append(tensor_peak_mb(prof))
+        del prof
+    peak = max(peaks)
+    result = {
+        "rank": trainer.accelerator.process_index, "processes": trainer.accelerator.num_processes,
+        "sp_size": sequence_parallel_size(trainer.accelerator), "threads": torch.get_num_threads(),
+        "tensor_peak_mb": peak, "tensor_peaks_mb": peaks, "step_seconds": seconds, "loss": stats["ppo/loss/total"],
+    }  # fmt: skip
+    print(RESULT_MARKER + json.dumps(result), flush=True)
+    if trainer.accelerator.num_processes > 1:
+        trainer.accelerator.wait_for_everyone()
+        sys.stdout.flush()
+        os._exit(0)
+
+
+def group_config(args, directory: Path) -> Path:
+    """The sequence-parallel accelerate config with DeepSpeed's settings in a JSON file: ZeRO-2, gradient
+    buckets of the model's parameter count."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=512, n_positions=max(args.lengths), n_embd=args.width, n_layer=args.layers,
+                        n_head=args.heads)  # fmt: skip
+    parameters = sum(p.numel() for p in GPT2LMHeadModel(config).parameters()) + args.width + 1  # and the value head
+    bucket = -(-parameters // 1024) * 1024  # DeepSpeed wants a multiple of its alignment
+    deepspeed = {
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    }  # fmt: skip
+    (directory / "deepspeed.json").write_text(json.dumps(deepspeed))
+    lines = []
+    source = (REPO_ROOT / "accelerate_configs" / "deepspeed_sequence_parallel.yaml").read_text().splitlines()
+    for line in source:
+        if line.strip().startswith(("offload_", "zero3_init_flag", "zero_stage", "mixed_precision")):
+            continue
+        lines.append(line)
+        if line.startswith("deepspeed_config:"):
+            lines.append(f"  deepspeed_config_file: {directory / 'deepspeed.json'}")
+    (directory / "config.yaml").write_text("\n".join(lines) + "\n")
+    return directory / "config.yaml"
+
+
+def run(args, processes: int) -> list[dict]:
+    """The worker alone (1 process) or launched as one sequence-parallel group of ``processes``."""
+    worker_args = [str(Path(__file__).resolve()), "--worker", "--lengths", *map(str, args.lengths), "--layers",
+                   str(args.layers), "--width", str(args.width), "--heads", str(args.heads)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": str(max(args.threads // processes, 1))}
+    if processes == 1:
+        cmd = [sys.executable, *worker_args]
+    else:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        directory = Path(tempfile.mkdtemp())
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(group_config(args, directory)),
+               "--num_processes", str(processes), "--main_process_port", str(port), *worker_args]  # fmt: skip
+    out = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
+    lines = [line for line in out.stdout.splitlines() if line.startswith(RESULT_MARKER)]
+    return sorted((json.loads(line[len(RESULT_MARKER) :]) for line in lines), key=lambda r: r["rank"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    alone = run(args, 1)[0]
+    group = run(args, 2)
+    print(f"load average {os.getloadavg()}; rows {args.lengths} tokens; {args.layers} x {args.width}, {args.heads} heads")
+    print("| processes | sp_size | threads each | tensor peak per process (MB) | peak / 1 process | 2 peaks (MB) "
+          "| step (s) |")  # fmt: skip
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in [alone, *group]:
+        ratio = r["tensor_peak_mb"] / alone["tensor_peak_mb"]
+        both = " / ".join(f"{p:.0f}" for p in r["tensor_peaks_mb"])
+        print(f"| {r['processes']} (rank {r['rank']}) | {r['sp_size']} | {r['threads']} | {r['tensor_peak_mb']:.0f} | "
+              f"{ratio:.2f} | {both} | {r['step_seconds']:.1f} |")  # fmt: skip
+    print(f"loss: 1 process {alone['loss']:.6f}, sequence-parallel {group[0]['loss']:.6f}")
+
+
+if __name__ == "__main__":
+    main()

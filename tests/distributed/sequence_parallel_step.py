@@ -1,0 +1,112 @@
+"""Two packed PPO steps whose batches are chosen per data-parallel group, for sequence-parallel comparisons.
+
+    accelerate launch --config_file accelerate_configs/deepspeed_sequence_parallel.yaml --num_processes 2 \\
+        tests/distributed/sequence_parallel_step.py --estimator {gae,grpo} --output_dir OUT
+    python tests/distributed/sequence_parallel_step.py --estimator gae --output_dir OUT   # the 1-process reference
+
+Group ``g`` (process rank // sp_size; every process is a group of its own without sequence parallelism)
+takes batch ``g``: 4 rows of very different lengths - one of 2 tokens, one of 31 that any pass cuts across
+slices - in mini-batches of 2 rows, 2 epochs, response masks. The optimizer is SGD (its update is linear in
+the gradient). Rank 0 writes OUT/result.pt: the full weights after the steps, the statistics of both steps,
+the sequence-parallel size, the longest and the summed token slices its policy's embedding saw, and the
+responses every process sampled for its group's queries from a seed of its own (``generate()``).
+"""
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+from common import finish, full_named_parameters
+
+from tiny_models import VOCAB_SIZE, make_gpt2, make_qwen2, make_tokenizer
+from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer, set_seed
+from trl_lite.parallel import sequence_parallel_size
+
+# (query, response) tokens of each row of each group's batch; rows 2k and 2k + 1 share their query (one
+# GRPO group of num_samples_per_query=2).
+ROW_SHAPES = (((1, 30), (1, 1), (6, 9), (6, 17)), ((5, 4), (5, 28), (2, 12), (2, 1)))
+
+
+def batch(group: int, step: int):
+    g = torch.Generator().manual_seed(1000 * group + step)
+    queries = [torch.randint(3, VOCAB_SIZE, (q,), generator=g) for q, _ in ROW_SHAPES[group][::2]]
+    queries = [q for q in queries for _ in range(2)]
+    responses = [torch.randint(3, VOCAB_SIZE, (r,), generator=g) for _, r in ROW_SHAPES[group]]
+    scores = [torch.randn((), generator=g) for _ in queries]
+    masks = [(torch.rand(len(r), generator=g) > 0.2).long() for r in responses]
+    return queries, responses, scores, masks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--estimator", choices=("gae", "grpo"), required=True)
+    parser.add_argument("--loss_type", default="token_mean")
+    parser.add_argument("--ptx", type=int, choices=(0, 1), default=0, help="add a PTX loss (ptx_coef 0.5)")
+    parser.add_argument("--gradient_checkpointing", type=int, choices=(0, 1), default=0)
+    parser.add_argument("--max_tokens", type=int, default=None, help="max_tokens_per_minibatch (a budget per group)")
+    parser.add_argument("--model", choices=("gpt2", "gpt2_4_heads", "qwen2"), default="gpt2",
+                        help="qwen2: rotary positions, 2 query heads sharing 1 key/value head")  # fmt: skip
+    parser.add_argument("--output_dir", required=True)
+    args = parser.parse_args()
+
+    grpo = args.estimator == "grpo"
+    config = PPOConfig(
+        batch_size=4,
+        mini_batch_size=2,
+        ppo_epochs=2,
+        learning_rate=0.05,
+        padding_free=True,
+        advantage_estimator=args.estimator,
+        num_samples_per_query=2 if grpo else 1,
+        loss_type=args.loss_type,
+        ptx_coef=0.5 if args.ptx else 0.0,
+        gradient_checkpointing=bool(args.gradient_checkpointing),
+        max_tokens_per_minibatch=args.max_tokens,
+        seed=0,
+    )
+    set_seed(0)
+    lm = make_qwen2(seed=0) if args.model == "qwen2" else make_gpt2(seed=0, n_head=4 if "4" in args.model else 2)
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(lm)
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate)
+    trainer = PPOTrainer(config, model, tokenizer=make_tokenizer("left"), optimizer=optimizer)
+    sp_size = sequence_parallel_size(trainer.accelerator)
+    assert (trainer.forward.sequence is not None) == (sp_size > 1)
+    group = trainer.accelerator.process_index // sp_size
+
+    # Every process samples from a seed of its own; generate() returns its group's first process's responses.
+    torch.manual_seed(100 + trainer.accelerator.process_index)
+    generated = trainer.generate(batch(group, 0)[0], do_sample=True, max_new_tokens=6, batch_size=2)
+    generations = [[r.tolist() for r in generated]]
+    if trainer.accelerator.num_processes > 1:
+        generations = [None] * trainer.accelerator.num_processes
+        dist.all_gather_object(generations, [r.tolist() for r in generated])
+    torch.manual_seed(0)  # the same mini-batch order on every process and run
+
+    seen = []
+    embedding = trainer.forward.unwrapped(trainer.model).pretrained_model.get_input_embeddings()
+    embedding.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0].shape[1]))
+    stats = []
+    for step in range(2):
+        queries, responses, scores, masks = batch(group, step)
+        ptx = [torch.cat((q, r)) for q, r in zip(queries, responses)] if args.ptx else None
+        stats.append(trainer.step(queries, responses, scores, response_masks=masks, ptx_inputs=ptx))
+
+    named = full_named_parameters(trainer)
+    if trainer.accelerator.process_index == 0:
+        result = {
+            "sp_size": sp_size,
+            "num_processes": trainer.accelerator.num_processes,
+            "named_parameters": named,
+            "stats": [{k: v for k, v in s.items() if not k.startswith("time/")} for s in stats],
+            "longest_slice": max(seen),
+            "tokens_seen": sum(seen),
+            "generations": generations,
+        }
+        torch.save(result, os.path.join(args.output_dir, "result.pt"))
+    if trainer.accelerator.num_processes > 1:
+        finish(trainer)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Sequence parallelism (Ulysses, trl_lite.parallel) on the CPU: exact against 1 process and data parallelism.
+
+`tests/distributed/sequence_parallel_step.py` runs two packed steps under
+`accelerate_configs/deepspeed_sequence_parallel.yaml` (DeepSpeed ZeRO-2, `parallelism_config` with
+`sp_size=2`); its rows are of very different lengths - one of 2 tokens, one of 31 that passes cut across
+slices, streams of odd length (a padding row) - with response masks, mini-batches of 2 and 2 epochs.
+2 processes as one group must give the weights and every statistic of 1 process on the same batch (GAE
+with a PTX loss; GRPO with `seq_mean_token_mean`; GAE under ZeRO-3 with gradient checkpointing and a token
+budget; a Qwen2 shape with rotary positions and a shared key/value head), and so must 4 processes as one
+group of 4 (the 2-token row is shorter than the number of slices); 4 processes as 2 groups must give those
+of 2 processes of data parallelism (`global_token_mean`, whose normaliser counts tokens over processes).
+Every launched run also checks that `generate()` gives the processes of a group the same responses.
+"""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from test_distributed import REPO, SCRIPTS, deepspeed_cpu_collectives, launch  # noqa: F401 (fixture)
+
+from tiny_models import make_gpt2
+from trl_lite.models.packed_attention import takes_row_lengths
+from trl_lite.parallel.sequence_parallel import check_before_prepare, check_heads, check_models, slice_slot_counts
+
+pytestmark = pytest.mark.xdist_group("distributed")
+
+SCRIPT = SCRIPTS / "sequence_parallel_step.py"
+
+
+def run_alone(out, *args: str) -> dict:
+    """The script on one plain process (no launcher, no DeepSpeed): the reference."""
+    result = subprocess.run([sys.executable, str(SCRIPT), *args, "--output_dir", str(out)], cwd=SCRIPTS,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-5000:]
+    return torch.load(out / "result.pt", weights_only=False)
+
+
+def run_launched(config: str, processes: int, out, *args: str, zero_stage: int = 2, sp_size: int = 2) -> dict:
+    """The script under ``accelerate_configs/<config>.yaml``, or a copy of it with another ZeRO stage or sp_size."""
+    if (zero_stage, sp_size) != (2, 2):
+        text = (REPO / "accelerate_configs" / f"{config}.yaml").read_text()
+        for key, value in (("zero_stage", zero_stage), ("parallelism_config_sp_size", sp_size)):
+            assert f"{key}: 2" in text
+            text = text.replace(f"{key}: 2", f"{key}: {value}")
+        (out / "changed.yaml").write_text(text)
+        config = str((out / "changed").resolve())  # launch() reads accelerate_configs/<config>.yaml: an absolute path wins
+    launch(config, SCRIPT, *args, "--output_dir", str(out), num_processes=processes)
+    return torch.load(out / "result.pt", weights_only=False)
+
+
+def assert_one_generation_per_group(result: dict) -> None:
+    """The processes of each group returned the same sampled responses, and the groups different ones."""
+    generations, size = result["generations"], result["sp_size"]
+    groups = [generations[start : start + size] for start in range(0, len(generations), size)]
+    assert all(member == group[0] for group in groups for member in group)
+    assert len({str(group[0]) for group in groups}) == len(groups)
+
+
+def assert_same_training(result: dict, reference: dict) -> None:
+    """Same weights after the steps and the same statistics of both steps, to float32 rounding."""
+    assert sorted(result["named_parameters"]) == sorted(reference["named_parameters"])
+    for name, weight in reference["named_parameters"].items():
+        torch.testing.assert_close(result["named_parameters"][name], weight, rtol=1e-5, atol=1e-6, msg=name)
+    assert result["stats"][0]["ppo/loss/total"] != result["stats"][1]["ppo/loss/total"]
+    for ours, theirs in zip(result["stats"], reference["stats"]):
+        assert ours.keys() == theirs.keys()
+        for key, value in theirs.items():
+            np.testing.assert_allclose(ours[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize(
+    "sp_size, zero_stage, args",
+    [
+        (2, 2, ("--estimator", "gae", "--ptx", "1")),
+        (2, 2, ("--estimator", "grpo", "--loss_type", "seq_mean_token_mean")),
+        (2, 3, ("--estimator", "gae", "--gradient_checkpointing", "1", "--max_tokens", "40")),
+        (2, 2, ("--estimator", "gae", "--model", "qwen2")),
+        # 4 slices: the 2-token row is shorter than the number of slices, the long rows span several.
+        (4, 2, ("--estimator", "grpo", "--model", "gpt2_4_heads")),
+    ],
+)
+def test_one_group_equals_one_process(tmp_path, sp_size, zero_stage, args):
+    (tmp_path / "sp").mkdir()
+    (tmp_path / "alone").mkdir()
+    parallel = run_launched("deepspeed_sequence_parallel", sp_size, tmp_path / "sp", *args, zero_stage=zero_stage,
+                            sp_size=sp_size)  # fmt: skip
+    alone = run_alone(tmp_path / "alone", *args)
+    assert (parallel["sp_size"], parallel["num_processes"], alone["sp_size"]) == (sp_size, sp_size, 1)
+    assert_one_generation_per_group(parallel)
+    # Each process embedded about half of every packed pass: the longest slice is half the longest pass.
+    assert parallel["longest_slice"] < alone["longest_slice"]
+    if "--ptx" not in args:  # a PTX pass is not cut
+        assert parallel["longest_slice"] <= -(-alone["longest_slice"] // sp_size)
+    assert_same_training(parallel, alone)
+
+
+def test_two_groups_equal_two_processes_of_data_parallelism(tmp_path):
+    args = ("--estimator", "gae", "--loss_type", "global_token_mean")
+    (tmp_path / "sp").mkdir()
+    (tmp_path / "dp").mkdir()
+    parallel = run_launched("deepspeed_sequence_parallel", 4, tmp_path / "sp", *args)
+    data_parallel = run_launched("deepspeed_zero2", 2, tmp_path / "dp", *args)
+    assert (parallel["sp_size"], parallel["num_processes"]) == (2, 4)
+    assert (data_parallel["sp_size"], data_parallel["num_processes"]) == (1, 2)
+    assert_one_generation_per_group(parallel)
+    assert_same_training(parallel, data_parallel)
+
+
+def test_slice_slot_counts_match_brute_force():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        rows = int(torch.randint(1, 6, (1,), generator=g))
+        lengths = torch.randint(2, 20, (rows,), generator=g).tolist()
+        firsts, counts, start = [], [], 0
+        for length in lengths:
+            query = int(torch.randint(1, length, (1,), generator=g))
+            firsts.append(start + query - 1)
+            counts.append(length - query)
+            start += length
+        size = int(torch.randint(1, 5, (1,), generator=g))
+        chunk = -(-start // size)
+        positions = [f + k for f, n in zip(firsts, counts) for k in range(n)]
+        expected = tuple(sum(1 for p in positions if p // chunk == slice_index) for slice_index in range(size))
+        assert slice_slot_counts(size, chunk, firsts, counts) == expected
+        assert sum(expected) == sum(counts)
+
+
+def test_checks_name_what_sequence_parallelism_needs():
+    model = make_gpt2()  # 2 heads
+    check_heads(2, model)
+    with pytest.raises(ValueError, match="sp_size=4 .*2 query and 2 key/value heads"):
+        check_heads(4, model)
+    with pytest.raises(ValueError, match="set padding_free=True"):
+        check_models(2, False, [model], {id(model): model})
+    with pytest.raises(ValueError, match="attend per row"):
+        check_models(2, True, [model], {})
+    model.config._attn_implementation = "sdpa"
+    assert takes_row_lengths(model)
+    check_models(2, True, [model], {id(model): model})
+    with pytest.raises(ValueError, match="value_model=None"):
+        check_before_prepare(2, model, critic=make_gpt2())
+    assert getattr(model.config, "num_key_value_heads", None) is None
+    check_before_prepare(2, model)
+    assert model.config.num_key_value_heads == model.config.num_attention_heads == 2

@@ -1,0 +1,322 @@
+"""Sequence parallelism (Ulysses) for packed passes: the processes of one group share a batch, each
+holds a slice of every pass's token stream (docs/sequence_parallel.md, docs/algorithm.md section 21).
+
+A packed pass is one stream ``(1, N_total)`` of whole rows (:meth:`~trl_lite.trainer.rows.InputLayout.packed`).
+With ``sp`` processes in a group, the stream is padded to a multiple of ``sp`` with one row of padding
+and cut into ``sp`` equal slices; process ``k`` of the group runs the model on slice ``k``. Embeddings,
+MLPs and the LM head see only the local tokens. Around attention, DeepSpeed's Ulysses all-to-all
+(``UlyssesSPAttentionHF``) turns ``(1, H, N/sp, D)`` into ``(1, H/sp, N, D)``: whole rows on a share of
+the heads, on which trl_lite's packed per-row attention runs unchanged, and back after. Labels are read
+from the whole stream before the cut, so a slice's last token predicts the next slice's first.
+
+The per-slot results of the LM head (log-probs, entropy) and the per-token values are gathered over
+the group (:meth:`SequencePass.gather_slots`, :meth:`SequencePass.gather_tokens`): every process of the
+group then holds the whole rows' numbers and computes the same losses and statistics. The gathers'
+backward hands each process the gradient of its own slice only, so the processes' gradients add up to
+the whole rows' gradient; DeepSpeed's sequence-parallel reduction sums over all processes and divides by
+the number of groups (``world / sp``), which is the mean over the groups' batches: data parallelism.
+
+Configured as accelerate configures it: ``ParallelismConfig(sp_size=..., sp_backend="deepspeed")`` (an
+``Accelerator`` argument, or ``parallelism_config`` in the accelerate config file) under DeepSpeed, whose
+``prepare`` builds the groups (``deepspeed.runtime.sequence_parallel.parallel_state_sp``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..models.packed_attention import ROW_LENGTHS, packed_sdpa_attention_forward, packed_sdpa_mask
+from ..models.varlen_attention import packed_rows
+
+ULYSSES_SDPA = "trl_lite_ulysses_sdpa"
+SEQUENCE_PASS = "sequence_parallel_pass"
+
+
+def sequence_parallel_size(accelerator) -> int:
+    """Processes per sequence-parallel group of ``accelerator`` (its ``parallelism_config.sp_size``; 1 without)."""
+    config = getattr(accelerator, "parallelism_config", None)
+    return int(getattr(config, "sp_size", None) or 1)
+
+
+def data_parallel_size(accelerator) -> int:
+    """Groups that train on batches of their own: processes / sequence-parallel size."""
+    return accelerator.num_processes // sequence_parallel_size(accelerator)
+
+
+class _GatherPieces(torch.autograd.Function):
+    """Concatenate every group member's ``(n_k, ...)`` piece in group order (``torch.distributed.all_gather``).
+
+    Backward: this member's piece of the incoming gradient. Every member computes the same loss from
+    the gathered tensor, so the gradient of each piece is the same on every member and belongs to the
+    member that computed the piece; their parameter gradients add up to the whole rows' gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, piece, group, counts, rank):
+        width = max(counts)
+        padded = piece.new_zeros((width, *piece.shape[1:]))
+        padded[: piece.shape[0]] = piece
+        parts = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(parts, padded, group=group)
+        ctx.start, ctx.count = sum(counts[:rank]), counts[rank]
+        return torch.cat([part[:n] for part, n in zip(parts, counts)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.start : ctx.start + ctx.count], None, None, None
+
+
+@dataclass(frozen=True, eq=False)
+class SequencePass:
+    """This process's slice of one packed pass and what its attention layers need.
+
+    ``parallel``: the :class:`SequenceParallel` group; ``start``/``stop``: the slice of the padded stream
+    ``(1, sp * chunk)``; ``total``: the stream's tokens before padding; ``slot_counts``: the LM-head slots
+    (:func:`~trl_lite.trainer.rows.token_slots`) of each member's slice, host ints; ``rows``: the padded
+    stream's :class:`~trl_lite.models.varlen_attention.PackedRows` (the padding is a row of its own);
+    ``position_ids``: ``(1, chunk)`` this slice's position ids (each row's own).
+    """
+
+    parallel: SequenceParallel
+    start: int
+    stop: int
+    total: int
+    slot_counts: tuple
+    rows: object
+    position_ids: torch.Tensor
+
+    @property
+    def slots(self) -> slice:
+        """This slice's slots within the pass's ``N`` slots (slots run in stream order)."""
+        first = sum(self.slot_counts[: self.parallel.rank])
+        return slice(first, first + self.slot_counts[self.parallel.rank])
+
+    def gather_slots(self, *per_slot: torch.Tensor) -> tuple:
+        """Each ``(n_local, ...)`` per-slot tensor of this slice gathered to the pass's ``(N, ...)``; differentiable."""
+        parallel = self.parallel
+        return tuple(
+            _GatherPieces.apply(t, parallel.group, self.slot_counts, parallel.rank) if t is not None else None
+            for t in per_slot
+        )  # fmt: skip
+
+    def gather_tokens(self, per_token: torch.Tensor) -> torch.Tensor:
+        """A model's per-token output ``(1, chunk)`` of this slice gathered to ``(1, N_total)``; differentiable."""
+        parallel = self.parallel
+        chunk = self.stop - self.start
+        whole = _GatherPieces.apply(per_token[0], parallel.group, (chunk,) * parallel.size, parallel.rank)
+        return whole[: self.total].unsqueeze(0)
+
+
+class SequenceParallel:
+    """A sequence-parallel group: cuts packed passes into slices and runs Ulysses attention around them.
+
+    Args:
+        group: the ``torch.distributed`` group of this process's sequence-parallel members.
+        pad_id: the token id of the padding row.
+    """
+
+    def __init__(self, group, pad_id: int):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.pad_id = pad_id
+        self._engines = {}
+
+    @classmethod
+    def from_accelerator(cls, accelerator, pad_id: int) -> SequenceParallel | None:
+        """The group of a prepared run whose ``parallelism_config`` has ``sp_size > 1``, else None.
+
+        accelerate's DeepSpeed ``prepare`` built the groups and put DeepSpeed's Ulysses wrapper over
+        transformers' ``"sdpa"`` for every model; trl_lite puts it around its packed attention
+        (:data:`ULYSSES_SDPA`) instead, for the packed passes it cuts, and gives ``"sdpa"`` back its own
+        function: passes every process runs whole (generation, padded layouts) must not be exchanged.
+        """
+        size = sequence_parallel_size(accelerator)
+        if size == 1:
+            return None
+        if getattr(accelerator.state, "deepspeed_plugin", None) is None:
+            raise ValueError(
+                f"parallelism_config.sp_size={size} needs DeepSpeed (accelerate's sp_backend='deepspeed' runs under "
+                "distributed_type DEEPSPEED); launch with accelerate_configs/deepspeed_sequence_parallel.yaml."
+            )
+        from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
+        return cls(parallel_state_sp.get_sequence_parallel_group(), pad_id)
+
+    def share(self, value):
+        """``value`` as the group's first process has it, on every process of the group: generations (tensors,
+        lists and tuples of them) made once per group, so that ``step()`` gets one batch per group. Every
+        process generates (ZeRO-3 generation is collective) and keeps its tensors' device."""
+        holder = [_to_device(value, "cpu")]
+        dist.broadcast_object_list(holder, group_src=0, group=self.group)
+        device = next((t.device for t in _tensors(value)), None)
+        return holder[0] if device is None else _to_device(holder[0], device)
+
+    def slice_buffer_rows(self, buffer_rows: int, tokens: list[int], mini_batch_size: int, max_tokens: int | None) -> int:
+        """The most LM-head slots one slice of any pass of a step can hold: at most the slots of a whole pass
+        (``buffer_rows``) and at most a slice's tokens, ``ceil(T / size)`` for the largest pass's ``T`` tokens
+        (passes of ``mini_batch_size`` rows, or under a budget of ``max_tokens``; ``tokens``: each row's)."""
+        longest = sorted(tokens, reverse=True)
+        largest_pass = sum(longest[:mini_batch_size])
+        if max_tokens is not None:
+            largest_pass = max(min(max_tokens, sum(longest)), longest[0])
+        return min(buffer_rows, math.ceil(largest_pass / self.size))
+
+    # ------------------------------------------------------------------------------------------
+    # Cutting a packed pass
+    # ------------------------------------------------------------------------------------------
+    def cut(self, inputs: dict, lengths: list[int], firsts: list[int], counts: list[int]) -> tuple[dict, SequencePass]:
+        """This process's slice of a packed pass's model ``inputs`` (:meth:`~trl_lite.trainer.rows.InputLayout.packed`).
+
+        ``lengths``: the rows' tokens; ``firsts``: the stream position of each row's first slot; ``counts``:
+        each row's slots (host ints). Returns the inputs of the slice - ``input_ids``, ``position_ids``
+        ``(1, chunk)`` and ``logits_positions`` of its slots, relative to the slice - and its :class:`SequencePass`.
+        """
+        total = sum(lengths)
+        chunk = math.ceil(total / self.size)
+        pad = chunk * self.size - total
+        start, stop = self.rank * chunk, (self.rank + 1) * chunk
+        slot_counts = slice_slot_counts(self.size, chunk, firsts, counts)
+        input_ids, position_ids = inputs["input_ids"], inputs["position_ids"]
+        if pad:
+            input_ids = torch.nn.functional.pad(input_ids, (0, pad), value=self.pad_id)
+            padding_positions = torch.arange(pad, device=position_ids.device).unsqueeze(0)
+            position_ids = torch.cat((position_ids, padding_positions), dim=1)
+        rows = packed_rows(list(lengths) + ([pad] if pad else []), input_ids.device)
+        local_positions = position_ids[:, start:stop]
+        piece = SequencePass(self, start, stop, total, slot_counts, rows, local_positions)
+        batch_index, token_positions = inputs["logits_positions"]
+        local = {
+            **inputs,
+            "input_ids": input_ids[:, start:stop],
+            "position_ids": local_positions,
+            "logits_positions": (batch_index[piece.slots], token_positions[piece.slots] - start),
+        }
+        return local, piece
+
+    # ------------------------------------------------------------------------------------------
+    # Attention
+    # ------------------------------------------------------------------------------------------
+    def engine(self, query: torch.Tensor, key: torch.Tensor):
+        """DeepSpeed's Ulysses attention for layers of ``query (1, Hq, n, D)`` and ``key (1, Hkv, n, D)``, made once."""
+        heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[3]
+        engine = self._engines.get((heads, kv_heads, head_dim))
+        if engine is None:
+            from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+            engine = UlyssesSPAttentionHF(
+                attn=_whole_rows_attention, batch_size=1, attn_head_count=heads, attn_head_size=head_dim,
+                kv_head_count=kv_heads, num_hidden_layers=1, process_group=self.group, seq_length_is_variable=True,
+            )  # fmt: skip
+            self._engines[(heads, kv_heads, head_dim)] = engine
+        return engine
+
+
+def _tensors(value):
+    """The tensors of ``value``: a tensor, or lists and tuples of them (nested)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _to_device(value, device):
+    """``value`` (a tensor, or lists and tuples of them) with every tensor on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(item, device) for item in value)
+    return value
+
+
+def slice_slot_counts(size: int, chunk: int, firsts: list[int], counts: list[int]) -> tuple:
+    """LM-head slots in each of ``size`` slices of ``chunk`` stream positions: row ``j``'s ``counts[j]`` slots
+    sit at positions ``firsts[j] ..``, each slot counted in the slice holding its position (host ints)."""
+    return tuple(
+        sum(max(0, min(f + n, (k + 1) * chunk) - max(f, k * chunk)) for f, n in zip(firsts, counts))
+        for k in range(size)
+    )  # fmt: skip
+
+
+def check_heads(size: int, transformers_model) -> None:
+    """Raise ValueError when ``transformers_model``'s attention heads do not split over ``size`` processes."""
+    config = transformers_model.config.get_text_config()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % size or (kv_heads % size and size % kv_heads):
+        raise ValueError(
+            f"sequence parallelism over sp_size={size} processes splits the attention heads among them: "
+            f"{type(transformers_model).__name__} has {heads} query and {kv_heads} key/value heads; the query heads "
+            "must be a multiple of sp_size, the key/value heads a multiple or a divisor of it."
+        )
+
+
+def check_models(size: int, pack: bool, modules: list, row_attention: dict) -> None:
+    """Raise ValueError unless every model of the passes (``modules``) can run cut over ``size`` processes:
+    packed passes, attention per row (each slice's attention layers must see the rows), heads that split."""
+    if not pack:
+        raise ValueError(
+            f"sequence parallelism (sp_size={size}) cuts packed passes: set padding_free=True (packed mini-batches) "
+            "with models that can pack."
+        )
+    for module in modules:
+        if id(module) not in row_attention:
+            raise ValueError(
+                f"sequence parallelism (sp_size={size}) needs models whose packed passes attend per row (sdpa "
+                f"attention passing extra keywords to its layers); {type(module).__name__} does not."
+            )
+        check_heads(size, row_attention[id(module)])
+
+
+def check_before_prepare(size: int, model, critic=None) -> None:
+    """What a run of sequence-parallel ``size`` needs before accelerate's DeepSpeed ``prepare`` sees ``model``.
+
+    accelerate builds the groups once, in the first ``prepare`` of a model: a separate ``critic``, prepared
+    by a second call, would build them again (DeepSpeed refuses), so it raises ValueError. DeepSpeed's
+    registration reads ``num_key_value_heads`` from the model's config, which configs of models whose every
+    head has its own keys and values (GPT-2's) lack: it is set to the head count, which is what it means.
+    """
+    if critic is not None:
+        raise ValueError(
+            f"sequence parallelism (sp_size={size}) under accelerate's DeepSpeed takes one trained model: use the "
+            "policy's value head (value_model=None) or a critic-free advantage_estimator."
+        )
+    text_config = model.config.get_text_config()
+    if getattr(text_config, "num_key_value_heads", None) is None:
+        text_config.num_key_value_heads = text_config.num_attention_heads
+
+
+def _whole_rows_attention(module, query, key, value, attention_mask, **kwargs):
+    """The attention Ulysses runs between its all-to-alls: packed per-row attention on whole rows
+    (``query (1, H/sp, N, D)``); the gathered ``position_ids`` Ulysses adds are not needed (the rows are)."""
+    kwargs.pop("position_ids", None)
+    return packed_sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+
+def ulysses_attention_forward(module, query, key, value, attention_mask, **kwargs):
+    """Attention of one slice of a packed pass (``kwargs[SEQUENCE_PASS]``): ``query (1, H, n, D)`` ->
+    ``((1, n, H, D), None)``, through DeepSpeed's Ulysses all-to-all and packed attention on whole rows.
+
+    Without a :class:`SequencePass` (a pass that was not cut): plain packed attention.
+    """
+    piece = kwargs.pop(SEQUENCE_PASS, None)
+    if piece is None:
+        return packed_sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    kwargs[ROW_LENGTHS] = piece.rows
+    kwargs["position_ids"] = piece.position_ids
+    out, weights = piece.parallel.engine(query, key)(module, query, key, value, None, **kwargs)
+    return out.reshape(query.shape[0], query.shape[2], query.shape[1], -1), weights
+
+
+AttentionInterface.register(ULYSSES_SDPA, ulysses_attention_forward)
+AttentionMaskInterface.register(ULYSSES_SDPA, packed_sdpa_mask)
