@@ -122,7 +122,8 @@ class _ChunkedLinearLogProbsAndEntropy(torch.autograd.Function):
             log_sum_exp[rows] = torch.logsumexp(z, dim=-1)
             log_p = z.sub_(log_sum_exp[rows].unsqueeze(-1))  # the logits are not needed again
             logprobs[rows] = log_p.gather(-1, flat_labels[rows]).squeeze(-1)
-            entropy[rows] = -torch.linalg.vecdot(torch.exp(log_p, out=p_buf[: len(z)]), log_p)
+            # In place, no matrix-product op: the forward may run under autocast, which would cast one to bf16.
+            entropy[rows] = -log_p.mul_(torch.exp(log_p, out=p_buf[: len(z)])).sum(-1)
         ctx.save_for_backward(hidden, weight, bias, flat_labels, log_sum_exp, entropy)
         ctx.chunk_size, ctx.temperature, ctx.autocast = chunk_size, temperature, autocast_state(hidden)
         ctx.set_materialize_grads(False)
@@ -143,7 +144,8 @@ class _ChunkedLinearLogProbsAndEntropy(torch.autograd.Function):
         z_buf, p_buf = _work_buffers(n, chunk_size, weight, 2)
         for start in range(0, n, chunk_size):
             rows = slice(start, start + chunk_size)
-            log_p = _chunk_logits(hidden[rows], weight, bias, temperature, z_buf)
+            with under_autocast(ctx.autocast):  # the forward's logits exactly: its log-sum-exp is reused
+                log_p = _chunk_logits(hidden[rows], weight, bias, temperature, z_buf)
             log_p.sub_(log_sum_exp[rows].unsqueeze(-1))
             chunk_g_h = None if g_h is None else g_h[rows]
             grad_z = _logits_grad(log_p, p_buf[: len(log_p)], labels[rows], entropy[rows], g_lp[rows], chunk_g_h)
@@ -236,5 +238,5 @@ def full_kl_from_hidden(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, 
         log_p = torch.log_softmax(_chunk_logits(hidden[rows], weight, bias, temperature, z_buf), dim=-1)
         log_q = _chunk_logits(ref_hidden[rows], ref_weight, ref_bias, temperature, q_buf)
         log_q = log_q.sub_(torch.logsumexp(log_q, dim=-1, keepdim=True)).neg_().add_(log_p)  # log p - log q
-        out[rows] = torch.linalg.vecdot(log_p.exp_(), log_q)
+        out[rows] = log_q.mul_(log_p.exp_()).sum(-1)  # not vecdot: autocast would run it in half precision
     return out

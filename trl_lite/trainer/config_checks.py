@@ -81,6 +81,7 @@ def validate_config(config) -> None:
             raise TypeError(f"{name} must be a dict, got {type(getattr(config, name)).__name__}.")
     _validate_objective(config)
     _validate_engine(config)
+    _validate_memory(config)
     config.backward_batch_size = backward_batch_size
     # Not a field (as in classic TRL): the step() calls of a script's run, which classic scripts read.
     config.total_ppo_epochs = math.ceil(config.steps / config.batch_size)
@@ -160,6 +161,21 @@ def _validate_engine(config) -> None:
         raise ValueError(
             "vllm_enable_sleep_mode=True applies to colocated engines (vllm_mode='colocate'); a vLLM server "
             "manages its own memory (see python -m trl_lite.vllm_server --help)."
+        )
+
+
+def _validate_memory(config) -> None:
+    """``lm_head_chunk_size``: None (automatic), 0 (one buffer) or a positive number of tokens per chunk."""
+    chunk = config.lm_head_chunk_size
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)):
+        raise TypeError(
+            f"lm_head_chunk_size must be None (automatic), 0 (one buffer) or a positive int (tokens per chunk), "
+            f"got {chunk!r} ({type(chunk).__name__})."
+        )
+    if chunk is not None and chunk < 0:
+        raise ValueError(
+            f"lm_head_chunk_size must be None (automatic), 0 (one buffer) or a positive int (tokens per chunk), "
+            f"got {chunk}."
         )
 
 

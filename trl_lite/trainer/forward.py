@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from ..core import full_kl_from_logits, logprobs_from_hidden, logprobs_from_logits
+from ..core import full_kl_from_hidden, full_kl_from_logits, lm_head_chunk_size, logprobs_from_hidden, logprobs_from_logits
 from ..models import PreTrainedModelWrapper
 from ..models.packed_attention import ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths
 from ..models.varlen_attention import packed_rows
@@ -42,11 +42,13 @@ class ForwardPass:
             transformers' block-diagonal mask, to the same result.
         reuse_logits_buffer: whether the fused LM head writes into one buffer kept between passes
             (CPU with ``keep_freed_cpu_memory``, see :meth:`logits_out`).
+        lm_head_chunk_size: ``PPOConfig.lm_head_chunk_size`` (None: automatic; see :meth:`head_chunk_size`).
     """
 
     def __init__(self, accelerator, models: list[tuple], layout: InputLayout, *, is_encoder_decoder: bool,
                  mini_batch_size: int, pack: bool = False, row_attention: dict | None = None,
-                 reuse_logits_buffer: bool = False, max_tokens: int | None = None):  # fmt: skip
+                 reuse_logits_buffer: bool = False, max_tokens: int | None = None,
+                 lm_head_chunk_size: int | None = None):  # fmt: skip
         self.accelerator = accelerator
         self.device = accelerator.device
         self.models = models
@@ -57,8 +59,10 @@ class ForwardPass:
         self.row_attention = row_attention or {}
         self.reuse_logits_buffer = reuse_logits_buffer
         self.max_tokens = max_tokens
+        self.lm_head_chunk_size = lm_head_chunk_size
         self._logits_buffer = None
         self._warned_long_row = False
+        self._warned_no_chunks = False
 
     @classmethod
     def build(cls, accelerator, policy, reference, critic, tokenizer, config, pack: bool) -> ForwardPass:
@@ -81,7 +85,8 @@ class ForwardPass:
         reuse = accelerator.device.type == "cpu" and config.keep_freed_cpu_memory
         return cls(accelerator, models, layout, is_encoder_decoder=unwrapped.is_encoder_decoder,
                    mini_batch_size=config.mini_batch_size, pack=pack, row_attention=row_attention,
-                   reuse_logits_buffer=reuse, max_tokens=config.max_tokens_per_minibatch)  # fmt: skip
+                   reuse_logits_buffer=reuse, max_tokens=config.max_tokens_per_minibatch,
+                   lm_head_chunk_size=config.lm_head_chunk_size)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------
     # Rows and mini-batches
@@ -153,7 +158,33 @@ class ForwardPass:
         instead of two, of the same size in every mini-batch of a step. Asked every pass: the head
         may be replaced (``resize_token_embeddings``) after the trainer is made.
         """
-        return self.unwrapped(model).linear_lm_head()
+        head = self.unwrapped(model).linear_lm_head()
+        if head is None and self.lm_head_chunk_size and not self._warned_no_chunks:
+            self._warned_no_chunks = True
+            warnings.warn(
+                f"lm_head_chunk_size={self.lm_head_chunk_size} does not apply to {type(self.unwrapped(model)).__name__}: "
+                "its LM head is not a plain nn.Linear the trainer may apply itself (an encoder-decoder, whose "
+                "head input the model rescales; logits the model post-processes, e.g. soft-capping; an adapter "
+                "or quantised head; a ZeRO-3 partitioned weight), so its passes take the model's own "
+                "(tokens x vocabulary) logits, as without chunks.",
+                stacklevel=3,
+            )
+        return head
+
+    def head_chunk_size(self, tokens: int, head: torch.nn.Linear) -> int:
+        """Tokens per chunk of the fused ``head`` in passes of up to ``tokens`` token slots; 0: one buffer.
+
+        ``PPOConfig.lm_head_chunk_size`` as given, or when None the automatic rule of
+        :func:`~trl_lite.core.lm_head_chunk_size` (one buffer while it is small on this device).
+        """
+        weight = head.weight
+        return lm_head_chunk_size(tokens, weight.shape[0], weight.device.type, self.lm_head_chunk_size)
+
+    def step_chunk_size(self, rows: Rows, model) -> int:
+        """The head path ``model``'s passes over ``rows`` take: its chunk size, 0 for one buffer or the
+        model's own logits (the statistic ``memory/lm_head_chunk_size``)."""
+        head = self.unwrapped(model).linear_lm_head()
+        return 0 if head is None else self.head_chunk_size(rows.buffer_rows, head)
 
     def head_autocast(self):
         """The autocast state of the models' forward, for the LM head the passes apply outside the model.
@@ -221,12 +252,13 @@ class ForwardPass:
         return outputs, targets, values, slots, width
 
     def logprobs(self, model, rows: Rows, index: list[int], idx: torch.Tensor, return_logits: bool = False,
-                 return_values: bool = True, critic=None):  # fmt: skip
+                 return_values: bool = True, critic=None, return_head_inputs: bool = False):  # fmt: skip
         """Log-probs and values at the action positions of rows ``index``, without the entropy.
 
         Shapes: logprobs, values ``(b, L_mb)`` (log-probs 0 past each response; values None without
         ``return_values``); with ``return_logits`` also the logits ``(N, V)`` at the token slots and
-        the slots (else None for both); and ``L_mb``.
+        the slots (else None for both) - or with ``return_head_inputs`` (the model has a linear head)
+        the head's inputs ``(N, H)`` there instead of the logits; and ``L_mb``.
         """
         head = None if return_logits else self.linear_head(model)
         outputs, targets, values, slots, width = self.head_inputs(
@@ -235,11 +267,23 @@ class ForwardPass:
         if head is None:
             logprobs = logprobs_from_logits(outputs, targets)
         else:
-            out = self.logits_out(rows, head)
+            chunk = self.head_chunk_size(rows.buffer_rows, head)
+            out = None if chunk else self.logits_out(rows, head)
             with self.head_autocast():
-                logprobs = logprobs_from_hidden(outputs, head.weight, head.bias, targets, rows.buffer_rows, out)
+                logprobs = logprobs_from_hidden(outputs, head.weight, head.bias, targets, rows.buffer_rows, out, chunk)
         logprobs = to_compact(logprobs, slots, len(index), width)
-        return logprobs, values, (outputs if return_logits else None), (slots if return_logits else None), width
+        keep = return_logits or return_head_inputs
+        return logprobs, values, (outputs if keep else None), (slots if keep else None), width
+
+    def kl_chunk_size(self, rows: Rows, policy, reference) -> int:
+        """Tokens per chunk of the rollout's full KL (``kl_penalty="full"``) from both models' head inputs, or 0:
+        both models' logits ``(N, V)`` one mini-batch at a time (one buffer, or a model without a linear head)."""
+        with reference() as ref:
+            ref_head = self.linear_head(ref)
+        head = self.linear_head(policy)
+        if head is None or ref_head is None:
+            return 0
+        return self.head_chunk_size(rows.buffer_rows, head)
 
     @torch.no_grad()
     def rollout(self, rows: Rows, policy, reference, critic=None, policy_values: bool = True, full_kl: bool = False,
@@ -249,7 +293,8 @@ class ForwardPass:
         ``reference``: a context-manager factory yielding the module that computes reference
         log-probs. Returns logprobs, ref_logprobs, values ``(B, L)`` (values zero when neither
         ``policy_values`` nor a ``critic`` gives them) and, with ``full_kl``, the exact per-token KL
-        ``(B, L)`` (else None). Full-KL logits live one mini-batch at a time. ``policy_pass`` /
+        ``(B, L)`` (else None). Full-KL logits live one mini-batch at a time, or one chunk of tokens at a
+        time (:meth:`kl_chunk_size`: from both models' head inputs). ``policy_pass`` /
         ``reference_pass`` False: that model does not run and its results are None (see
         :class:`~.rollout_plan.RolloutPlan`; ``full_kl`` needs both).
         """
@@ -258,11 +303,13 @@ class ForwardPass:
         policy.eval()
         if critic is not None:
             critic.eval()
+        kl_chunk = self.kl_chunk_size(rows, policy, reference) if full_kl else 0
+        kl_outputs = {"return_logits": full_kl and not kl_chunk, "return_head_inputs": bool(kl_chunk)}
         with self.per_row_attention():
             for index, idx in self.minibatches(rows):
                 if policy_pass:
                     logprobs, values, logits, slots, w = self.logprobs(
-                        policy, rows, index, idx, return_logits=full_kl, return_values=policy_values, critic=critic
+                        policy, rows, index, idx, return_values=policy_values, critic=critic, **kl_outputs
                     )
                     out[0, idx, :w] = logprobs
                     if values is not None:
@@ -270,15 +317,28 @@ class ForwardPass:
                 if reference_pass:
                     with reference() as ref:
                         ref_logprobs, _, ref_logits, _, w = self.logprobs(
-                            ref, rows, index, idx, return_logits=full_kl, return_values=False
+                            ref, rows, index, idx, return_values=False, **kl_outputs
                         )
+                        ref_head = self.linear_head(ref) if kl_chunk else None
                     out[1, idx, :w] = ref_logprobs
                 if full_kl:
-                    out[3, idx, :w] = to_compact(full_kl_from_logits(logits, ref_logits), slots, len(index), w)
+                    kl = self.full_kl(logits, ref_logits, policy, ref_head, kl_chunk)
+                    out[3, idx, :w] = to_compact(kl, slots, len(index), w)
         mask = rows.action_mask
         logprobs = out[0] * mask if policy_pass else None
         values = out[2] * mask if policy_pass else None
         return logprobs, (out[1] * mask if reference_pass else None), values, (out[3] * mask if full_kl else None)
+
+    def full_kl(self, outputs, ref_outputs, policy, ref_head, chunk: int) -> torch.Tensor:
+        """Exact per-token KL of policy vs reference ``(N,)``: from their logits ``(N, V)`` (``chunk`` 0), or from
+        their head inputs ``(N, H)`` and heads, ``chunk`` tokens at a time (docs/algorithm.md section 4)."""
+        if not chunk:
+            return full_kl_from_logits(outputs, ref_outputs)
+        head = self.linear_head(policy)
+        with self.head_autocast():
+            return full_kl_from_hidden(
+                outputs, head.weight, head.bias, ref_outputs, ref_head.weight, ref_head.bias, chunk
+            )
 
     def prepare_model_inputs(self, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> dict:
         """Pad one batch the classic way: query+response (decoder-only) or encoder/decoder inputs.

@@ -86,7 +86,8 @@ class Learner:
         :class:`~.pass_plan.PassPlan`; returns the averaged ``ppo/*`` statistics (per mini-batch, or per
         backward batch under a token budget), the ratios of every trained token,
         ``ppo/skipped_minibatches``, and the passes' count and tokens (``ppo/minibatches``,
-        ``ppo/tokens_per_minibatch/mean|max``) - and, when the experience has no rollout log-probs
+        ``ppo/tokens_per_minibatch/mean|max``), the LM head's path (``memory/lm_head_chunk_size``: tokens per
+        chunk, 0 for one buffer) - and, when the experience has no rollout log-probs
         (:class:`~.rollout_plan.RolloutPlan`), the training forwards' log-probs ``(B, L)``, detached, which
         were ``lp_old`` (else None)."""
         config = self.config
@@ -138,6 +139,7 @@ class Learner:
         if experience.kl_in_loss and experience.ref_logprobs is None:
             stats["ppo/policy/kl_loss"] = torch.tensor(float("nan"))  # its coefficient is 0: not measured
         stats["ppo/minibatches"] = torch.tensor(float(len(pass_tokens)))
+        stats["memory/lm_head_chunk_size"] = torch.tensor(float(self.forward.step_chunk_size(experience.rows, self.model)))
         stats["ppo/tokens_per_minibatch/mean"] = torch.tensor(sum(pass_tokens) / max(len(pass_tokens), 1))
         stats["ppo/tokens_per_minibatch/max"] = torch.tensor(float(max(pass_tokens, default=0)))
         return stats, forward_logprobs
@@ -174,9 +176,11 @@ class Learner:
             if head is None:
                 logprobs, entropy = logprobs_and_entropy_from_logits(outputs, targets)
             else:
+                chunk = forward.head_chunk_size(rows.buffer_rows, head)
+                out = None if chunk else forward.logits_out(rows, head)
                 with forward.head_autocast():
                     logprobs, entropy = logprobs_and_entropy_from_hidden(
-                        outputs, head.weight, head.bias, targets, rows.buffer_rows, forward.logits_out(rows, head)
+                        outputs, head.weight, head.bias, targets, rows.buffer_rows, out, chunk
                     )
             del outputs  # the logits, when the head ran in the model: the saved softmax replaces them
             logprobs = to_compact(logprobs, slots, len(mb.index), width)
@@ -438,8 +442,9 @@ class Learner:
             logprobs, _ = logprobs_and_entropy_from_logits(outputs, targets)
         else:
             # Not the forward part's shared logits buffer: it holds the PPO pass's softmax until the backward.
+            chunk = self.forward.head_chunk_size(total, head)
             with self.forward.head_autocast():
-                logprobs, _ = logprobs_and_entropy_from_hidden(outputs, head.weight, head.bias, targets, total)
+                logprobs, _ = logprobs_and_entropy_from_hidden(outputs, head.weight, head.bias, targets, total, None, chunk)
         return -logprobs.mean() if denominator is None else -logprobs.sum() / denominator
 
     # ------------------------------------------------------------------------------------------
