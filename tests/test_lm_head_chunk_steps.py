@@ -241,6 +241,10 @@ def test_bench_step_one_buffer_method_and_vocab_workload():
     _reset_accelerate_state()
     with pytest.raises(ValueError, match="'step-one-buffer' exists for the value-head workloads, not 'grpo-w1'"):
         bench.make_step_fn("step-one-buffer", bench.GRPO_W1, "cpu", torch.float32)
+    # w1 and w3: whatever rows a step draws, every pass fits the CPU's one buffer - the default is today's path.
+    for workload in (bench.W1, bench.W3):
+        most_slots = workload.mini_batch_size * workload.response_len[1]
+        assert lm_head_module.lm_head_chunk_size(most_slots, workload.vocab_size, "cpu") == 0
     vocab = bench.VOCAB
     assert vocab.vocab_size == 151_936 and vocab.batch_size == vocab.mini_batch_size
     fewest_slots = vocab.batch_size * vocab.response_len[0]
