@@ -43,8 +43,10 @@ from transformers import GPT2Config, GPT2LMHeadModel
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULT_MARKER = "BENCH_RESULT "
 METHODS = ("step", "step-padded", "floor")
-# Methods only some workloads have, never run by default: "step-every-pass" (grpo-beta0) forces both passes.
-EXTRA_METHODS = ("step-every-pass",)
+# Methods only some workloads have, never run by default: "step-every-pass" (grpo-beta0) forces both passes;
+# "step-one-buffer" (the value-head workloads) is "step" with lm_head_chunk_size=0, the LM head's path before
+# issue 42: one (tokens x vocabulary) buffer per pass, whatever its size.
+EXTRA_METHODS = ("step-every-pass", "step-one-buffer")
 # The floor over packed mini-batches with the trainer's packed attention (one varlen kernel call per
 # layer on CUDA): "step vs floor-packed" compares the same attention on both sides. Default on CUDA.
 PACKED_FLOOR = "floor-packed"
@@ -250,7 +252,20 @@ def make_qwen2(workload: Qwen2Workload, device: str, dtype: torch.dtype):
 
 # --- end of w4 block ------------------------------------------------------------------------------
 
+# --- vocab: the LM head dominates (issue 42) ------------------------------------------------------
+# Qwen2's vocabulary on a 2-layer model of hidden size 64 with long responses: a pass's float32
+# (tokens x vocabulary) logits (about 1.2 GB for its one mini-batch of 2 rows of up to 1024 response tokens) dwarf
+# the model, its gradients and Adam state, so "step" (the default: chunks above 256 MiB on CPU) against
+# "step-one-buffer" measures what the chunked head saves and costs.
+VOCAB = Qwen2Workload(
+    "vocab", n_layer=2, n_embd=64, n_head=2, n_kv_head=1, intermediate_size=128, vocab_size=151936,
+    batch_size=2, mini_batch_size=2, ppo_epochs=1, query_len=(16, 32), response_len=(512, 1024),
+    response_spread="uniform",
+)  # fmt: skip
+# --- end of vocab block ---------------------------------------------------------------------------
+
 WORKLOAD_GROUPS = {"w1": lambda: [W1], "w2": lambda: [W2], "w3": lambda: [W3], "w4": lambda: [W4], "sweep": sweep_workloads}
+WORKLOAD_GROUPS["vocab"] = lambda: [VOCAB]
 WORKLOAD_GROUPS["long"] = long_workloads
 # `long` at 1/16 of its lengths and 2 layers: what a shared 2-core CPU measures in minutes (same width and vocabulary).
 WORKLOAD_GROUPS["long-small"] = lambda: long_workloads(scale=16)
@@ -591,8 +606,11 @@ def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtyp
     # Any workload named grpo-beta0* (the tests' smaller one too) is stepped like grpo-beta0.
     if workload.name.startswith(GRPO_BETA0.name):
         return make_grpo_beta0_step_fn(method, workload, device, dtype)
-    if method in EXTRA_METHODS:
+    if method == "step-every-pass":
         raise ValueError(f"method {method!r} applies to the grpo-beta0 workload, not {workload.name!r}")
+    one_buffer_unsupported = isinstance(workload, CriticFreeWorkload) or workload.name in CRITIC_WORKLOADS
+    if method == "step-one-buffer" and one_buffer_unsupported:
+        raise ValueError(f"method {method!r} exists for the value-head workloads, not {workload.name!r}")
     if method == PACKED_FLOOR and not packed_floor_supported(workload):
         raise ValueError(f"method {PACKED_FLOOR!r} exists for the value-head workloads, not {workload.name!r}")
     if isinstance(workload, CriticFreeWorkload) and workload.advantage_estimator != "gae":
@@ -612,6 +630,8 @@ def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtyp
     ref_model = AutoModelForCausalLMWithValueHead.from_pretrained(ref_lm).to(device=device, dtype=dtype)
     options = json.loads(workload.options)
     with_generation_logprobs = options.pop("generation_logprobs", False)
+    if method == "step-one-buffer":
+        options["lm_head_chunk_size"] = 0
     config = PPOConfig(
         batch_size=workload.batch_size,
         mini_batch_size=workload.mini_batch_size,

@@ -39,6 +39,7 @@ from .classic import (
     top_k_top_p_filtering,
     whiten,
 )
+from .lm_head import full_kl_from_hidden, lm_head_chunk_size
 from .logprobs import (
     entropy_from_logits,
     full_kl_from_logits,
@@ -90,6 +91,7 @@ __all__ = [
     "ends_with_stop",
     "entropy_from_logits",
     "flatten_dict",
+    "full_kl_from_hidden",
     "full_kl_from_logits",
     "grpo_advantages",
     "groups_with_equal_scores",
@@ -98,6 +100,7 @@ __all__ = [
     "kl_estimate",
     "last_index",
     "listify_batch",
+    "lm_head_chunk_size",
     "logprobs_and_entropy_from_hidden",
     "logprobs_and_entropy_from_logits",
     "logprobs_from_hidden",

@@ -8,6 +8,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .lm_head import (
+    autocast_state,
+    check_head_options,
+    chunked_logprobs,
+    chunked_logprobs_and_entropy,
+    head_input,
+    under_autocast,
+)
+
 # Vocabulary-sized work runs a few rows at a time. On CPU a chunk of about 2 MiB stays in cache,
 # which makes the softmax kernels about twice as fast as one pass over a (rows, V) tensor, and the
 # transient float32 copies stay small; accelerators get large chunks (few kernel launches).
@@ -21,8 +30,11 @@ def _chunk_rows(logits: torch.Tensor) -> int:
     return max(1, budget // (4 * logits.shape[-1]))
 
 
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, gather: bool = True) -> torch.Tensor:
-    """Log-probability of ``labels`` under ``logits``: the chosen logit minus the log-sum-exp of its row.
+def logprobs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, gather: bool = True, temperature: float = 1.0
+) -> torch.Tensor:
+    """Log-probability of ``labels`` under ``softmax(logits / temperature)``: the chosen (scaled) logit minus the
+    log-sum-exp of its row.
 
     Evaluated a few rows at a time (a fused log-softmax per chunk, then a gather), so no
     full-vocabulary copy is made; half-precision logits are upcast to float32 chunk by chunk.
@@ -30,8 +42,9 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, gather: boo
 
     Shape: logits ``(..., V)``, labels ``(...)`` -> ``(...)`` (``(..., V)`` without gather).
     """
+    check_head_options(temperature=temperature)
     if not gather:
-        return F.log_softmax(logits, dim=-1)
+        return F.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
     flat = logits.reshape(-1, logits.shape[-1])
     flat_labels = labels.reshape(-1, 1)
     out = flat.new_empty(flat.shape[0], dtype=torch.promote_types(logits.dtype, torch.float32))
@@ -39,8 +52,15 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, gather: boo
     for start in range(0, flat.shape[0], step):
         rows = slice(start, start + step)
         # One expression, so the chunk's log-softmax is freed before the next one is allocated.
-        out[rows] = F.log_softmax(flat[rows].to(out.dtype), dim=-1).gather(-1, flat_labels[rows]).squeeze(-1)
+        out[rows] = F.log_softmax(_scaled(flat[rows].to(out.dtype), temperature), dim=-1).gather(
+            -1, flat_labels[rows]
+        ).squeeze(-1)
     return out.reshape(labels.shape)
+
+
+def _scaled(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``z / temperature`` as a new tensor; ``z`` itself at temperature 1 (no extra op)."""
+    return z if temperature == 1.0 else z / temperature
 
 
 class _LogProbsAndEntropy(torch.autograd.Function):
@@ -55,7 +75,7 @@ class _LogProbsAndEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, labels):
+    def forward(ctx, logits, labels, temperature):
         flat = logits.reshape(-1, logits.shape[-1])
         flat_labels = labels.reshape(-1, 1)
         dtype = torch.promote_types(logits.dtype, torch.float32)
@@ -66,7 +86,7 @@ class _LogProbsAndEntropy(torch.autograd.Function):
         product = torch.empty((min(step, flat.shape[0]), flat.shape[1]), dtype=dtype, device=flat.device)
         for start in range(0, flat.shape[0], step):
             rows = slice(start, start + step)
-            z, p, target = flat[rows].to(dtype), probs[rows], flat_labels[rows]
+            z, p, target = _scaled(flat[rows].to(dtype), temperature), probs[rows], flat_labels[rows]
             torch.log_softmax(z, dim=-1, out=p)
             logprobs[rows] = p.gather(-1, target).squeeze(-1)
             log_sum_exp = z.gather(-1, target).squeeze(-1) - logprobs[rows]
@@ -74,7 +94,7 @@ class _LogProbsAndEntropy(torch.autograd.Function):
             p_times_z = torch.mul(p.exp_(), z, out=product[: len(p)])
             entropy[rows] = log_sum_exp - p_times_z.sum(-1)
         ctx.save_for_backward(probs, flat_labels, entropy)
-        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+        ctx.logits_shape, ctx.logits_dtype, ctx.temperature = logits.shape, logits.dtype, temperature
         ctx.set_materialize_grads(False)
         return logprobs.reshape(labels.shape), entropy.reshape(labels.shape)
 
@@ -82,16 +102,22 @@ class _LogProbsAndEntropy(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy):
         probs, labels, entropy = ctx.saved_tensors
         # The saved softmax is not needed again: its memory becomes the gradient.
-        grad_logits = _softmax_to_grad(probs, labels, entropy, grad_logprobs, grad_entropy)
-        return grad_logits.to(ctx.logits_dtype).reshape(ctx.logits_shape), None
+        grad_logits = _softmax_to_grad(probs, labels, entropy, grad_logprobs, grad_entropy, ctx.temperature)
+        return grad_logits.to(ctx.logits_dtype).reshape(ctx.logits_shape), None, None
 
 
-def _softmax_to_grad(probs, labels, entropy, grad_logprobs, grad_entropy) -> torch.Tensor:
+def _softmax_to_grad(probs, labels, entropy, grad_logprobs, grad_entropy, temperature: float) -> torch.Tensor:
     """The logits' gradient, written over the softmax ``probs`` ``(N, V)`` in place.
 
-    ``grad_z = (onehot - p) g_lp - p (log p + H) g_H``, i.e. ``-p (g_lp + H g_H) - xlogy(p, p) g_H
-    + onehot g_lp``; either incoming gradient may be None (its output was not used by the loss).
+    ``grad_z = ((onehot - p) g_lp - p (log p + H) g_H) / T``, i.e. ``(-p (g_lp + H g_H) - xlogy(p, p) g_H
+    + onehot g_lp) / T``; either incoming gradient may be None (its output was not used by the loss).
     """
+    grad_logits = _softmax_grad(probs, labels, entropy, grad_logprobs, grad_entropy)
+    return grad_logits if temperature == 1.0 else grad_logits.div_(temperature)
+
+
+def _softmax_grad(probs, labels, entropy, grad_logprobs, grad_entropy) -> torch.Tensor:
+    """:func:`_softmax_to_grad` at temperature 1."""
     n = probs.shape[0]
     if grad_logprobs is None:
         grad_logprobs = torch.zeros(n, dtype=probs.dtype, device=probs.device)
@@ -111,14 +137,18 @@ def _softmax_to_grad(probs, labels, entropy, grad_logprobs, grad_entropy) -> tor
     return probs.scatter_add_(-1, labels, grad)
 
 
-def logprobs_and_entropy_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability of ``labels`` and entropy in nats, both differentiable, from one softmax.
+def logprobs_and_entropy_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of ``labels`` and entropy in nats under ``softmax(logits / temperature)``, both
+    differentiable, from one softmax.
 
     Use it where the entropy (a statistic, or the bonus of ``entropy_coef``) is wanted next to
     log-probs that need grad; the entropy's backward runs only when a loss uses it.
     Shape: logits ``(..., V)``, labels ``(...)`` -> two ``(...)`` tensors.
     """
-    return _LogProbsAndEntropy.apply(logits, labels)
+    check_head_options(temperature=temperature)
+    return _LogProbsAndEntropy.apply(logits, labels, temperature)
 
 
 def _lm_head_logits(hidden, weight, bias, buffer_rows: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -139,22 +169,13 @@ def _lm_head_logits(hidden, weight, bias, buffer_rows: int | None, out: torch.Te
             f"{tuple(out.shape)} {out.dtype} on {out.device}"
         )
     logits = out[:n]
-    hidden = _head_input(hidden, weight)
+    hidden = head_input(hidden, weight)
     if hidden.dtype == weight.dtype == dtype and not torch.is_autocast_enabled(hidden.device.type):
         if bias is None:
             return torch.mm(hidden, weight.t(), out=logits)
         return torch.addmm(bias, hidden, weight.t(), out=logits)
     # Half precision or autocast: the product in the dtype the model's LM head would use, then upcast.
     return logits.copy_(F.linear(hidden, weight, bias))
-
-
-def _head_input(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``hidden`` in the dtype the LM head's product runs in: as given under autocast (which casts both
-    operands), else the weights' dtype - e.g. float32 hidden states, which accelerate hands back from a
-    mixed-precision forward, meeting the bfloat16 head of a checkpoint loaded in bfloat16."""
-    if torch.is_autocast_enabled(hidden.device.type) or hidden.dtype == weight.dtype:
-        return hidden
-    return hidden.to(weight.dtype)
 
 
 class _LinearLogProbsAndEntropy(torch.autograd.Function):
@@ -170,10 +191,10 @@ class _LinearLogProbsAndEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, buffer_rows, out):
+    def forward(ctx, hidden, weight, bias, labels, buffer_rows, out, temperature):
         # Saved as the product saw it; the engine casts grad_hidden back to the input's dtype.
-        hidden = _head_input(hidden, weight)
-        probs = _lm_head_logits(hidden, weight, bias, buffer_rows, out)
+        hidden = head_input(hidden, weight)
+        probs = _scaled_in_place(_lm_head_logits(hidden, weight, bias, buffer_rows, out), temperature)
         dtype, n = probs.dtype, probs.shape[0]
         flat_labels = labels.reshape(-1, 1)
         logprobs = torch.empty(n, dtype=dtype, device=probs.device)
@@ -188,9 +209,7 @@ class _LinearLogProbsAndEntropy(torch.autograd.Function):
             p = torch.exp(chunk_log_p, out=z)  # the logits of this chunk are not needed again
             entropy[rows] = -chunk_log_p.mul_(p).sum(-1)  # the log-probs are not needed again either
         ctx.save_for_backward(hidden, weight, bias, probs, flat_labels, entropy)
-        # The head's backward products run under the forward's autocast state, as they would in the model.
-        device_type = hidden.device.type
-        ctx.autocast = (device_type, torch.get_autocast_dtype(device_type), torch.is_autocast_enabled(device_type))
+        ctx.temperature, ctx.autocast = temperature, autocast_state(hidden)
         ctx.set_materialize_grads(False)
         return logprobs, entropy
 
@@ -199,13 +218,18 @@ class _LinearLogProbsAndEntropy(torch.autograd.Function):
         hidden, weight, bias, probs, labels, entropy = ctx.saved_tensors
         # The saved softmax is not needed again: its memory becomes the logits' gradient, which
         # goes back through the upcast (to the model's dtype) and the linear map.
-        grad_logits = _softmax_to_grad(probs, labels, entropy, grad_logprobs, grad_entropy).to(weight.dtype)
-        device_type, autocast_dtype, autocast_enabled = ctx.autocast
-        with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_enabled):
+        grad_logits = _softmax_to_grad(probs, labels, entropy, grad_logprobs, grad_entropy, ctx.temperature)
+        grad_logits = grad_logits.to(weight.dtype)
+        with under_autocast(ctx.autocast):
             grad_hidden = grad_logits @ weight if ctx.needs_input_grad[0] else None
             grad_weight = grad_logits.t() @ hidden if ctx.needs_input_grad[1] else None
         grad_bias = grad_logits.sum(0) if bias is not None and ctx.needs_input_grad[2] else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def _scaled_in_place(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``z`` divided by ``temperature`` in place; untouched at temperature 1."""
+    return z if temperature == 1.0 else z.div_(temperature)
 
 
 def logprobs_and_entropy_from_hidden(
@@ -215,17 +239,24 @@ def logprobs_and_entropy_from_hidden(
     labels: torch.Tensor,
     buffer_rows: int | None = None,
     out: torch.Tensor | None = None,
+    chunk_size: int = 0,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of ``labels`` and entropy (both differentiable) under a linear LM head.
 
     The same values as :func:`logprobs_and_entropy_from_logits` on ``hidden @ weight.T + bias``
-    (upcast to float32), with one vocabulary-sized buffer instead of two; gradients reach
-    ``hidden``, ``weight`` and ``bias``. The buffer is allocated for at least ``buffer_rows`` rows,
-    or is the first N rows of ``out`` (float32, ``(R >= N, V)``), which then holds the softmax
-    until the backward has run: ``out`` may be reused only after that.
+    (upcast to float32) at ``temperature``; gradients reach ``hidden``, ``weight`` and ``bias``.
+    ``chunk_size`` 0: one vocabulary-sized buffer instead of two, kept until the backward - allocated
+    for at least ``buffer_rows`` rows, or the first N rows of ``out`` (float32, ``(R >= N, V)``), which
+    may be reused only after the backward has run. ``chunk_size`` k > 0: no ``(N, V)`` tensor at all,
+    ``k`` tokens at a time with the logits recomputed in the backward (:mod:`.lm_head`; ``buffer_rows``
+    and ``out`` unused).
     Shapes: hidden ``(N, H)``, weight ``(V, H)``, bias ``(V,)`` or None, labels ``(N,)`` -> two ``(N,)`` tensors.
     """
-    return _LinearLogProbsAndEntropy.apply(hidden, weight, bias, labels, buffer_rows, out)
+    check_head_options(chunk_size, temperature)
+    if chunk_size:
+        return chunked_logprobs_and_entropy(hidden, weight, bias, labels, chunk_size, temperature)
+    return _LinearLogProbsAndEntropy.apply(hidden, weight, bias, labels, buffer_rows, out, temperature)
 
 
 def logprobs_from_hidden(
@@ -235,44 +266,52 @@ def logprobs_from_hidden(
     labels: torch.Tensor,
     buffer_rows: int | None = None,
     out: torch.Tensor | None = None,
+    chunk_size: int = 0,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Log-probability of ``labels`` under the linear LM head ``hidden @ weight.T + bias``.
+    """Log-probability of ``labels`` under the linear LM head ``hidden @ weight.T + bias`` at ``temperature``.
 
     :func:`logprobs_from_logits` of the float32 logits, built in one buffer (``buffer_rows`` and
-    ``out`` as in :func:`logprobs_and_entropy_from_hidden`); differentiable when grad is enabled.
+    ``out`` as in :func:`logprobs_and_entropy_from_hidden`) or ``chunk_size`` tokens at a time;
+    differentiable when grad is enabled.
     Shapes as in :func:`logprobs_and_entropy_from_hidden`; returns ``(N,)``.
     """
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
-        return logprobs_and_entropy_from_hidden(hidden, weight, bias, labels, buffer_rows, out)[0]
-    return logprobs_from_logits(_lm_head_logits(hidden, weight, bias, buffer_rows, out), labels)
+        return logprobs_and_entropy_from_hidden(hidden, weight, bias, labels, buffer_rows, out, chunk_size, temperature)[0]
+    check_head_options(chunk_size, temperature)
+    if chunk_size:
+        return chunked_logprobs(hidden, weight, bias, labels, chunk_size, temperature)
+    return logprobs_from_logits(_lm_head_logits(hidden, weight, bias, buffer_rows, out), labels, temperature=temperature)
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the categorical distribution at every position, in nats.
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of ``softmax(logits / temperature)`` at every position, in nats.
 
     ``H = -sum_v p_v log p_v``, evaluated in row chunks so the softmax copies stay small.
     Shape: ``(..., V)`` -> ``(...)``.
     """
+    check_head_options(temperature=temperature)
     flat = logits.reshape(-1, logits.shape[-1])
     out = torch.empty(flat.shape[0], dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
     step = _chunk_rows(flat)
     for start in range(0, flat.shape[0], step):
-        logp = F.log_softmax(flat[start : start + step].to(out.dtype), -1)
+        logp = F.log_softmax(_scaled(flat[start : start + step].to(out.dtype), temperature), -1)
         out[start : start + step] = -torch.linalg.vecdot(logp.exp(), logp)
     return out.reshape(logits.shape[:-1])
 
 
-def full_kl_from_logits(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
-    """Exact KL(p || q) between the next-token distributions of ``logits`` (p) and ``ref_logits`` (q).
+def full_kl_from_logits(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Exact KL(p || q) between ``p = softmax(logits / temperature)`` and ``q = softmax(ref_logits / temperature)``.
 
     ``sum_v p(v) (log p(v) - log q(v))``, in row chunks. Shape: ``(..., V)`` twice -> ``(...)``.
     """
+    check_head_options(temperature=temperature)
     flat_p = logits.reshape(-1, logits.shape[-1])
     flat_q = ref_logits.reshape(-1, ref_logits.shape[-1])
     out = torch.empty(flat_p.shape[0], dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
     step = _chunk_rows(flat_p)
     for start in range(0, flat_p.shape[0], step):
-        logp = F.log_softmax(flat_p[start : start + step].to(out.dtype), -1)
-        logq = F.log_softmax(flat_q[start : start + step].to(out.dtype), -1)
+        logp = F.log_softmax(_scaled(flat_p[start : start + step].to(out.dtype), temperature), -1)
+        logq = F.log_softmax(_scaled(flat_q[start : start + step].to(out.dtype), temperature), -1)
         out[start : start + step] = torch.linalg.vecdot(logp.exp(), logp - logq)
     return out.reshape(logits.shape[:-1])

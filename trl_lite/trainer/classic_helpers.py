@@ -15,6 +15,7 @@ import torch
 
 from .. import __version__
 from ..core import compute_kl_rewards, full_kl_from_logits, kl_estimate, masked_mean
+from . import classic_forward
 from .step_inputs import scores_tensor, validate_step_inputs
 
 _MODEL_CARD = """---
@@ -52,14 +53,14 @@ class ClassicHelpersMixin:
     """Classic helper methods of ``PPOTrainer`` that ``step()`` does not use: :class:`PPOTrainer` mixes it in."""
 
     def prepare_model_inputs(self, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> dict:
-        """Pad one batch the classic way (see :meth:`.forward.ForwardPass.prepare_model_inputs`)."""
-        return self.forward.prepare_model_inputs(queries, responses)
+        """Pad one batch the classic way (see :func:`.classic_forward.prepare_model_inputs`)."""
+        return classic_forward.prepare_model_inputs(self.forward, queries, responses)
 
     def batched_forward_pass(self, model, queries, responses, model_inputs: dict, return_logits: bool = False,
                              response_masks=None):  # fmt: skip
         """Log-probs, logits, values and masks in the classic ``(B, T)`` layout (see
-        :meth:`.forward.ForwardPass.batched_forward_pass`)."""
-        return self.forward.batched_forward_pass(model, queries, responses, model_inputs, return_logits, response_masks)
+        :func:`.classic_forward.batched_forward_pass`)."""
+        return classic_forward.batched_forward_pass(self.forward, model, queries, responses, model_inputs, return_logits, response_masks)
 
     def compute_rewards(self, scores, logprobs, ref_logprobs, masks, full_kl=None):
         """KL-shaped rewards (docs/algorithm.md section 4) for any per-token layout.

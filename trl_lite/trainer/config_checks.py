@@ -51,7 +51,6 @@ def validate_config(config) -> None:
         raise TypeError(f"max_tokens_per_minibatch must be None or a positive int, got {budget!r} ({type(budget).__name__}).")
     if budget is not None and budget < 1:
         raise ValueError(f"max_tokens_per_minibatch must be None or a positive int, got {budget}.")
-    _validate_memory(config)
     if config.padding_free not in (None, True, False):
         raise TypeError(f"padding_free must be None, True or False, got {config.padding_free!r}.")
     if config.mini_batch_size > config.batch_size:
@@ -84,9 +83,11 @@ def validate_config(config) -> None:
     _validate_engine(config)
     _validate_temperature(config)
     _validate_dropout(config)
+    _validate_memory(config)
     config.backward_batch_size = backward_batch_size
     # Not a field (as in classic TRL): the step() calls of a script's run, which classic scripts read.
     config.total_ppo_epochs = math.ceil(config.steps / config.batch_size)
+
 
 def _validate_objective(config) -> None:
     """The fields of docs/algorithm.md sections 13-15; stores ``loss_type`` under its canonical name."""
@@ -177,6 +178,24 @@ def _validate_dropout(config) -> None:
         raise TypeError(f"disable_dropout must be True or False, got {config.disable_dropout!r}.")
 
 
+def _validate_memory(config) -> None:
+    """The memory fields: ``oom_backoff`` (docs/out_of_memory.md) and ``lm_head_chunk_size`` - None (automatic),
+    0 (one buffer) or a positive number of tokens per chunk (docs/memory.md)."""
+    if not isinstance(config.oom_backoff, bool):
+        raise TypeError(f"oom_backoff must be True or False, got {config.oom_backoff!r} ({type(config.oom_backoff).__name__}).")
+    chunk = config.lm_head_chunk_size
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)):
+        raise TypeError(
+            f"lm_head_chunk_size must be None (automatic), 0 (one buffer) or a positive int (tokens per chunk), "
+            f"got {chunk!r} ({type(chunk).__name__})."
+        )
+    if chunk is not None and chunk < 0:
+        raise ValueError(
+            f"lm_head_chunk_size must be None (automatic), 0 (one buffer) or a positive int (tokens per chunk), "
+            f"got {chunk}."
+        )
+
+
 def _check_log_with(value) -> None:
     if value not in (None, "wandb", "tensorboard", "comet_ml", "mlflow", "aim", "clearml", "dvclive", "all"):
         raise ValueError(
@@ -206,9 +225,3 @@ def _check_positive_float(name: str, value) -> None:
         raise TypeError(f"{name} must be a positive number, got {value!r} ({type(value).__name__}).")
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a positive finite number, got {value}.")
-
-
-def _validate_memory(config) -> None:
-    """The out-of-memory back-off's field (docs/out_of_memory.md)."""
-    if not isinstance(config.oom_backoff, bool):
-        raise TypeError(f"oom_backoff must be True or False, got {config.oom_backoff!r} ({type(config.oom_backoff).__name__}).")

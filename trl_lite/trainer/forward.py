@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from ..core import full_kl_from_logits, logprobs_from_hidden, logprobs_from_logits
+from ..core import full_kl_from_hidden, full_kl_from_logits, lm_head_chunk_size, logprobs_from_hidden, logprobs_from_logits
 from ..models import PreTrainedModelWrapper
 from ..models.packed_attention import PACKED_SDPA, ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths, without_cudnn
 from ..models.varlen_attention import packed_rows
@@ -49,12 +49,13 @@ class ForwardPass:
             (``PPOConfig.oom_backoff``); ``memory``, the :class:`~.oom_backoff.MemoryBackoff` that holds the
             current budget, is shared with the learner.
         sequence: the sequence-parallel group packed passes are cut over, or None (see :meth:`gather_slots`).
+        lm_head_chunk_size: ``PPOConfig.lm_head_chunk_size`` (None: automatic; see :meth:`head_chunk_size`).
     """
 
     def __init__(self, accelerator, models: list[tuple], layout: InputLayout, *, is_encoder_decoder: bool,
                  mini_batch_size: int, pack: bool = False, row_attention: dict | None = None,
                  reuse_logits_buffer: bool = False, max_tokens: int | None = None, oom_backoff: bool = False,
-                 sequence: SequenceParallel | None = None):  # fmt: skip
+                 sequence: SequenceParallel | None = None, lm_head_chunk_size: int | None = None):  # fmt: skip
         self.accelerator = accelerator
         self.device = accelerator.device
         self.models = models
@@ -69,6 +70,8 @@ class ForwardPass:
         self._warned_long_row = False
         self.sequence = sequence
         self._sequence_pass = None  # this process's slice of the last packed pass (sequence parallelism)
+        self.lm_head_chunk_size = lm_head_chunk_size
+        self._warned_no_chunks = False
 
     @classmethod
     def build(cls, accelerator, policy, reference, critic, tokenizer, config, pack: bool) -> ForwardPass:
@@ -96,7 +99,8 @@ class ForwardPass:
         return cls(accelerator, models, layout, is_encoder_decoder=unwrapped.is_encoder_decoder,
                    mini_batch_size=config.mini_batch_size, pack=pack, row_attention=row_attention,
                    reuse_logits_buffer=reuse, max_tokens=config.max_tokens_per_minibatch,
-                   oom_backoff=config.oom_backoff, sequence=sequence)  # fmt: skip
+                   oom_backoff=config.oom_backoff, sequence=sequence,
+                   lm_head_chunk_size=config.lm_head_chunk_size)  # fmt: skip
 
     @property
     def max_tokens(self) -> int | None:
@@ -202,7 +206,33 @@ class ForwardPass:
         instead of two, of the same size in every mini-batch of a step. Asked every pass: the head
         may be replaced (``resize_token_embeddings``) after the trainer is made.
         """
-        return self.unwrapped(model).linear_lm_head()
+        head = self.unwrapped(model).linear_lm_head()
+        if head is None and self.lm_head_chunk_size and not self._warned_no_chunks:
+            self._warned_no_chunks = True
+            warnings.warn(
+                f"lm_head_chunk_size={self.lm_head_chunk_size} does not apply to {type(self.unwrapped(model)).__name__}: "
+                "its LM head is not a plain nn.Linear the trainer may apply itself (an encoder-decoder, whose "
+                "head input the model rescales; logits the model post-processes, e.g. soft-capping; an adapter "
+                "or quantised head; a ZeRO-3 partitioned weight), so its passes take the model's own "
+                "(tokens x vocabulary) logits, as without chunks.",
+                stacklevel=3,
+            )
+        return head
+
+    def head_chunk_size(self, tokens: int, head: torch.nn.Linear) -> int:
+        """Tokens per chunk of the fused ``head`` in passes of up to ``tokens`` token slots; 0: one buffer.
+
+        ``PPOConfig.lm_head_chunk_size`` as given, or when None the automatic rule of
+        :func:`~trl_lite.core.lm_head_chunk_size` (one buffer while it is small on this device).
+        """
+        weight = head.weight
+        return lm_head_chunk_size(tokens, weight.shape[0], weight.device.type, self.lm_head_chunk_size)
+
+    def step_chunk_size(self, rows: Rows, model) -> int:
+        """The head path ``model``'s passes over ``rows`` take: its chunk size, 0 for one buffer or the
+        model's own logits (the statistic ``memory/lm_head_chunk_size``)."""
+        head = self.unwrapped(model).linear_lm_head()
+        return 0 if head is None else self.head_chunk_size(self.buffer_rows(rows), head)
 
     def head_autocast(self):
         """The autocast state of the models' forward, for the LM head the passes apply outside the model.
@@ -290,12 +320,13 @@ class ForwardPass:
         return self.sequence.cut(inputs, lengths, firsts, [rows.slot_count(i) for i in index])
 
     def logprobs(self, model, rows: Rows, index: list[int], idx: torch.Tensor, return_logits: bool = False,
-                 return_values: bool = True, critic=None):  # fmt: skip
+                 return_values: bool = True, critic=None, return_head_inputs: bool = False):  # fmt: skip
         """Log-probs and values at the action positions of rows ``index``, without the entropy.
 
         Shapes: logprobs, values ``(b, L_mb)`` (log-probs 0 past each response; values None without
         ``return_values``); with ``return_logits`` also the logits ``(N, V)`` at the token slots and
-        the slots (else None for both); and ``L_mb``.
+        the slots (else None for both) - or with ``return_head_inputs`` (the model has a linear head)
+        the head's inputs ``(N, H)`` there instead of the logits; and ``L_mb``.
         """
         head = None if return_logits else self.linear_head(model)
         outputs, targets, values, slots, width = self.head_inputs(
@@ -304,12 +335,26 @@ class ForwardPass:
         if head is None:
             logprobs = logprobs_from_logits(outputs, targets)
         else:
-            out = self.logits_out(rows, head)
+            buffer_rows = self.buffer_rows(rows)
+            chunk = self.head_chunk_size(buffer_rows, head)
+            out = None if chunk else self.logits_out(rows, head)
             with self.head_autocast():
-                logprobs = logprobs_from_hidden(outputs, head.weight, head.bias, targets, self.buffer_rows(rows), out)
-        logprobs, outputs = self.gather_slots(logprobs, outputs if return_logits else None)
+                logprobs = logprobs_from_hidden(outputs, head.weight, head.bias, targets, buffer_rows, out, chunk)
+        keep = return_logits or return_head_inputs
+        logprobs, outputs = self.gather_slots(logprobs, outputs if keep else None)
         logprobs = to_compact(logprobs, slots, len(index), width)
-        return logprobs, values, (outputs if return_logits else None), (slots if return_logits else None), width
+        keep = return_logits or return_head_inputs
+        return logprobs, values, (outputs if keep else None), (slots if keep else None), width
+
+    def kl_chunk_size(self, rows: Rows, policy, reference) -> int:
+        """Tokens per chunk of the rollout's full KL (``kl_penalty="full"``) from both models' head inputs, or 0:
+        both models' logits ``(N, V)`` one mini-batch at a time (one buffer, or a model without a linear head)."""
+        with reference() as ref:
+            ref_head = self.linear_head(ref)
+        head = self.linear_head(policy)
+        if head is None or ref_head is None:
+            return 0
+        return self.head_chunk_size(self.buffer_rows(rows), head)
 
     @torch.no_grad()
     def rollout(self, rows: Rows, policy, reference, critic=None, policy_values: bool = True, full_kl: bool = False,
@@ -319,7 +364,8 @@ class ForwardPass:
         ``reference``: a context-manager factory yielding the module that computes reference
         log-probs. Returns logprobs, ref_logprobs, values ``(B, L)`` (values zero when neither
         ``policy_values`` nor a ``critic`` gives them) and, with ``full_kl``, the exact per-token KL
-        ``(B, L)`` (else None). Full-KL logits live one mini-batch at a time. ``policy_pass`` /
+        ``(B, L)`` (else None). Full-KL logits live one mini-batch at a time, or one chunk of tokens at a
+        time (:meth:`kl_chunk_size`: from both models' head inputs). ``policy_pass`` /
         ``reference_pass`` False: that model does not run and its results are None (see
         :class:`~.rollout_plan.RolloutPlan`; ``full_kl`` needs both).
         """
@@ -331,11 +377,13 @@ class ForwardPass:
 
         def passes():
             out = torch.zeros(4 if full_kl else 3, batch, width, device=self.device)
+            # Asked per attempt: a back-off shrinks the passes, and with them the head's buffer.
+            kl_chunk = self.kl_chunk_size(rows, policy, reference) if full_kl else 0
             with self.per_row_attention():
                 for index, idx in self.minibatches(rows):
                     self.memory.begin_pass(sum(rows.tokens(i) for i in index), len(index))
                     with self.memory.attempt(what="a rollout pass"):
-                        self.rollout_pass(out, rows, index, idx, *models)
+                        self.rollout_pass(out, rows, index, idx, *models, kl_chunk)
                     if self.memory.stop_early:
                         break
             return out
@@ -348,12 +396,14 @@ class ForwardPass:
         return logprobs, (out[1] * mask if reference_pass else None), values, (out[3] * mask if full_kl else None)
 
     def rollout_pass(self, out, rows: Rows, index: list[int], idx: torch.Tensor, policy, reference, critic,
-                     policy_values: bool, full_kl: bool, policy_pass: bool, reference_pass: bool) -> None:  # fmt: skip
+                     policy_values: bool, full_kl: bool, policy_pass: bool, reference_pass: bool,
+                     kl_chunk: int) -> None:  # fmt: skip
         """One pass of :meth:`rollout` over rows ``index``: writes their log-probs, reference log-probs, values
-        (and exact KL) into ``out`` ``(3 or 4, B, L)``."""
+        (and exact KL, from head inputs ``kl_chunk`` tokens at a time when it is not 0) into ``out`` ``(3 or 4, B, L)``."""
+        kl_outputs = {"return_logits": full_kl and not kl_chunk, "return_head_inputs": bool(kl_chunk)}
         if policy_pass:
             logprobs, values, logits, slots, w = self.logprobs(
-                policy, rows, index, idx, return_logits=full_kl, return_values=policy_values, critic=critic
+                policy, rows, index, idx, return_values=policy_values, critic=critic, **kl_outputs
             )
             out[0, idx, :w] = logprobs
             if values is not None:
@@ -361,77 +411,24 @@ class ForwardPass:
         if reference_pass:
             with reference() as ref:
                 ref_logprobs, _, ref_logits, _, w = self.logprobs(
-                    ref, rows, index, idx, return_logits=full_kl, return_values=False
+                    ref, rows, index, idx, return_values=False, **kl_outputs
                 )
+                ref_head = self.linear_head(ref) if kl_chunk else None
             out[1, idx, :w] = ref_logprobs
         if full_kl:
-            out[3, idx, :w] = to_compact(full_kl_from_logits(logits, ref_logits), slots, len(index), w)
+            kl = self.full_kl(logits, ref_logits, policy, ref_head, kl_chunk)
+            out[3, idx, :w] = to_compact(kl, slots, len(index), w)
 
-    def prepare_model_inputs(self, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> dict:
-        """Pad one batch the classic way: query+response (decoder-only) or encoder/decoder inputs.
-
-        Padding follows the tokenizer's padding side. Shapes: ``input_ids``, ``attention_mask``
-        ``(B, S)`` (plus ``decoder_input_ids``, ``decoder_attention_mask`` for encoder-decoders).
-        """
-        rows = self.make_rows(queries, responses)
-        index = list(range(len(rows)))
-        inputs, _, _, _, _ = self.layout.inputs(rows, index, torch.arange(len(rows), device=self.device))
-        inputs.pop("logits_positions", None)
-        return inputs
-
-    @torch.no_grad()
-    def batched_forward_pass(self, model, queries, responses, model_inputs: dict, return_logits: bool = False,
-                             response_masks=None):  # fmt: skip
-        """Log-probs, values and action masks of a batch in mini-batches, in the classic ``(B, T)`` layout.
-
-        ``model_inputs`` (from :meth:`prepare_model_inputs`) fixes ``T = S - 1``. Returns
-        ``(logprobs, logits or None, values, masks)``: ``(B, T)`` each, logits ``(B, T, V)``
-        (zero where no response token is predicted).
-        """
-        rows = self.make_rows(queries, responses, response_masks)
-        ids_key = "decoder_input_ids" if self.is_encoder_decoder else "input_ids"
-        batch, seq_len = model_inputs[ids_key].shape
-        length, device = seq_len - 1, self.device
-        columns = torch.arange(rows.action_mask.shape[1], device=device)
-        if self.is_encoder_decoder:
-            cols = columns.expand(batch, -1)
-        else:
-            pad_left = model_inputs["attention_mask"].long().argmax(-1)  # first 1 of each row; 0 under right padding
-            cols = (pad_left + rows.query_len - 1).unsqueeze(1) + columns
-        valid = cols < length
-        cols = cols.clamp(max=length - 1)
-        model.eval()
-
-        def passes():
-            outs = [torch.zeros(batch, length, device=device) for _ in range(3)]  # log-probs, values, masks
-            logits_out = []  # filled at the first pass: (B, T, V)
-            for index, idx in self.minibatches(rows):
-                self.memory.begin_pass(sum(rows.tokens(i) for i in index), len(index))
-                with self.memory.attempt(what="a batched_forward_pass pass"):
-                    self.classic_pass(model, rows, index, idx, valid, cols, outs, logits_out, return_logits)
-                if self.memory.stop_early:
-                    break
-            return outs[0], (logits_out[0] if logits_out else None), outs[1], outs[2]
-
-        # A pass that runs out of memory: every pass again with half the budget (see oom_backoff) - on one
-        # process only: a user may call this on some processes, and the agreement would wait for the others.
-        return self.memory.until_done(passes, every_process=False)
-
-    def classic_pass(self, model, rows: Rows, index: list[int], idx: torch.Tensor, valid: torch.Tensor,
-                     cols: torch.Tensor, outs: list, logits_out: list, return_logits: bool) -> None:  # fmt: skip
-        """One pass of :meth:`batched_forward_pass` over rows ``index``: writes their log-probs, values and
-        mask into ``outs`` (three ``(B, T)``) and, with ``return_logits``, their logits into ``logits_out[0]``."""
-        with self.per_row_attention():
-            lp, val, logits, slots, w = self.logprobs(model, rows, index, idx, return_logits=return_logits)
-        ok = valid[idx, :w] & rows.action_mask[idx, :w].bool()
-        # Only the action entries are written: the clamped compact padding repeats column T - 1,
-        # and a scatter with repeated indices may keep the padding's zero over a real action.
-        r, c = idx.unsqueeze(1).expand(-1, w)[ok], cols[idx, :w][ok]
-        outs[0][r, c], outs[1][r, c], outs[2][r, c] = lp[ok], val[ok], 1.0
-        if return_logits:
-            if not logits_out:
-                logits_out.append(torch.zeros(*outs[0].shape, logits.shape[-1], device=self.device))
-            logits_out[0][r, c] = to_compact(logits.float(), slots, len(index), w)[ok]
+    def full_kl(self, outputs, ref_outputs, policy, ref_head, chunk: int) -> torch.Tensor:
+        """Exact per-token KL of policy vs reference ``(N,)``: from their logits ``(N, V)`` (``chunk`` 0), or from
+        their head inputs ``(N, H)`` and heads, ``chunk`` tokens at a time (docs/algorithm.md section 4)."""
+        if not chunk:
+            return full_kl_from_logits(outputs, ref_outputs)
+        head = self.linear_head(policy)
+        with self.head_autocast():
+            return full_kl_from_hidden(
+                outputs, head.weight, head.bias, ref_outputs, ref_head.weight, ref_head.bias, chunk
+            )
 
 
 @contextmanager

@@ -15,7 +15,6 @@ import warnings
 from contextlib import ExitStack, contextmanager
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from ..core import (
     entropy_from_logits,
@@ -31,7 +30,8 @@ from .experience import Experience, Minibatch
 from .forward import ForwardPass
 from .oom_backoff import PassOutOfMemory, drop_gradients
 from .pass_plan import PassPlan, combine_pass_stats, plan_epoch
-from .rows import to_compact, to_device
+from .ptx import ptx_loss
+from .rows import to_compact
 from .transfer import Selected
 
 _POLICY_STAT_KEYS = (
@@ -88,7 +88,8 @@ class Learner:
         :class:`~.pass_plan.PassPlan`; returns the averaged ``ppo/*`` statistics (per mini-batch, or per
         backward batch under a token budget), the ratios of every trained token,
         ``ppo/skipped_minibatches``, and the passes' count and tokens (``ppo/minibatches``,
-        ``ppo/tokens_per_minibatch/mean|max``) - and, when the experience has no rollout log-probs
+        ``ppo/tokens_per_minibatch/mean|max``), the LM head's path (``memory/lm_head_chunk_size``: tokens per
+        chunk, 0 for one buffer) - and, when the experience has no rollout log-probs
         (:class:`~.rollout_plan.RolloutPlan`), the training forwards' log-probs ``(B, L)``, detached, which
         were ``lp_old`` (else None)."""
         config = self.config
@@ -137,6 +138,7 @@ class Learner:
         if experience.kl_in_loss and experience.ref_logprobs is None:
             stats["ppo/policy/kl_loss"] = torch.tensor(float("nan"))  # its coefficient is 0: not measured
         stats["ppo/minibatches"] = torch.tensor(float(len(pass_tokens)))
+        stats["memory/lm_head_chunk_size"] = torch.tensor(float(self.forward.step_chunk_size(experience.rows, self.model)))
         stats["ppo/tokens_per_minibatch/mean"] = torch.tensor(sum(pass_tokens) / max(len(pass_tokens), 1))
         stats["ppo/tokens_per_minibatch/max"] = torch.tensor(float(max(pass_tokens, default=0)))
         stats.update(self.forward.memory.step_stats())
@@ -214,9 +216,12 @@ class Learner:
         if head is None:
             logprobs, entropy = logprobs_and_entropy_from_logits(outputs, targets)
         else:
+            buffer_rows = forward.buffer_rows(rows)
+            chunk = forward.head_chunk_size(buffer_rows, head)
+            out = None if chunk else forward.logits_out(rows, head)
             with forward.head_autocast():
                 logprobs, entropy = logprobs_and_entropy_from_hidden(
-                    outputs, head.weight, head.bias, targets, forward.buffer_rows(rows), forward.logits_out(rows, head)
+                    outputs, head.weight, head.bias, targets, buffer_rows, out, chunk
                 )
         del outputs  # the logits, when the head ran in the model: the saved softmax replaces them
         logprobs, entropy = forward.gather_slots(logprobs, entropy)
@@ -236,8 +241,8 @@ class Learner:
             entropy=entropy, ref_logprobs=mb.ref_logprobs, kl_coef=experience.kl_coef,
             token_weights=token_weights, tokens_per_minibatch=plan.tokens_per_minibatch, denominators=shares,
         )  # fmt: skip
-        ptx_loss = self.ptx_loss(mb.ptx, None if shares is None else shares.ptx) if mb.ptx is not None else None
-        policy_loss, critic_loss = self.split_losses(pg_loss, vf_loss, stats, ptx_loss)
+        ptx = None if mb.ptx is None else ptx_loss(self.forward, self.model, mb.ptx, None if shares is None else shares.ptx)
+        policy_loss, critic_loss = self.split_losses(pg_loss, vf_loss, stats, ptx)
         if shares is not None and plan.pieces is None:
             # accelerate (DeepSpeed) divides each backward's loss by the accumulation steps; the passes' shares
             # already add up to the backward batch's loss (docs/algorithm.md section 18); pieces' do not.
@@ -464,35 +469,3 @@ class Learner:
 
     def trained_models(self) -> tuple:
         return (self.model,) if self.critic is None else (self.model, self.critic)
-
-    # ------------------------------------------------------------------------------------------
-    # PTX (section 10)
-    # ------------------------------------------------------------------------------------------
-    def ptx_loss(self, seqs: list[torch.Tensor], denominator: float | None = None) -> torch.Tensor:
-        """Mean next-token cross-entropy of the policy over every token (but the first) of ``seqs``
-        (1-D token tensors on the device), 0-d and differentiable; with ``denominator`` (the predicted PTX
-        tokens of the backward batch, docs/algorithm.md section 18) the sum divided by it instead: this pass's share.
-
-        Right-padded with explicit position ids; the LM head runs only at the N predicting positions.
-        """
-        device, layout = self.forward.device, self.forward.layout
-        input_ids = pad_sequence(seqs, batch_first=True, padding_value=layout.pad_id)
-        counts_host = [len(s) - 1 for s in seqs]
-        lengths = to_device([len(s) for s in seqs], device)
-        attention_mask = (torch.arange(input_ids.shape[1], device=device) < lengths.unsqueeze(1)).long()
-        counts, total = lengths - 1, sum(counts_host)
-        row = torch.repeat_interleave(torch.arange(len(seqs), device=device), counts, output_size=total)
-        position = torch.arange(total, device=device) - (counts.cumsum(0) - counts)[row]
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "logits_positions": (row, position)}
-        if layout.pass_position_ids:
-            inputs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        targets = input_ids[row, position + 1]
-        head = self.forward.linear_head(self.model)
-        outputs, _, _ = self.model(**inputs, return_lm_head_inputs=head is not None, return_values=False)
-        if head is None:
-            logprobs, _ = logprobs_and_entropy_from_logits(outputs, targets)
-        else:
-            # Not the forward part's shared logits buffer: it holds the PPO pass's softmax until the backward.
-            with self.forward.head_autocast():
-                logprobs, _ = logprobs_and_entropy_from_hidden(outputs, head.weight, head.bias, targets, total)
-        return -logprobs.mean() if denominator is None else -logprobs.sum() / denominator

@@ -305,6 +305,17 @@ class PPOConfig:
             "reuse one LM-head logits buffer, kept between steps."
         },
     )
+    lm_head_chunk_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Tokens per chunk of the fused LM head's log-probs, entropy and full KL (forward and backward, "
+            "the logits recomputed in the backward): no (tokens x vocabulary) tensor is kept, the largest is "
+            "(chunk x vocabulary). None: automatic - one buffer while a pass's float32 (tokens x vocabulary) "
+            "logits fit 256 MiB on CPU / 1 GiB on an accelerator (faster: no recomputation), else chunks of "
+            "32 MiB / 256 MiB of logits (see docs/memory.md). 0: always one buffer. A positive int: chunks of "
+            "that many tokens. Steps report the path taken as memory/lm_head_chunk_size (0: one buffer)."
+        },
+    )
     # Speed
     padding_free: bool | None = field(
         default=None,
