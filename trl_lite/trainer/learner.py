@@ -275,7 +275,7 @@ class Learner:
 
         Shapes: every per-token argument ``(b, L)``, logits ``(b, L, V)``. The entropy comes from
         ``entropy`` ``(b, L)`` when given (logits may then be None; differentiable for ``entropy_coef``),
-        else from the logits. Returns the policy loss (the objective: clipped surrogate plus the KL-in-loss
+        else from the logits over ``PPOConfig.temperature`` (section 20). Returns the policy loss (the objective: clipped surrogate plus the KL-in-loss
         and entropy terms where on), the value loss and a dict of detached 0-d statistics, with
         ``loss/total = policy loss + vf_coef * value loss``. Critic-free (``values``, ``vpreds``,
         ``returns`` None): the value loss is None and no value statistic is made. ``denominators``: under a
