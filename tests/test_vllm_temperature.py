@@ -24,13 +24,18 @@ T = 0.7
 QUERIES = [torch.tensor(q) for q in ([5, 6, 7, 8, 9], [10], [11, 12, 13], [14, 15])]
 
 
-def test_sampled_rows_logprobs_are_log_softmax_of_logits_over_the_temperature_and_mismatches_are_refused():
+def colocated_trainer() -> PPOTrainer:
+    """A run at T=0.7 with a float32 colocated vLLM engine (close its generation when done)."""
     config = PPOConfig(
         batch_size=4, mini_batch_size=2, use_vllm=True, vllm_kv_cache_gb=1, vllm_max_model_len=64,
         vllm_dtype="float32", vllm_enable_sleep_mode=False, temperature=T,
     )  # fmt: skip
     model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2(seed=1, n_embd=64))
-    trainer = PPOTrainer(config, model, tokenizer=make_tokenizer())
+    return PPOTrainer(config, model, tokenizer=make_tokenizer())
+
+
+def test_sampled_rows_logprobs_are_log_softmax_of_logits_over_the_temperature_and_mismatches_are_refused():
+    trainer = colocated_trainer()
     try:
         assert trainer.generation.engine.backend.logprobs_mode == "processed_logprobs"
         lm = trainer.model.pretrained_model.eval()
@@ -83,12 +88,7 @@ def test_a_server_launched_with_processed_logprobs_gives_them_at_the_run_tempera
 def test_a_step_on_vllm_rows_at_the_run_temperature_shows_only_vllms_own_gap():
     """step(..., generation_logprobs=...) on rows the colocated engine sampled at 0.7: the trainer's lp_old, under
     z / 0.7, is within vLLM's float32 noise of the engine's log-probs (rollout/logprob_diff)."""
-    config = PPOConfig(
-        batch_size=4, mini_batch_size=2, use_vllm=True, vllm_kv_cache_gb=1, vllm_max_model_len=64,
-        vllm_dtype="float32", vllm_enable_sleep_mode=False, temperature=T,
-    )  # fmt: skip
-    model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2(seed=1, n_embd=64))
-    trainer = PPOTrainer(config, model, tokenizer=make_tokenizer())
+    trainer = colocated_trainer()
     try:
         responses, logprobs = trainer.generate(QUERIES, return_prompt=False, max_new_tokens=8, do_sample=True,
                                                top_k=0, return_logprobs=True)  # fmt: skip
