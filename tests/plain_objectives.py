@@ -4,7 +4,8 @@
 advantages, epochs) and rewrites the per-mini-batch loss: every action token's clipped surrogate
 (clip-higher, dual clip, token or sequence ratio, TIS weight) is written out in a Python loop over
 rows and tokens, the aggregation of each ``loss_type`` is a loop too, and the whole computation
-runs in float64 (the models are converted, and the default dtype is float64 during a step).
+runs in float64 (the models are converted, and the default dtype is float64 during a step). Log-probs,
+entropies and the full KL are those of ``softmax(logits / config.temperature)`` (section 20).
 ``global_token_mean`` is written as the spec states it: the backward batch's token sum divided
 by its action-token count, with no division by the accumulation steps. Shares no code with trl_lite.
 """
@@ -72,6 +73,8 @@ class PlainObjectivesPPO(PlainPPO):
         for idx in torch.arange(len(batch.targets)).split(self.config.mini_batch_size):
             logits, values = forward64(self.model, batch.rows(idx), values=not self.critic_free)
             ref_logits, _ = forward64(self.ref_model, batch.rows(idx))
+            # Section 20: every log-prob, entropy and KL under logits / temperature; values unchanged.
+            logits, ref_logits = logits / self.config.temperature, ref_logits / self.config.temperature
             targets = batch.targets[idx].unsqueeze(-1)
             parts["logprobs"].append(F.log_softmax(logits, -1).gather(-1, targets).squeeze(-1))
             parts["ref_logprobs"].append(F.log_softmax(ref_logits, -1).gather(-1, targets).squeeze(-1))
@@ -148,6 +151,7 @@ class PlainObjectivesPPO(PlainPPO):
         config = self.config
         mask = batch.mask[idx]
         logits, vpred = forward64(self.model, batch.rows(idx), values=not self.critic_free)
+        logits = logits / self.config.temperature
         lp = F.log_softmax(logits, -1).gather(-1, batch.targets[idx].unsqueeze(-1)).squeeze(-1)
         weights = self.tis_weights[idx] if self.tis_weights is not None else None
         low, high = config.cliprange, config.cliprange if config.cliprange_high is None else config.cliprange_high

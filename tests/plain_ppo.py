@@ -270,6 +270,8 @@ class PlainPPO:
             if self.critic is not None:
                 values = critic_values(self.critic, batch.rows(idx))
             ref_logits, _ = forward(self.ref_model, batch.rows(idx))
+            # Section 20: log-probs, entropy and KL under logits / temperature (dividing by 1.0 is exact).
+            logits, ref_logits = logits / self.config.temperature, ref_logits / self.config.temperature
             parts["logprobs"].append(logprobs_of(logits, batch.targets[idx]))
             parts["ref_logprobs"].append(logprobs_of(ref_logits, batch.targets[idx]))
             parts["values"].append(values if values is not None else torch.zeros_like(logits[..., 0]))
@@ -387,6 +389,7 @@ class PlainPPO:
         logits, vpred = forward(self.model, batch.rows(idx), values=not self.critic_free)
         if self.critic is not None:
             vpred = critic_values(self.critic, batch.rows(idx))
+        logits = logits / self.config.temperature
         lp = logprobs_of(logits, batch.targets[idx])
 
         ratio = torch.exp(lp - old_lp)

@@ -44,30 +44,42 @@ FLOAT64_CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("name", FLOAT64_CASES)
-def test_chunked_steps_match_the_float64_reference(name, one_buffer_path_forbidden):
-    case = CASES[name]
-    trainer, plain, config, critic_free = _build_pair(case, {"lm_head_chunk_size": CHUNK})
+def assert_two_steps_match_float64(case: dict, trainer_options: dict, reference_options: dict | None = None,
+                                   also_compared: tuple = ()) -> list:
+    """Two steps of the trainer (``case`` plus ``trainer_options``) and of the float64 reference (``case`` plus
+    ``reference_options``): the loss statistics (and ``also_compared``) and the SGD updates agree to float32
+    rounding. Returns the ``(got, want)`` statistics of each step."""
+    trainer, plain, config, critic_free = _build_pair(case, trainer_options, reference_options)
     initial = {k: v.detach().double().clone() for k, v in plain.model.state_dict().items()}
+    steps = []
     for step in range(2):
         got, want, _, _ = step_both(trainer, plain, config, case, step)
         compared = COMPARED + (("ppo/policy/entropy_loss",) if config.entropy_coef else ())
         compared += (("ppo/policy/kl_loss",) if not config.kl_in_reward_resolved else ())
-        for key in compared:
-            np.testing.assert_allclose(got[key], float(want[key]), rtol=2e-5, atol=2e-6, err_msg=key)
-        assert got["memory/lm_head_chunk_size"] == CHUNK
+        for key in compared + also_compared:
+            np.testing.assert_allclose(np.asarray(got[key]), np.asarray(want[key]), rtol=2e-5, atol=2e-6, err_msg=key)
+        steps.append((got, want))
     module = trainer.model.pretrained_model if critic_free else trainer.accelerator.unwrap_model(trainer.model)
     got_weights = on_cpu(module.state_dict())
     for key, want_value in plain.model.state_dict().items():
         update = want_value - initial[key]
         error = (got_weights[key].double() - want_value).norm()
         assert error <= 1e-4 * update.norm() + 1e-6, f"{key}: error {error:.3g}, update {update.norm():.3g}"
+    return steps
 
 
-def test_chunked_full_kl_and_ptx_match_the_classic_reference(one_buffer_path_forbidden):
+@pytest.mark.parametrize("name", FLOAT64_CASES)
+def test_chunked_steps_match_the_float64_reference(name, one_buffer_path_forbidden):
+    for got, _ in assert_two_steps_match_float64(CASES[name], {"lm_head_chunk_size": CHUNK}):
+        assert got["memory/lm_head_chunk_size"] == CHUNK
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_full_kl_and_ptx_match_the_classic_reference(temperature, one_buffer_path_forbidden):
     """kl_penalty="full" from both models' head inputs, chunk by chunk, and the PTX loss in chunks: the classic
-    float32 reference's statistics and Adam updates over two steps."""
-    config = dict(kl_penalty="full", adap_kl_ctrl=False, ptx_coef=0.5, lm_head_chunk_size=CHUNK)
+    float32 reference's statistics and Adam updates over two steps; at temperature 0.7 the KL under z / T and
+    the PTX loss (language modelling) at temperature 1 (docs/algorithm.md section 20)."""
+    config = dict(kl_penalty="full", adap_kl_ctrl=False, ptx_coef=0.5, lm_head_chunk_size=CHUNK, temperature=temperature)
     trainer, plain = make_pair(config)
     for step in range(2):
         queries, responses, scores, _ = make_batch(step)

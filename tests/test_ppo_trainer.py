@@ -388,9 +388,9 @@ def test_lm_head_and_softmax_see_only_the_response_token_slots(monkeypatch, enco
     for module, name in ((forward_module, "logprobs_from_logits"), (learner_module, "logprobs_and_entropy_from_logits")):
         real = getattr(module, name)
 
-        def recording(logits, labels, real=real):
+        def recording(logits, labels, *args, real=real, **kwargs):
             softmax_rows.append(tuple(logits.shape))
-            return real(logits, labels)
+            return real(logits, labels, *args, **kwargs)
 
         monkeypatch.setattr(module, name, recording)
     real_head_logits = core_module._lm_head_logits

@@ -3,7 +3,7 @@ logprobs_mode='processed_logprobs', its generation_logprobs of sampled rows equa
 log_softmax(z / 0.7) to vLLM's own float32 noise, and the requests whose processed log-probs would be another
 distribution's (greedy rows, top-k/top-p) or another temperature's are refused before anything is generated;
 the same log-probs from a server launched with ``-- --logprobs-mode processed_logprobs``, whose mode the client
-reads from the server.
+reads from the server; and a step on the engine's rows whose lp_old (under z / 0.7) shows only vLLM's own gap.
 """
 
 import pytest
@@ -24,13 +24,18 @@ T = 0.7
 QUERIES = [torch.tensor(q) for q in ([5, 6, 7, 8, 9], [10], [11, 12, 13], [14, 15])]
 
 
-def test_sampled_rows_logprobs_are_log_softmax_of_logits_over_the_temperature_and_mismatches_are_refused():
+def colocated_trainer() -> PPOTrainer:
+    """A run at T=0.7 with a float32 colocated vLLM engine (close its generation when done)."""
     config = PPOConfig(
         batch_size=4, mini_batch_size=2, use_vllm=True, vllm_kv_cache_gb=1, vllm_max_model_len=64,
         vllm_dtype="float32", vllm_enable_sleep_mode=False, temperature=T,
     )  # fmt: skip
     model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2(seed=1, n_embd=64))
-    trainer = PPOTrainer(config, model, tokenizer=make_tokenizer())
+    return PPOTrainer(config, model, tokenizer=make_tokenizer())
+
+
+def test_sampled_rows_logprobs_are_log_softmax_of_logits_over_the_temperature_and_mismatches_are_refused():
+    trainer = colocated_trainer()
     try:
         assert trainer.generation.engine.backend.logprobs_mode == "processed_logprobs"
         lm = trainer.model.pretrained_model.eval()
@@ -78,3 +83,17 @@ def test_a_server_launched_with_processed_logprobs_gives_them_at_the_run_tempera
             assert_sampled_rows_and_logprobs(rows, logprobs, lm, QUERIES, k, new, EOS, temperature=T)
         finally:
             trainer.generation.close()
+
+
+def test_a_step_on_vllm_rows_at_the_run_temperature_shows_only_vllms_own_gap():
+    """step(..., generation_logprobs=...) on rows the colocated engine sampled at 0.7: the trainer's lp_old, under
+    z / 0.7, is within vLLM's float32 noise of the engine's log-probs (rollout/logprob_diff)."""
+    trainer = colocated_trainer()
+    try:
+        responses, logprobs = trainer.generate(QUERIES, return_prompt=False, max_new_tokens=8, do_sample=True,
+                                               top_k=0, return_logprobs=True)  # fmt: skip
+        stats = trainer.step(QUERIES, list(responses), [torch.tensor(1.0)] * 4, generation_logprobs=list(logprobs))
+        assert stats["rollout/logprob_diff/max"] < 1e-4
+        assert stats["rollout/logprob_diff/mean"] < 1e-5
+    finally:
+        trainer.generation.close()

@@ -105,10 +105,11 @@ class ClassicHelpersMixin:
         """Per-token KL estimate of ``config.kl_penalty`` between policy and reference log-probs.
 
         ``"kl"``, ``"abs"``, ``"mse"``: log-probs of the chosen tokens, ``(B, L)`` -> ``(B, L)``.
-        ``"full"``: full log-softmax rows, ``(B, L, V)`` -> ``(B, L)``, the exact ``KL(policy || ref)``.
+        ``"full"``: full log-softmax (or logit) rows, ``(B, L, V)`` -> ``(B, L)``, the exact ``KL(policy || ref)``
+        under ``rows / PPOConfig.temperature`` (the log-softmax ignores a row's shift: either row gives it).
         """
         if self.config.kl_penalty == "full":
-            return full_kl_from_logits(logprob, ref_logprob)
+            return full_kl_from_logits(logprob, ref_logprob, self.forward.temperature)
         return kl_estimate(logprob, ref_logprob, self.config.kl_penalty)
 
     def _step_safety_checker(self, batch_size: int, queries, responses, scores, masks=None):

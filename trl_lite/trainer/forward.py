@@ -50,12 +50,14 @@ class ForwardPass:
             current budget, is shared with the learner.
         sequence: the sequence-parallel group packed passes are cut over, or None (see :meth:`gather_slots`).
         lm_head_chunk_size: ``PPOConfig.lm_head_chunk_size`` (None: automatic; see :meth:`head_chunk_size`).
+        temperature: ``PPOConfig.temperature``: log-probs and full KL under ``logits / temperature`` (section 20).
     """
 
     def __init__(self, accelerator, models: list[tuple], layout: InputLayout, *, is_encoder_decoder: bool,
                  mini_batch_size: int, pack: bool = False, row_attention: dict | None = None,
                  reuse_logits_buffer: bool = False, max_tokens: int | None = None, oom_backoff: bool = False,
-                 sequence: SequenceParallel | None = None, lm_head_chunk_size: int | None = None):  # fmt: skip
+                 sequence: SequenceParallel | None = None, lm_head_chunk_size: int | None = None,
+                 temperature: float = 1.0):  # fmt: skip
         self.accelerator = accelerator
         self.device = accelerator.device
         self.models = models
@@ -72,6 +74,7 @@ class ForwardPass:
         self._sequence_pass = None  # this process's slice of the last packed pass (sequence parallelism)
         self.lm_head_chunk_size = lm_head_chunk_size
         self._warned_no_chunks = False
+        self.temperature = temperature
 
     @classmethod
     def build(cls, accelerator, policy, reference, critic, tokenizer, config, pack: bool) -> ForwardPass:
@@ -100,7 +103,7 @@ class ForwardPass:
                    mini_batch_size=config.mini_batch_size, pack=pack, row_attention=row_attention,
                    reuse_logits_buffer=reuse, max_tokens=config.max_tokens_per_minibatch,
                    oom_backoff=config.oom_backoff, sequence=sequence,
-                   lm_head_chunk_size=config.lm_head_chunk_size)  # fmt: skip
+                   lm_head_chunk_size=config.lm_head_chunk_size, temperature=config.temperature)  # fmt: skip
 
     @property
     def max_tokens(self) -> int | None:
@@ -333,13 +336,15 @@ class ForwardPass:
             model, rows, index, idx, lm_head_inputs=head is not None, return_values=return_values, critic=critic
         )
         if head is None:
-            logprobs = logprobs_from_logits(outputs, targets)
+            logprobs = logprobs_from_logits(outputs, targets, temperature=self.temperature)
         else:
             buffer_rows = self.buffer_rows(rows)
             chunk = self.head_chunk_size(buffer_rows, head)
             out = None if chunk else self.logits_out(rows, head)
             with self.head_autocast():
-                logprobs = logprobs_from_hidden(outputs, head.weight, head.bias, targets, buffer_rows, out, chunk)
+                logprobs = logprobs_from_hidden(
+                    outputs, head.weight, head.bias, targets, buffer_rows, out, chunk, self.temperature
+                )
         keep = return_logits or return_head_inputs
         logprobs, outputs = self.gather_slots(logprobs, outputs if keep else None)
         logprobs = to_compact(logprobs, slots, len(index), width)
@@ -423,11 +428,11 @@ class ForwardPass:
         """Exact per-token KL of policy vs reference ``(N,)``: from their logits ``(N, V)`` (``chunk`` 0), or from
         their head inputs ``(N, H)`` and heads, ``chunk`` tokens at a time (docs/algorithm.md section 4)."""
         if not chunk:
-            return full_kl_from_logits(outputs, ref_outputs)
+            return full_kl_from_logits(outputs, ref_outputs, self.temperature)
         head = self.linear_head(policy)
         with self.head_autocast():
             return full_kl_from_hidden(
-                outputs, head.weight, head.bias, ref_outputs, ref_head.weight, ref_head.bias, chunk
+                outputs, head.weight, head.bias, ref_outputs, ref_head.weight, ref_head.bias, chunk, self.temperature
             )
 
 

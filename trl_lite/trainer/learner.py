@@ -214,14 +214,14 @@ class Learner:
             self.model, rows, mb.index, mb.idx, head is not None, return_values=self.policy_values, critic=self.critic
         )
         if head is None:
-            logprobs, entropy = logprobs_and_entropy_from_logits(outputs, targets)
+            logprobs, entropy = logprobs_and_entropy_from_logits(outputs, targets, forward.temperature)
         else:
             buffer_rows = forward.buffer_rows(rows)
             chunk = forward.head_chunk_size(buffer_rows, head)
             out = None if chunk else forward.logits_out(rows, head)
             with forward.head_autocast():
                 logprobs, entropy = logprobs_and_entropy_from_hidden(
-                    outputs, head.weight, head.bias, targets, buffer_rows, out, chunk
+                    outputs, head.weight, head.bias, targets, buffer_rows, out, chunk, forward.temperature
                 )
         del outputs  # the logits, when the head ran in the model: the saved softmax replaces them
         logprobs, entropy = forward.gather_slots(logprobs, entropy)
@@ -275,7 +275,7 @@ class Learner:
 
         Shapes: every per-token argument ``(b, L)``, logits ``(b, L, V)``. The entropy comes from
         ``entropy`` ``(b, L)`` when given (logits may then be None; differentiable for ``entropy_coef``),
-        else from the logits. Returns the policy loss (the objective: clipped surrogate plus the KL-in-loss
+        else from the logits over ``PPOConfig.temperature`` (section 20). Returns the policy loss (the objective: clipped surrogate plus the KL-in-loss
         and entropy terms where on), the value loss and a dict of detached 0-d statistics, with
         ``loss/total = policy loss + vf_coef * value loss``. Critic-free (``values``, ``vpreds``,
         ``returns`` None): the value loss is None and no value statistic is made. ``denominators``: under a
@@ -285,7 +285,7 @@ class Learner:
         policy_share = None if denominators is None else denominators.policy
         value_share = None if denominators is None else denominators.value
         if entropy is None:
-            entropy = entropy_from_logits(logits if self.config.entropy_coef else logits.detach())
+            entropy = entropy_from_logits(logits if self.config.entropy_coef else logits.detach(), self.forward.temperature)
         pg_loss, stats = self.objective(
             logprobs, old_logprobs, advantages, mask, entropy, ref_logprobs, kl_coef, token_weights, tokens_per_minibatch,
             policy_share,

@@ -15,7 +15,8 @@ def ptx_loss(forward: ForwardPass, model, seqs: list[torch.Tensor], denominator:
     (1-D token tensors on the device), 0-d and differentiable; with ``denominator`` (the predicted PTX
     tokens of the backward batch, docs/algorithm.md section 18) the sum divided by it instead: this pass's share.
 
-    Right-padded with explicit position ids; the LM head runs only at the N predicting positions.
+    Right-padded with explicit position ids; the LM head runs only at the N predicting positions. At temperature 1
+    whatever ``PPOConfig.temperature`` is: language modelling of the data, not the sampling policy (section 20).
     """
     device, layout = forward.device, forward.layout
     input_ids = pad_sequence(seqs, batch_first=True, padding_value=layout.pad_id)
