@@ -30,20 +30,10 @@ import time
 from pathlib import Path
 
 import torch
+from bench_step import tensor_peak_mb
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULT_MARKER = "BENCH_RESULT "
-
-
-def tensor_peak_mb(prof: torch.profiler.profile) -> float:
-    """Highest sum of live CPU tensor bytes during a profiled region, counted from its start, in MB."""
-    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    records = sorted((e.start_ns(), e.nbytes()) for e in records if e.device_type() == torch.autograd.DeviceType.CPU)
-    live = peak = 0
-    for _, nbytes in records:
-        live += nbytes
-        peak = max(peak, live)
-    return peak / 2**20
 
 
 def worker(args) -> None:
