@@ -4,8 +4,8 @@ A failure before a backward batch's synchronising pass - a forward under DDP (ev
 backward reduces the gradients), the backward of a pass under ``no_sync``, the first forward of a backward batch
 under ZeRO-2 - is agreed on by both processes, which redo the backward batch with the same halved budget and
 take the step of the run without the failure. A failure that cannot be redone (inside the gradient-reducing
-backward under DDP, after a ZeRO-2 backward of the same backward batch) ends both processes with an error, in
-seconds, not a hang. Script: tests/distributed/oom_backoff_step.py.
+backward under DDP, after a ZeRO-2 backward of the same backward batch, any forward of a sequence-parallel
+group) ends both processes with an error, in seconds, not a hang. Script: tests/distributed/oom_backoff_step.py.
 """
 
 import os
@@ -74,20 +74,27 @@ def test_a_failure_on_one_process_is_redone_by_both_with_the_same_step(tmp_path)
 
 
 @pytest.mark.parametrize(
-    "config, args, rank0_says",
+    "config, args, rank0_says, restart_with",
     [
-        ("multi_gpu", ("--inject", "backward", "--call", "1"), "Process 0 failed inside a collective of a training backward"),
-        ("deepspeed_zero2", ("--inject", "forward", "--call", "1"), "cannot be redone"),
+        ("multi_gpu", ("--inject", "backward", "--call", "1"), "Process 0 failed inside a collective of a training backward",
+         6),
+        ("deepspeed_zero2", ("--inject", "forward", "--call", "1"), "cannot be redone", 6),
+        # Sequence parallelism: every forward exchanges attention inputs within the group (of 2 processes that
+        # share the 8 rows: the failed first pass held 18 tokens).
+        ("deepspeed_sequence_parallel", ("--inject", "forward", "--call", "0", "--sp_size", "2"),
+         "Process 0 failed inside a collective of a training forward", 9),
     ],
 )  # fmt: skip
-def test_a_failure_that_cannot_be_redone_ends_both_processes_with_an_error(tmp_path, config, args, rank0_says):
-    """Inside DDP's gradient-reducing backward, or after a ZeRO-2 backward of the backward batch: both processes
-    end with an error naming the cause, well within the launch's timeout (a hang would run into it)."""
+def test_a_failure_that_cannot_be_redone_ends_both_processes_with_an_error(tmp_path, config, args, rank0_says,
+                                                                          restart_with):  # fmt: skip
+    """Inside DDP's gradient-reducing backward, after a ZeRO-2 backward of the backward batch, or in any forward of a
+    sequence-parallel group: both processes end with an error naming the cause, well within the launch's timeout
+    (a hang would run into it)."""
     start = time.monotonic()
     run = _launch(config, tmp_path / "run", *args)
     assert run.returncode != 0
     assert time.monotonic() - start < 120
     output = run.stdout + run.stderr
-    assert "[rank1]: torch.OutOfMemoryError:" in output and "max_tokens_per_minibatch=6 or lower" in output
+    assert "[rank1]: torch.OutOfMemoryError:" in output and f"max_tokens_per_minibatch={restart_with} or lower" in output
     assert rank0_says in output
     assert not (tmp_path / "run" / "result.pt").exists()

@@ -8,7 +8,8 @@
 Each process trains 4 rows of a fixed global batch of 8 (mini-batches of 2, 2 accumulation steps: one backward
 batch, so one optimizer step per epoch; REINFORCE++, SGD). ``--inject forward|backward`` raises
 ``torch.OutOfMemoryError`` on rank 1 in the forward (or the backward) of its training pass number ``--call``
-(tests/oom_injection.py); ``none`` runs clean. Rank 0 writes OUT/result.pt: its full weights, the step's
+(tests/oom_injection.py); ``none`` runs clean. ``--sp_size 2`` under
+accelerate_configs/deepspeed_sequence_parallel.yaml: the 2 processes are one group sharing the batch. Rank 0 writes OUT/result.pt: its full weights, the step's
 scalar statistics and every process's token budget after the step (gathered with torch.distributed).
 """
 
@@ -21,6 +22,7 @@ from common import finish, full_named_parameters, gather_across_processes
 from oom_injection import InjectedOutOfMemory
 from tiny_models import make_gpt2, make_tokenizer, random_batch
 from trl_lite import PPOConfig, PPOTrainer, set_seed
+from trl_lite.parallel import sequence_parallel_size
 
 GLOBAL_BATCH = 8
 
@@ -31,21 +33,27 @@ def main() -> None:
     parser.add_argument("--inject", choices=("none", "forward", "backward"), default="none")
     parser.add_argument("--call", type=int, default=0)
     parser.add_argument("--ppo_epochs", type=int, default=2)
+    parser.add_argument("--sp_size", type=int, default=1,
+                        help="the launch config's sequence-parallel size: packed passes, one batch per group")  # fmt: skip
     args = parser.parse_args()
 
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    per_process = GLOBAL_BATCH // world_size
+    groups = world_size // args.sp_size
+    per_process = GLOBAL_BATCH // groups
     config = PPOConfig(
         batch_size=per_process, mini_batch_size=2, gradient_accumulation_steps=per_process // 2,
         ppo_epochs=args.ppo_epochs, learning_rate=0.5, advantage_estimator="reinforce_pp", max_grad_norm=None, seed=0,
+        padding_free=args.sp_size > 1,
     )  # fmt: skip
     set_seed(0)
     model = make_gpt2(seed=0)
     trainer = PPOTrainer(config, model, tokenizer=make_tokenizer(), optimizer=torch.optim.SGD(model.parameters(), lr=0.5))
     assert trainer.accelerator.num_processes == world_size
+    assert sequence_parallel_size(trainer.accelerator) == args.sp_size
 
     queries, responses, scores = random_batch(GLOBAL_BATCH, seed=3, query_len=(2, 5), response_len=(1, 9))
-    mine = slice(rank * per_process, (rank + 1) * per_process)
+    group = rank // args.sp_size
+    mine = slice(group * per_process, (group + 1) * per_process)
     inject = dict(calls=(args.call,) if args.inject != "none" and rank == 1 else (), in_backward=args.inject == "backward")
     torch.manual_seed(1)
     with InjectedOutOfMemory(trainer.accelerator.unwrap_model(trainer.model), **inject) as injected:

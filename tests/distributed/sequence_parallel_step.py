@@ -45,6 +45,9 @@ def main() -> None:
     parser.add_argument("--ptx", type=int, choices=(0, 1), default=0, help="add a PTX loss (ptx_coef 0.5)")
     parser.add_argument("--gradient_checkpointing", type=int, choices=(0, 1), default=0)
     parser.add_argument("--max_tokens", type=int, default=None, help="max_tokens_per_minibatch (a budget per group)")
+    parser.add_argument("--lm_head_chunk_size", type=int, default=None, help="tokens per chunk of the LM head")
+    parser.add_argument("--peft", type=int, choices=(0, 1), default=0,
+                        help="train a LoRA adapter on the projections; the reference is the base model")
     parser.add_argument("--model", choices=("gpt2", "gpt2_4_heads", "qwen2"), default="gpt2",
                         help="qwen2: rotary positions, 2 query heads sharing 1 key/value head")  # fmt: skip
     parser.add_argument("--output_dir", required=True)
@@ -63,12 +66,21 @@ def main() -> None:
         ptx_coef=0.5 if args.ptx else 0.0,
         gradient_checkpointing=bool(args.gradient_checkpointing),
         max_tokens_per_minibatch=args.max_tokens,
+        max_response_length=32 if args.loss_type == "seq_mean_token_sum_norm" else None,
+        lm_head_chunk_size=args.lm_head_chunk_size,
         seed=0,
     )
     set_seed(0)
     lm = make_qwen2(seed=0) if args.model == "qwen2" else make_gpt2(seed=0, n_head=4 if "4" in args.model else 2)
-    model = AutoModelForCausalLMWithValueHead.from_pretrained(lm)
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate)
+    peft_config = None
+    if args.peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], fan_in_fan_out=True,
+                                 task_type="CAUSAL_LM")  # fmt: skip
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(lm, peft_config=peft_config)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(trained, lr=config.learning_rate)
     trainer = PPOTrainer(config, model, tokenizer=make_tokenizer("left"), optimizer=optimizer)
     sp_size = sequence_parallel_size(trainer.accelerator)
     assert (trainer.forward.sequence is not None) == (sp_size > 1)

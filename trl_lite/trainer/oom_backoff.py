@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..parallel import sequence_parallel_size
 from .accelerate_setup import empty_device_cache
 
 # What to change when a single row does not fit, named in every message that gives up.
@@ -50,8 +51,10 @@ class MemoryBackoff:
     def __init__(self, accelerator, budget: int | None, enabled: bool):
         self.accelerator = accelerator
         plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-        # ZeRO-3 gathers parameters inside every forward: a failure there leaves the peers inside a collective.
-        self.forwards_synchronise = plugin is not None and plugin.zero_stage == 3 and accelerator.num_processes > 1
+        # ZeRO-3 gathers parameters inside every forward, and sequence parallelism exchanges every attention
+        # layer's inputs: a failure there leaves the peers inside a collective.
+        collective_forwards = (plugin is not None and plugin.zero_stage == 3) or sequence_parallel_size(accelerator) > 1
+        self.forwards_synchronise = collective_forwards and accelerator.num_processes > 1
         self.budget = budget
         self.enabled = enabled
         self.backed_off = False
@@ -84,7 +87,7 @@ class MemoryBackoff:
         the block synchronises the processes (a gradient-reducing backward on several processes) or holds
         state that cannot be discarded (a DeepSpeed engine's accumulated gradients), so it cannot be redone;
         the error is raised again with a message that says so (docs/out_of_memory.md, several processes).
-        None: a forward's, recoverable unless forwards synchronise the processes (ZeRO-3).
+        None: a forward's, recoverable unless forwards synchronise the processes (ZeRO-3, sequence parallelism).
         """
         recoverable = not self.forwards_synchronise if recoverable is None else recoverable
         if not (self.enabled and self._catching):
