@@ -4,19 +4,26 @@ sequence-parallel group (Ulysses, docs/sequence_parallel.md), on the CPU.
 The workload: a GPT-2 shape (``--layers`` layers, ``--width`` wide, ``--heads`` heads, a 512-token
 vocabulary, random weights, fp32) with a value head; one batch of rows of ``--lengths`` tokens (64 of query
 each), one row per mini-batch, 1 PPO epoch, SGD, packed passes. Each run does 3 steps on the same batch:
-the first timed, the next two under ``torch.profiler`` with ``profile_memory=True``. A step's tensor peak is
-the highest sum of live CPU tensor bytes counted from the step's start (the larger of the two profiled
-steps is reported: under several processes the collectives' buffers are freed by gloo's threads, and the
-peak moves by some 10% between steps): weights, and buffers made once in the
-first step, do not count; the training pass of the longest row is the step's largest. DeepSpeed's gradient
-bucket (``reduce_bucket_size``, by default 5e8 elements: a 2 GB buffer allocated in every backward whatever
-the model) is sized to the model's parameters, as one would for a model this small: the 2 processes run under
-a copy of ``accelerate_configs/deepspeed_sequence_parallel.yaml`` whose DeepSpeed settings come from a JSON
-file with that bucket size. The 1-process run uses all ``--threads`` torch threads; each of the 2 processes
-gets half.
+the first timed, the next two under ``torch.profiler`` with ``profile_memory=True``, the larger of whose
+tensor peaks is reported. A step's tensor peak is the highest sum of live CPU tensor bytes counted from
+the step's start (``bench_step.tensor_peak_mb``: weights, and buffers made once in the first step, do not
+count; the training pass of the longest row is the step's largest). It replays the allocations by address,
+because under several processes gloo's worker threads drop the last reference to many of the collectives'
+buffers and the profiler does not record frees on those threads: counted from the records alone, those
+buffers would stay alive to the end of the step.
+
+Three runs: 1 process plain (the trainer's own optimizer step); 1 process under the same DeepSpeed ZeRO-2
+configuration as the group, without sequence parallelism (its engine allocates the parameters' gradients in
+every backward, as the group's does); and the 2 processes of one group. DeepSpeed's gradient bucket
+(``reduce_bucket_size``, by default 5e8 elements: a 2 GB buffer allocated in every backward whatever the
+model) is sized to the model's parameters, as one would for a model this small: the DeepSpeed runs use a
+copy of ``accelerate_configs/deepspeed_sequence_parallel.yaml`` whose DeepSpeed settings come from a JSON
+file with that bucket size. The 1-process runs use all ``--threads`` torch threads; each of the 2 processes
+gets half. ``--gradient_checkpointing`` runs every case with the layers' activations recomputed.
 
 Usage:
     python benchmarks/bench_sequence_parallel.py [--lengths 8192 16384] [--layers 2] [--width 256] [--heads 4]
+        [--gradient_checkpointing]
 """
 
 import argparse
@@ -49,7 +56,8 @@ def worker(args) -> None:
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=1, pad_token_id=0,
     )  # fmt: skip
     model = AutoModelForCausalLMWithValueHead.from_pretrained(GPT2LMHeadModel(config))
-    ppo_config = PPOConfig(batch_size=len(args.lengths), mini_batch_size=1, ppo_epochs=1, padding_free=True, seed=0)
+    ppo_config = PPOConfig(batch_size=len(args.lengths), mini_batch_size=1, ppo_epochs=1, padding_free=True, seed=0,
+                           gradient_checkpointing=args.gradient_checkpointing)  # fmt: skip
     trainer = PPOTrainer(ppo_config, model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3))
     g = torch.Generator().manual_seed(0)
     queries = [torch.randint(3, 512, (64,), generator=g) for _ in args.lengths]
@@ -67,6 +75,7 @@ def worker(args) -> None:
     peak = max(peaks)
     result = {
         "rank": trainer.accelerator.process_index, "processes": trainer.accelerator.num_processes,
+        "deepspeed": trainer.is_deepspeed_enabled,
         "sp_size": sequence_parallel_size(trainer.accelerator), "threads": torch.get_num_threads(),
         "tensor_peak_mb": peak, "tensor_peaks_mb": peaks, "step_seconds": seconds, "loss": stats["ppo/loss/total"],
     }  # fmt: skip
@@ -77,9 +86,9 @@ def worker(args) -> None:
         os._exit(0)
 
 
-def group_config(args, directory: Path) -> Path:
+def group_config(args, directory: Path, sequence_parallel: bool = True) -> Path:
     """The sequence-parallel accelerate config with DeepSpeed's settings in a JSON file: ZeRO-2, gradient
-    buckets of the model's parameter count."""
+    buckets of the model's parameter count; without ``sequence_parallel`` its ``parallelism_config`` left out."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=512, n_positions=max(args.lengths), n_embd=args.width, n_layer=args.layers,
@@ -96,6 +105,8 @@ def group_config(args, directory: Path) -> Path:
     for line in source:
         if line.strip().startswith(("offload_", "zero3_init_flag", "zero_stage", "mixed_precision")):
             continue
+        if not sequence_parallel and line.strip().startswith("parallelism_config"):
+            continue
         lines.append(line)
         if line.startswith("deepspeed_config:"):
             lines.append(f"  deepspeed_config_file: {directory / 'deepspeed.json'}")
@@ -103,19 +114,23 @@ def group_config(args, directory: Path) -> Path:
     return directory / "config.yaml"
 
 
-def run(args, processes: int) -> list[dict]:
-    """The worker alone (1 process) or launched as one sequence-parallel group of ``processes``."""
+def run(args, processes: int, deepspeed: bool = True) -> list[dict]:
+    """The worker alone (1 process, no launcher) without ``deepspeed``, or launched under DeepSpeed ZeRO-2: as one
+    sequence-parallel group of ``processes``, or as 1 process without sequence parallelism."""
     worker_args = [str(Path(__file__).resolve()), "--worker", "--lengths", *map(str, args.lengths), "--layers",
                    str(args.layers), "--width", str(args.width), "--heads", str(args.heads)]  # fmt: skip
+    if args.gradient_checkpointing:
+        worker_args.append("--gradient_checkpointing")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": str(max(args.threads // processes, 1))}
-    if processes == 1:
+    if not deepspeed:
         cmd = [sys.executable, *worker_args]
     else:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         directory = Path(tempfile.mkdtemp())
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(group_config(args, directory)),
+        config = group_config(args, directory, sequence_parallel=processes > 1)
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                "--num_processes", str(processes), "--main_process_port", str(port), *worker_args]  # fmt: skip
     out = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     if out.returncode != 0:
@@ -131,23 +146,31 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
-    alone = run(args, 1)[0]
+    alone = run(args, 1, deepspeed=False)[0]
+    alone_deepspeed = run(args, 1)[0]
     group = run(args, 2)
-    print(f"load average {os.getloadavg()}; rows {args.lengths} tokens; {args.layers} x {args.width}, {args.heads} heads")
-    print("| processes | sp_size | threads each | tensor peak per process (MB) | peak / 1 process | 2 peaks (MB) "
-          "| step (s) |")  # fmt: skip
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in [alone, *group]:
+    checkpointing = ", gradient checkpointing" if args.gradient_checkpointing else ""
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"load average {load}; rows {args.lengths} tokens; {args.layers} x {args.width}, {args.heads} "
+          f"heads{checkpointing}")  # fmt: skip
+    print("| processes | DeepSpeed | sp_size | threads each | tensor peak per process (MB) | of 1 process | "
+          "of 1 DeepSpeed process | 2 peaks (MB) | step (s) |")  # fmt: skip
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in [alone, alone_deepspeed, *group]:
         ratio = r["tensor_peak_mb"] / alone["tensor_peak_mb"]
+        ratio_deepspeed = r["tensor_peak_mb"] / alone_deepspeed["tensor_peak_mb"]
         both = " / ".join(f"{p:.0f}" for p in r["tensor_peaks_mb"])
-        print(f"| {r['processes']} (rank {r['rank']}) | {r['sp_size']} | {r['threads']} | {r['tensor_peak_mb']:.0f} | "
-              f"{ratio:.2f} | {both} | {r['step_seconds']:.1f} |")  # fmt: skip
-    print(f"loss: 1 process {alone['loss']:.6f}, sequence-parallel {group[0]['loss']:.6f}")
+        print(f"| {r['processes']} (rank {r['rank']}) | {'ZeRO-2' if r['deepspeed'] else 'no'} | {r['sp_size']} | "
+              f"{r['threads']} | {r['tensor_peak_mb']:.0f} | {ratio:.2f} | {ratio_deepspeed:.2f} | {both} | "
+              f"{r['step_seconds']:.1f} |")  # fmt: skip
+    print(f"loss: 1 process {alone['loss']:.6f}, 1 DeepSpeed process {alone_deepspeed['loss']:.6f}, "
+          f"sequence-parallel {group[0]['loss']:.6f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -890,14 +890,26 @@ def _sync(device: str) -> None:
 def tensor_peak_mb(prof: torch.profiler.profile) -> float:
     """Highest sum of live CPU tensor bytes during a profiled region, counted from its start, in MB.
 
-    Uses the allocation (+bytes) and free (-bytes) records that `profile_memory=True` collects.
+    Replays, by address, the allocations and frees that `profile_memory=True` records (a free of a tensor made
+    before the region subtracts its size). The profiler records only the threads it follows: a tensor whose
+    last reference a collective's worker thread drops (gloo's, under several processes) is freed unrecorded.
+    A later allocation at the same address proves that free, so the earlier tensor stops counting there;
+    one freed unrecorded whose address is not reused counts to the end (the result is an upper bound).
     """
-    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    records = sorted((e.start_ns(), e.nbytes()) for e in records if e.device_type() == torch.autograd.DeviceType.CPU)
-    live = peak = 0
-    for _, nbytes in records:
-        live += nbytes
-        peak = max(peak, live)
+    allocations, events = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while events:
+        event = events.pop()
+        events.extend(event.children)
+        if event.tag == torch._C._profiler._EventType.Allocation and event.extra_fields.device.type == "cpu":
+            allocations.append((event.start_time_ns, event.extra_fields.ptr, event.extra_fields.alloc_size))
+    live, total, peak = {}, 0, 0
+    for _, ptr, nbytes in sorted(allocations):
+        if nbytes > 0:
+            total += nbytes - live.get(ptr, 0)
+            live[ptr] = nbytes
+            peak = max(peak, total)
+        else:
+            total -= live.pop(ptr, -nbytes)
     return peak / 2**20
 
 

@@ -256,3 +256,30 @@ def test_the_packed_floor_is_left_out_where_it_does_not_exist():
     with pytest.raises(ValueError, match="'floor-packed' exists for the value-head workloads, not 'grpo-w1'"):
         bench.make_step_fn(bench.PACKED_FLOOR, bench.GRPO_W1, "cpu", torch.float32)
     assert bench.parse_args(["--device", "cpu"]).methods == list(bench.METHODS)
+
+
+def _profile_of(allocations):
+    """A stand-in for a finished ``torch.profiler.profile`` whose event tree holds these CPU allocation records
+    ``(time, address, bytes)`` (negative bytes: a free), nested one level under an op as the profiler nests them."""
+    allocation = torch._C._profiler._EventType.Allocation
+    cpu = torch.device("cpu")
+
+    def record(time, ptr, nbytes):
+        fields = type("Fields", (), {"device": cpu, "ptr": ptr, "alloc_size": nbytes})()
+        return type("Event", (), {"tag": allocation, "extra_fields": fields, "start_time_ns": time, "children": []})()
+
+    op = type("Event", (), {"tag": None, "children": [record(*a) for a in allocations[1:]]})()
+    roots = [record(*allocations[0]), op]
+    results = type("Results", (), {"experimental_event_tree": lambda self: roots})()
+    return type("Profile", (), {"profiler": type("Profiler", (), {"kineto_results": results})()})()
+
+
+def test_tensor_peak_replays_allocations_by_address():
+    mb = 2**20
+    # Plain records: 3 MB live at most; freeing a tensor made before the region (address 9) counts down.
+    plain = [(0, 1, 2 * mb), (1, 2, mb), (2, 1, -2 * mb), (3, 9, -4 * mb), (4, 3, 5 * mb)]
+    assert bench.tensor_peak_mb(_profile_of(plain)) == 3
+    # Address 1 freed on a thread the profiler does not follow (no record), then reused: the first tensor
+    # stops counting at the reuse. The sum of the records alone would report 2 + 2 + 2 = 6 MB.
+    unrecorded = [(0, 1, 2 * mb), (1, 1, 2 * mb), (2, 1, -2 * mb), (3, 1, 2 * mb)]
+    assert bench.tensor_peak_mb(_profile_of(unrecorded)) == 2
