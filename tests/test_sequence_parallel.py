@@ -5,8 +5,8 @@
 `sp_size=2`); its rows are of very different lengths - one of 2 tokens, one of 31 that passes cut across
 slices, streams of odd length (a padding row) - with response masks, mini-batches of 2 and 2 epochs.
 2 processes as one group must give the weights and every statistic of 1 process on the same batch (GAE
-with a PTX loss; GRPO with `seq_mean_token_mean`; GAE under ZeRO-3 with gradient checkpointing and a token
-budget; a Qwen2 shape with rotary positions and a shared key/value head under ZeRO-1; a LoRA policy with
+with a PTX loss; GRPO with `seq_mean_token_mean`; GAE with a separate critic under ZeRO-3 with gradient
+checkpointing and a token budget; a Qwen2 shape with rotary positions and a shared key/value head under ZeRO-1; a LoRA policy with
 the LM head in chunks and Dr. GRPO's `seq_mean_token_sum_norm`), and so must 4 processes as one group of 4 (the 2-token row is shorter than the number of slices); 4 processes as 2 groups must give those
 of 2 processes of data parallelism (`global_token_mean`, whose normaliser counts tokens over processes).
 Every launched run also checks that `generate()` gives the processes of a group the same responses.
@@ -20,7 +20,7 @@ import pytest
 import torch
 from test_distributed import REPO, SCRIPTS, deepspeed_cpu_collectives, launch  # noqa: F401 (fixture)
 
-from tiny_models import make_gpt2
+from tiny_models import make_gpt2, make_gpt2_critic
 from trl_lite.models.packed_attention import takes_row_lengths
 from trl_lite.parallel.sequence_parallel import check_before_prepare, check_heads, check_models, slice_slot_counts
 
@@ -75,7 +75,8 @@ def assert_same_training(result: dict, reference: dict) -> None:
     [
         (2, 2, ("--estimator", "gae", "--ptx", "1")),
         (2, 2, ("--estimator", "grpo", "--loss_type", "seq_mean_token_mean")),
-        (2, 3, ("--estimator", "gae", "--gradient_checkpointing", "1", "--max_tokens", "40")),
+        # A separate critic (its own DeepSpeed engine, its passes cut too).
+        (2, 3, ("--estimator", "gae", "--gradient_checkpointing", "1", "--max_tokens", "40", "--critic", "1")),
         (2, 1, ("--estimator", "gae", "--model", "qwen2")),  # ZeRO-1
         # A LoRA policy whose reference is its base model; the LM head in chunks of 5 tokens; Dr. GRPO's loss.
         (2, 2, ("--estimator", "gae", "--peft", "1", "--lm_head_chunk_size", "5", "--loss_type", "seq_mean_token_sum_norm")),
@@ -146,8 +147,8 @@ def test_checks_name_what_sequence_parallelism_needs():
     model.config._attn_implementation = "sdpa"
     assert takes_row_lengths(model)
     check_models(2, True, [model], {id(model): model})
-    with pytest.raises(ValueError, match="value_model=None"):
-        check_before_prepare(2, model, critic=make_gpt2())
+    critic = make_gpt2_critic()
     assert getattr(model.config, "num_key_value_heads", None) is None
-    check_before_prepare(2, model)
+    check_before_prepare(2, model, critic)
     assert model.config.num_key_value_heads == model.config.num_attention_heads == 2
+    assert critic.config.num_key_value_heads == 2

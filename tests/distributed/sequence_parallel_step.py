@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from common import finish, full_named_parameters
 
-from tiny_models import VOCAB_SIZE, make_gpt2, make_qwen2, make_tokenizer
+from tiny_models import VOCAB_SIZE, make_gpt2, make_gpt2_critic, make_qwen2, make_tokenizer
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer, set_seed
 from trl_lite.parallel import sequence_parallel_size
 
@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--ptx", type=int, choices=(0, 1), default=0, help="add a PTX loss (ptx_coef 0.5)")
     parser.add_argument("--gradient_checkpointing", type=int, choices=(0, 1), default=0)
     parser.add_argument("--max_tokens", type=int, default=None, help="max_tokens_per_minibatch (a budget per group)")
+    parser.add_argument("--critic", type=int, choices=(0, 1), default=0, help="a separate critic (GPT-2 classifier)")
     parser.add_argument("--lm_head_chunk_size", type=int, default=None, help="tokens per chunk of the LM head")
     parser.add_argument("--peft", type=int, choices=(0, 1), default=0,
                         help="train a LoRA adapter on the projections; the reference is the base model")
@@ -81,7 +82,10 @@ def main() -> None:
     model = AutoModelForCausalLMWithValueHead.from_pretrained(lm, peft_config=peft_config)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(trained, lr=config.learning_rate)
-    trainer = PPOTrainer(config, model, tokenizer=make_tokenizer("left"), optimizer=optimizer)
+    critic = make_gpt2_critic(seed=1) if args.critic else None
+    critic_optimizer = torch.optim.SGD(critic.parameters(), lr=0.02) if args.critic else None
+    trainer = PPOTrainer(config, model, tokenizer=make_tokenizer("left"), optimizer=optimizer, value_model=critic,
+                         critic_optimizer=critic_optimizer)  # fmt: skip
     sp_size = sequence_parallel_size(trainer.accelerator)
     assert (trainer.forward.sequence is not None) == (sp_size > 1)
     group = trainer.accelerator.process_index // sp_size
@@ -105,6 +109,9 @@ def main() -> None:
         stats.append(trainer.step(queries, responses, scores, response_masks=masks, ptx_inputs=ptx))
 
     named = full_named_parameters(trainer)
+    if args.critic:
+        critic_model = trainer.accelerator.unwrap_model(trainer.critic).pretrained_model
+        named.update({f"critic.{k}": v for k, v in full_named_parameters(trainer, critic_model).items()})
     if trainer.accelerator.process_index == 0:
         result = {
             "sp_size": sp_size,

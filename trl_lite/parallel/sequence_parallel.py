@@ -24,6 +24,7 @@ Configured as accelerate configures it: ``ParallelismConfig(sp_size=..., sp_back
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -278,22 +279,42 @@ def check_models(size: int, pack: bool, modules: list, row_attention: dict) -> N
         check_heads(size, row_attention[id(module)])
 
 
-def check_before_prepare(size: int, model, critic=None) -> None:
-    """What a run of sequence-parallel ``size`` needs before accelerate's DeepSpeed ``prepare`` sees ``model``.
+def check_before_prepare(size: int, *models) -> None:
+    """What a run of sequence-parallel ``size`` needs before accelerate's DeepSpeed ``prepare`` sees ``models``
+    (the policy and, when there is one, a separate critic; None entries are skipped).
 
-    accelerate builds the groups once, in the first ``prepare`` of a model: a separate ``critic``, prepared
-    by a second call, would build them again (DeepSpeed refuses), so it raises ValueError. DeepSpeed's
-    registration reads ``num_key_value_heads`` from the model's config, which configs of models whose every
-    head has its own keys and values (GPT-2's) lack: it is set to the head count, which is what it means.
+    DeepSpeed's registration reads ``num_key_value_heads`` from each model's config, which configs of models
+    whose every head has its own keys and values (GPT-2's) lack: it is set to the head count, which is what it
+    means.
     """
-    if critic is not None:
-        raise ValueError(
-            f"sequence parallelism (sp_size={size}) under accelerate's DeepSpeed takes one trained model: use the "
-            "policy's value head (value_model=None) or a critic-free advantage_estimator."
-        )
-    text_config = model.config.get_text_config()
-    if getattr(text_config, "num_key_value_heads", None) is None:
-        text_config.num_key_value_heads = text_config.num_attention_heads
+    for model in (m for m in models if m is not None):
+        text_config = model.config.get_text_config()
+        if getattr(text_config, "num_key_value_heads", None) is None:
+            text_config.num_key_value_heads = text_config.num_attention_heads
+
+
+@contextmanager
+def groups_built_once():
+    """The block of a second model's ``accelerator.prepare`` (a separate critic) under sequence parallelism.
+
+    accelerate's DeepSpeed ``prepare`` builds the sequence-parallel groups for every model it prepares, and
+    DeepSpeed refuses to build them twice; inside this block a build finds the groups of the first
+    ``prepare`` and keeps them, so the critic's engine reduces its gradients over the same groups as the
+    policy's.
+    """
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    build = parallel_state_sp.initialize_sequence_parallel
+
+    def build_once(sequence_parallel_size: int) -> None:  # accelerate asks with the one parallelism_config's size
+        if parallel_state_sp._SEQUENCE_PARALLEL_GROUP is None:
+            build(sequence_parallel_size=sequence_parallel_size)
+
+    parallel_state_sp.initialize_sequence_parallel = build_once
+    try:
+        yield
+    finally:
+        parallel_state_sp.initialize_sequence_parallel = build
 
 
 def _whole_rows_attention(module, query, key, value, attention_mask, **kwargs):

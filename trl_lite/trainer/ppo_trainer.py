@@ -21,6 +21,7 @@ import copy
 import functools
 import inspect
 import os
+from contextlib import nullcontext
 from dataclasses import asdict
 
 import torch
@@ -31,6 +32,8 @@ from .. import core
 from ..core import flatten_dict
 from ..models import PreTrainedModelWrapper, as_value_model, create_reference_model
 from ..models.dropout import disable_dropout_in_model
+from ..parallel import sequence_parallel_size
+from ..parallel.sequence_parallel import groups_built_once
 from .accelerate_setup import (
     build_accelerator,
     default_optimizer,
@@ -199,7 +202,8 @@ class PPOTrainer(ClassicHelpersMixin):
         if self.critic is not None:
             learning_rate = config.critic_learning_rate or config.learning_rate
             optimizer = critic_optimizer or default_optimizer(self.critic, learning_rate)
-            self.critic, self.critic_optimizer = accelerator.prepare(self.critic, optimizer)
+            with groups_built_once() if sequence_parallel_size(accelerator) > 1 else nullcontext():
+                self.critic, self.critic_optimizer = accelerator.prepare(self.critic, optimizer)
         if self.ref_model is not None:
             if self.is_deepspeed_enabled:
                 self.ref_model = prepare_deepspeed_reference(self.ref_model, accelerator)
