@@ -22,7 +22,13 @@ from test_distributed import REPO, SCRIPTS, deepspeed_cpu_collectives, launch  #
 
 from tiny_models import make_gpt2, make_gpt2_critic
 from trl_lite.models.packed_attention import takes_row_lengths
-from trl_lite.parallel.sequence_parallel import check_before_prepare, check_heads, check_models, slice_slot_counts
+from trl_lite.parallel.sequence_parallel import (
+    SequenceParallel,
+    check_before_prepare,
+    check_heads,
+    check_models,
+    slice_slot_counts,
+)
 
 pytestmark = pytest.mark.xdist_group("distributed")
 
@@ -51,11 +57,14 @@ def run_launched(config: str, processes: int, out, *args: str, zero_stage: int =
 
 
 def assert_one_generation_per_group(result: dict) -> None:
-    """The processes of each group returned the same sampled responses, and the groups different ones."""
+    """The processes of each group returned the same sampled responses, and the groups different ones; each
+    process generated its share of the group's 4 queries (one engine call each)."""
     generations, size = result["generations"], result["sp_size"]
     groups = [generations[start : start + size] for start in range(0, len(generations), size)]
     assert all(member == group[0] for group in groups for member in group)
     assert len({str(group[0]) for group in groups}) == len(groups)
+    assert all(len(group[0]) == 4 for group in groups)
+    assert result["generated_queries"] == [[4 // size]] * len(generations)
 
 
 def assert_same_training(result: dict, reference: dict) -> None:
@@ -133,6 +142,20 @@ def test_slice_slot_counts_match_brute_force():
         expected = tuple(sum(1 for p in positions if p // chunk == slice_index) for slice_index in range(size))
         assert slice_slot_counts(size, chunk, firsts, counts) == expected
         assert sum(expected) == sum(counts)
+
+
+def test_each_process_generates_a_contiguous_share_of_the_queries():
+    for size in range(1, 6):
+        for count in range(13):
+            items = list(range(count))
+            shares = []
+            for rank in range(size):
+                group = SequenceParallel.__new__(SequenceParallel)  # no process group: only rank and size are read
+                group.rank, group.size = rank, size
+                shares.append(group.own_share(items))
+            assert [item for share in shares for item in share] == items
+            assert max(map(len, shares)) - min(map(len, shares)) <= 1
+            assert count < size or all(shares)
 
 
 def test_checks_name_what_sequence_parallelism_needs():

@@ -90,13 +90,21 @@ def main() -> None:
     assert (trainer.forward.sequence is not None) == (sp_size > 1)
     group = trainer.accelerator.process_index // sp_size
 
-    # Every process samples from a seed of its own; generate() returns its group's first process's responses.
+    # Every process samples from a seed of its own; generate() gives the processes of a group the group's
+    # responses, each process generating a share of the queries.
+    engine, generated_queries = trainer.generation.engine, []
+    engine_generate = engine.generate
+    engine.generate = lambda queries, *args: generated_queries.append(len(queries)) or engine_generate(queries, *args)
     torch.manual_seed(100 + trainer.accelerator.process_index)
     generated = trainer.generate(batch(group, 0)[0], do_sample=True, max_new_tokens=6, batch_size=2)
+    engine.generate = engine_generate
     generations = [[r.tolist() for r in generated]]
+    generated_queries = [generated_queries]
     if trainer.accelerator.num_processes > 1:
         generations = [None] * trainer.accelerator.num_processes
         dist.all_gather_object(generations, [r.tolist() for r in generated])
+        mine, generated_queries = generated_queries[0], [None] * trainer.accelerator.num_processes
+        dist.all_gather_object(generated_queries, mine)
     torch.manual_seed(0)  # the same mini-batch order on every process and run
 
     seen = []
@@ -121,6 +129,7 @@ def main() -> None:
             "longest_slice": max(seen),
             "tokens_seen": sum(seen),
             "generations": generations,
+            "generated_queries": generated_queries,
         }
         torch.save(result, os.path.join(args.output_dir, "result.pt"))
     if trainer.accelerator.num_processes > 1:

@@ -56,8 +56,8 @@ class RolloutGeneration:
         self._held_version = None
         self.last_push_bytes = 0
         self._awake_depth = 0  # nesting of awake()
-        # Under sequence parallelism: makes every process of a group return the same generations (see build_generation).
-        self.share = None
+        # Under sequence parallelism: the group whose processes return the same generations (see build_generation).
+        self.sequence = None
         if engine.sleeps:
             # It holds nothing worth keeping yet: the first generate wakes it and pushes the weights.
             engine.sleep()
@@ -132,9 +132,16 @@ class RolloutGeneration:
                  generate_ref_response: bool = False, remove_padding: bool = True, return_logprobs: bool = False,
                  **generation_kwargs):  # fmt: skip
         """See :meth:`PPOTrainer.generate`."""
-        result = self._generate(query_tensor, length_sampler, batch_size, return_prompt, generate_ref_response,
-                                remove_padding, return_logprobs, **generation_kwargs)  # fmt: skip
-        return result if self.share is None else self.share(result)
+
+        def generate(queries):
+            return self._generate(queries, length_sampler, batch_size, return_prompt, generate_ref_response,
+                                  remove_padding, return_logprobs, **generation_kwargs)  # fmt: skip
+
+        if self.sequence is None:
+            return generate(query_tensor)
+        if isinstance(query_tensor, (list, tuple)):
+            _check_queries(query_tensor)  # on every process, before the group splits them
+        return self.sequence.generate(generate, query_tensor)
 
     def _generate(self, query_tensor, length_sampler, batch_size, return_prompt, generate_ref_response, remove_padding,
                   return_logprobs, **generation_kwargs):  # fmt: skip
@@ -187,12 +194,12 @@ def build_generation(config, *, model, unwrapped, accelerator, tokenizer, pad_to
 
     ``model``: the prepared policy; ``unwrapped``: its value-head wrapper; ``reference_context``: a
     context manager factory yielding the reference module; ``sequence``: the run's
-    :class:`~trl_lite.parallel.SequenceParallel` group (its processes then all return the responses of
-    the group's first process), or None.
+    :class:`~trl_lite.parallel.SequenceParallel` group (its processes then each generate a share of a list
+    of queries and all return the group's responses: :meth:`~trl_lite.parallel.SequenceParallel.generate`), or None.
     """
     generation = _build_generation(config, model, unwrapped, accelerator, tokenizer, pad_token_id, is_encoder_decoder,
                                    is_zero3, reference_context, optimizer, timer)  # fmt: skip
-    generation.share = None if sequence is None else sequence.share
+    generation.sequence = sequence
     return generation
 
 
