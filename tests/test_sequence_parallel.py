@@ -5,11 +5,14 @@
 `sp_size=2`); its rows are of very different lengths - one of 2 tokens, one of 31 that passes cut across
 slices, streams of odd length (a padding row) - with response masks, mini-batches of 2 and 2 epochs.
 2 processes as one group must give the weights and every statistic of 1 process on the same batch (GAE
-with a PTX loss; GRPO with `seq_mean_token_mean`; GAE with a separate critic under ZeRO-3 with gradient
-checkpointing and a token budget; a Qwen2 shape with rotary positions and a shared key/value head under ZeRO-1; a LoRA policy with
-the LM head in chunks and Dr. GRPO's `seq_mean_token_sum_norm`), and so must 4 processes as one group of 4 (the 2-token row is shorter than the number of slices); 4 processes as 2 groups must give those
-of 2 processes of data parallelism (`global_token_mean`, whose normaliser counts tokens over processes).
-Every launched run also checks that `generate()` gives the processes of a group the same responses.
+with a PTX loss and the full KL; GRPO with `seq_mean_token_mean`; GAE with a separate critic under ZeRO-3
+with gradient checkpointing and a token budget; a Qwen2 shape with rotary positions and a shared key/value
+head under ZeRO-1; a LoRA policy with the LM head and the full KL in chunks and Dr. GRPO's
+`seq_mean_token_sum_norm`), and so must 4 processes as one group of 4 (the 2-token row is shorter than the
+number of slices); 4 processes as 2 groups must give those of 2 processes of data parallelism
+(`global_token_mean`, whose normaliser counts tokens over processes). Every launched run also checks that
+`generate()` gives the processes of a group the same responses, each process generating a share, and that
+the group gathers only per-token numbers (never a slice's logits or hidden states).
 """
 
 import subprocess
@@ -82,13 +85,15 @@ def assert_same_training(result: dict, reference: dict) -> None:
 @pytest.mark.parametrize(
     "sp_size, zero_stage, args",
     [
-        (2, 2, ("--estimator", "gae", "--ptx", "1")),
+        (2, 2, ("--estimator", "gae", "--ptx", "1", "--kl_penalty", "full")),
         (2, 2, ("--estimator", "grpo", "--loss_type", "seq_mean_token_mean")),
         # A separate critic (its own DeepSpeed engine, its passes cut too).
         (2, 3, ("--estimator", "gae", "--gradient_checkpointing", "1", "--max_tokens", "40", "--critic", "1")),
         (2, 1, ("--estimator", "gae", "--model", "qwen2")),  # ZeRO-1
-        # A LoRA policy whose reference is its base model; the LM head in chunks of 5 tokens; Dr. GRPO's loss.
-        (2, 2, ("--estimator", "gae", "--peft", "1", "--lm_head_chunk_size", "5", "--loss_type", "seq_mean_token_sum_norm")),
+        # A LoRA policy whose reference is its base model; the LM head (and the full KL) in chunks of 5 tokens;
+        # Dr. GRPO's loss.
+        (2, 2, ("--estimator", "gae", "--peft", "1", "--lm_head_chunk_size", "5", "--loss_type", "seq_mean_token_sum_norm",
+                "--kl_penalty", "full")),
         # 4 slices: the 2-token row is shorter than the number of slices, the long rows span several.
         (4, 2, ("--estimator", "grpo", "--model", "gpt2_4_heads")),
     ],
@@ -106,6 +111,7 @@ def test_one_group_equals_one_process(tmp_path, sp_size, zero_stage, args):
     if "--ptx" not in args:  # a PTX pass is not cut
         assert parallel["longest_slice"] <= -(-alone["longest_slice"] // sp_size)
     assert_same_training(parallel, alone)
+    assert parallel["gathered_shapes"] == [()]  # one number per slot or token: no (tokens x vocabulary) gather
     if "--lm_head_chunk_size" in args:
         assert all(stats["memory/lm_head_chunk_size"] == 5 for stats in parallel["stats"])
     if "--peft" in args:  # the adapter trained: its B matrices start at zero

@@ -9,7 +9,8 @@ takes batch ``g``: 4 rows of very different lengths - one of 2 tokens, one of 31
 slices - in mini-batches of 2 rows, 2 epochs, response masks. The optimizer is SGD (its update is linear in
 the gradient). Rank 0 writes OUT/result.pt: the full weights after the steps, the statistics of both steps,
 the sequence-parallel size, the longest and the summed token slices its policy's embedding saw, and the
-responses every process sampled for its group's queries from a seed of its own (``generate()``).
+responses every process sampled for its group's queries from a seed of its own (``generate()``), the
+queries each process's engine generated for, and the trailing shapes of the pieces the group gathered.
 """
 
 import argparse
@@ -21,7 +22,7 @@ from common import finish, full_named_parameters
 
 from tiny_models import VOCAB_SIZE, make_gpt2, make_gpt2_critic, make_qwen2, make_tokenizer
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer, set_seed
-from trl_lite.parallel import sequence_parallel_size
+from trl_lite.parallel import sequence_parallel, sequence_parallel_size
 
 # (query, response) tokens of each row of each group's batch; rows 2k and 2k + 1 share their query (one
 # GRPO group of num_samples_per_query=2).
@@ -45,6 +46,7 @@ def main() -> None:
     parser.add_argument("--ptx", type=int, choices=(0, 1), default=0, help="add a PTX loss (ptx_coef 0.5)")
     parser.add_argument("--gradient_checkpointing", type=int, choices=(0, 1), default=0)
     parser.add_argument("--max_tokens", type=int, default=None, help="max_tokens_per_minibatch (a budget per group)")
+    parser.add_argument("--kl_penalty", default="kl", help="full: the exact KL of the whole vocabulary")
     parser.add_argument("--critic", type=int, choices=(0, 1), default=0, help="a separate critic (GPT-2 classifier)")
     parser.add_argument("--lm_head_chunk_size", type=int, default=None, help="tokens per chunk of the LM head")
     parser.add_argument("--peft", type=int, choices=(0, 1), default=0,
@@ -69,6 +71,7 @@ def main() -> None:
         max_tokens_per_minibatch=args.max_tokens,
         max_response_length=32 if args.loss_type == "seq_mean_token_sum_norm" else None,
         lm_head_chunk_size=args.lm_head_chunk_size,
+        kl_penalty=args.kl_penalty,
         seed=0,
     )
     set_seed(0)
@@ -107,6 +110,12 @@ def main() -> None:
         dist.all_gather_object(generated_queries, mine)
     torch.manual_seed(0)  # the same mini-batch order on every process and run
 
+    # The trailing shape of every piece the group gathers (trl_lite's gathers of per-slot and per-token results).
+    gathered_shapes = set()
+    gather = sequence_parallel._GatherPieces.apply
+    sequence_parallel._GatherPieces.apply = lambda piece, *rest: gathered_shapes.add(tuple(piece.shape[1:])) or gather(
+        piece, *rest
+    )
     seen = []
     embedding = trainer.forward.unwrapped(trainer.model).pretrained_model.get_input_embeddings()
     embedding.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0].shape[1]))
@@ -130,6 +139,7 @@ def main() -> None:
             "tokens_seen": sum(seen),
             "generations": generations,
             "generated_queries": generated_queries,
+            "gathered_shapes": sorted(gathered_shapes),
         }
         torch.save(result, os.path.join(args.output_dir, "result.pt"))
     if trainer.accelerator.num_processes > 1:

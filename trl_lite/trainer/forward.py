@@ -323,13 +323,16 @@ class ForwardPass:
         return self.sequence.cut(inputs, lengths, firsts, [rows.slot_count(i) for i in index])
 
     def logprobs(self, model, rows: Rows, index: list[int], idx: torch.Tensor, return_logits: bool = False,
-                 return_values: bool = True, critic=None, return_head_inputs: bool = False):  # fmt: skip
+                 return_values: bool = True, critic=None, return_head_inputs: bool = False,
+                 gather_outputs: bool = True):  # fmt: skip
         """Log-probs and values at the action positions of rows ``index``, without the entropy.
 
         Shapes: logprobs, values ``(b, L_mb)`` (log-probs 0 past each response; values None without
         ``return_values``); with ``return_logits`` also the logits ``(N, V)`` at the token slots and
         the slots (else None for both) - or with ``return_head_inputs`` (the model has a linear head)
-        the head's inputs ``(N, H)`` there instead of the logits; and ``L_mb``.
+        the head's inputs ``(N, H)`` there instead of the logits; and ``L_mb``. Under sequence parallelism
+        ``gather_outputs=False`` keeps those logits or inputs to this process's slots (:meth:`gather_slots`
+        gathers what is computed from them).
         """
         head = None if return_logits else self.linear_head(model)
         outputs, targets, values, slots, width = self.head_inputs(
@@ -346,9 +349,9 @@ class ForwardPass:
                     outputs, head.weight, head.bias, targets, buffer_rows, out, chunk, self.temperature
                 )
         keep = return_logits or return_head_inputs
-        logprobs, outputs = self.gather_slots(logprobs, outputs if keep else None)
+        logprobs, gathered = self.gather_slots(logprobs, outputs if keep and gather_outputs else None)
         logprobs = to_compact(logprobs, slots, len(index), width)
-        keep = return_logits or return_head_inputs
+        outputs = gathered if gather_outputs else outputs
         return logprobs, values, (outputs if keep else None), (slots if keep else None), width
 
     def kl_chunk_size(self, rows: Rows, policy, reference) -> int:
@@ -404,8 +407,10 @@ class ForwardPass:
                      policy_values: bool, full_kl: bool, policy_pass: bool, reference_pass: bool,
                      kl_chunk: int) -> None:  # fmt: skip
         """One pass of :meth:`rollout` over rows ``index``: writes their log-probs, reference log-probs, values
-        (and exact KL, from head inputs ``kl_chunk`` tokens at a time when it is not 0) into ``out`` ``(3 or 4, B, L)``."""
-        kl_outputs = {"return_logits": full_kl and not kl_chunk, "return_head_inputs": bool(kl_chunk)}
+        (and exact KL, from head inputs ``kl_chunk`` tokens at a time when it is not 0) into ``out`` ``(3 or 4, B, L)``.
+        Under sequence parallelism each process computes the KL of its slice's slots, then gathers it."""
+        kl_outputs = {"return_logits": full_kl and not kl_chunk, "return_head_inputs": bool(kl_chunk),
+                      "gather_outputs": False}  # fmt: skip
         if policy_pass:
             logprobs, values, logits, slots, w = self.logprobs(
                 policy, rows, index, idx, return_values=policy_values, critic=critic, **kl_outputs
@@ -421,7 +426,7 @@ class ForwardPass:
                 ref_head = self.linear_head(ref) if kl_chunk else None
             out[1, idx, :w] = ref_logprobs
         if full_kl:
-            kl = self.full_kl(logits, ref_logits, policy, ref_head, kl_chunk)
+            (kl,) = self.gather_slots(self.full_kl(logits, ref_logits, policy, ref_head, kl_chunk))
             out[3, idx, :w] = to_compact(kl, slots, len(index), w)
 
     def full_kl(self, outputs, ref_outputs, policy, ref_head, chunk: int) -> torch.Tensor:
