@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import sys
 import warnings
 from contextlib import contextmanager
 
 import torch
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from ..core import full_kl_from_hidden, full_kl_from_logits, lm_head_chunk_size, logprobs_from_hidden, logprobs_from_logits
-from ..models import PreTrainedModelWrapper
 from ..models.packed_attention import PACKED_SDPA, ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths, without_cudnn
 from ..models.varlen_attention import packed_rows
 from ..parallel.sequence_parallel import SEQUENCE_PASS, ULYSSES_SDPA, SequenceParallel, check_models
@@ -449,29 +446,6 @@ def reference_context(reference, policy, unwrapped_policy):
     else:
         with unwrapped_policy.pretrained_model.disable_adapter():
             yield policy
-
-
-def packing_unsupported(wrapper: PreTrainedModelWrapper) -> str | None:
-    """Why ``wrapper`` cannot take packed rows (:meth:`~.rows.InputLayout.packed`), or None when it can.
-
-    Packing needs a decoder-only transformers model that takes ``position_ids`` and builds its
-    attention mask with ``transformers.masking_utils`` (which detects packed rows from them), under an
-    attention implementation that utility knows; prompt-learning adapters prepend tokens to each row.
-    """
-    if wrapper.is_encoder_decoder:
-        return "it is an encoder-decoder"
-    if wrapper.is_peft_model and wrapper.pretrained_model.active_peft_config.is_prompt_learning:
-        return "its prompt-learning adapter prepends virtual tokens to every row"
-    model = wrapper.transformers_model
-    if "position_ids" not in inspect.signature(model.forward).parameters:
-        return f"{type(model).__name__}.forward takes no position_ids"
-    backbone = getattr(model, getattr(model, "base_model_prefix", ""), model)
-    if not hasattr(sys.modules.get(type(backbone).__module__), "create_causal_mask"):
-        return f"{type(backbone).__name__} does not build its attention mask with transformers.masking_utils"
-    implementation = getattr(model.config, "_attn_implementation", None)
-    if implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
-        return f"its attention implementation {implementation!r} is not one masking_utils builds packed masks for"
-    return None
 
 
 def pad_token_id(tokenizer, model_config) -> int:

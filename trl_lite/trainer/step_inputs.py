@@ -6,15 +6,22 @@ what was given and what is accepted.
 
 from __future__ import annotations
 
+import inspect
+import sys
 import warnings
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from ..models import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, ValueModel
+from ..models import (
+    AutoModelForCausalLMWithValueHead,
+    AutoModelForSeq2SeqLMWithValueHead,
+    PreTrainedModelWrapper,
+    ValueModel,
+)
 from ..models.modeling_base import is_peft_model
-from .forward import packing_unsupported
 from .ppo_config import PPOConfig
 from .rows import actions_per_row, concat_by_device
 
@@ -121,6 +128,29 @@ def choose_packing(config: PPOConfig, model, ref_model, critic) -> bool:
                 raise ValueError(f"padding_free=True, but {name} cannot take packed rows: {reason}. Use padding_free=None or False.")
             return False
     return True
+
+
+def packing_unsupported(wrapper: PreTrainedModelWrapper) -> str | None:
+    """Why ``wrapper`` cannot take packed rows (:meth:`~.rows.InputLayout.packed`), or None when it can.
+
+    Packing needs a decoder-only transformers model that takes ``position_ids`` and builds its
+    attention mask with ``transformers.masking_utils`` (which detects packed rows from them), under an
+    attention implementation that utility knows; prompt-learning adapters prepend tokens to each row.
+    """
+    if wrapper.is_encoder_decoder:
+        return "it is an encoder-decoder"
+    if wrapper.is_peft_model and wrapper.pretrained_model.active_peft_config.is_prompt_learning:
+        return "its prompt-learning adapter prepends virtual tokens to every row"
+    model = wrapper.transformers_model
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return f"{type(model).__name__}.forward takes no position_ids"
+    backbone = getattr(model, getattr(model, "base_model_prefix", ""), model)
+    if not hasattr(sys.modules.get(type(backbone).__module__), "create_causal_mask"):
+        return f"{type(backbone).__name__} does not build its attention mask with transformers.masking_utils"
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
+        return f"its attention implementation {implementation!r} is not one masking_utils builds packed masks for"
+    return None
 
 
 def check_critic_args(config, model, value_model, critic_optimizer):
