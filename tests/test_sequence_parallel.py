@@ -178,6 +178,6 @@ def test_checks_name_what_sequence_parallelism_needs():
     check_models(2, True, [model], {id(model): model})
     critic = make_gpt2_critic()
     assert getattr(model.config, "num_key_value_heads", None) is None
-    check_before_prepare(2, model, critic)
+    check_before_prepare(model, critic)
     assert model.config.num_key_value_heads == model.config.num_attention_heads == 2
     assert critic.config.num_key_value_heads == 2

@@ -308,9 +308,9 @@ def check_models(size: int, pack: bool, modules: list, row_attention: dict) -> N
         check_heads(size, row_attention[id(module)])
 
 
-def check_before_prepare(size: int, *models) -> None:
-    """What a run of sequence-parallel ``size`` needs before accelerate's DeepSpeed ``prepare`` sees ``models``
-    (the policy and, when there is one, a separate critic; None entries are skipped).
+def check_before_prepare(*models) -> None:
+    """What sequence parallelism needs before accelerate's DeepSpeed ``prepare`` sees ``models`` (the policy
+    and, when there is one, a separate critic; None entries are skipped).
 
     DeepSpeed's registration reads ``num_key_value_heads`` from each model's config, which configs of models
     whose every head has its own keys and values (GPT-2's) lack: it is set to the head count, which is what it

@@ -74,7 +74,7 @@ def fill_deepspeed_config(accelerator: Accelerator, config: PPOConfig, model=Non
     and under sequence parallelism check ``model`` and ``critic`` (or None) first (see
     :func:`~trl_lite.parallel.sequence_parallel.check_before_prepare`)."""
     if model is not None and sequence_parallel_size(accelerator) > 1:
-        check_before_prepare(sequence_parallel_size(accelerator), model, critic)
+        check_before_prepare(model, critic)
         # accelerate sizes DeepSpeed's global batch by the parallelism config's data-parallel size, which it
         # leaves at 1 under DeepSpeed's sequence parallelism: the groups are the data-parallel replicas.
         accelerator.parallelism_config.dp_replicate_size = data_parallel_size(accelerator)
