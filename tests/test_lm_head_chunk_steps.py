@@ -14,7 +14,7 @@ import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
 from devices import on_cpu
-from test_objectives import CASES, COMPARED, _build_pair, step_both
+from test_objectives import CASES, _build_pair, compared_statistics, step_both
 from test_step_reference import assert_stats_close, assert_weights_close, make_batch, make_pair
 from tiny_models import make_gpt2, make_qwen2, make_t5, make_tokenizer, random_batch
 
@@ -54,8 +54,7 @@ def assert_two_steps_match_float64(case: dict, trainer_options: dict, reference_
     steps = []
     for step in range(2):
         got, want, _, _ = step_both(trainer, plain, config, case, step)
-        compared = COMPARED + (("ppo/policy/entropy_loss",) if config.entropy_coef else ())
-        compared += (("ppo/policy/kl_loss",) if not config.kl_in_reward_resolved else ())
+        compared = compared_statistics(config)
         for key in compared + also_compared:
             np.testing.assert_allclose(np.asarray(got[key]), np.asarray(want[key]), rtol=2e-5, atol=2e-6, err_msg=key)
         steps.append((got, want))

@@ -253,6 +253,12 @@ def step_both(trainer, plain, config, case: dict, step: int):
     return got, want, generation, (queries, responses)
 
 
+def compared_statistics(config) -> tuple:
+    """:data:`COMPARED`, with the entropy-bonus and KL-in-loss losses when ``config`` turns them on."""
+    compared = COMPARED + (("ppo/policy/entropy_loss",) if config.entropy_coef else ())
+    return compared + (("ppo/policy/kl_loss",) if not config.kl_in_reward_resolved else ())
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_steps_match_the_float64_reference(name):
     case = CASES[name]
@@ -261,8 +267,7 @@ def test_two_steps_match_the_float64_reference(name):
     seen = {key: 0.0 for key in COMPARED}
     for step in range(2):
         got, want, generation, (queries, responses) = step_both(trainer, plain, config, case, step)
-        compared = COMPARED + (("ppo/policy/entropy_loss",) if config.entropy_coef else ())
-        compared += (("ppo/policy/kl_loss",) if not config.kl_in_reward_resolved else ())
+        compared = compared_statistics(config)
         if generation is not None:
             compared += ("rollout/logprob_diff/mean", "rollout/logprob_diff/max")
             compared += ("rollout/is_weight/mean",) if config.importance_sampling_correction else ()

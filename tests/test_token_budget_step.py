@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from test_objectives import CASES, COMPARED, _build_pair, step_both
+from test_objectives import CASES, _build_pair, compared_statistics, step_both
 from test_step_reference import perturbed_copy
 from tiny_models import make_gpt2, make_gpt2_critic, make_tokenizer, random_batch
 
@@ -38,8 +38,7 @@ def test_budget_steps_match_the_float64_reference_of_whole_backward_batches(name
     passes = []
     for step in range(2):
         got, want, _, _ = step_both(trainer, plain, config, case, step)
-        compared = COMPARED + (("ppo/policy/entropy_loss",) if config.entropy_coef else ())
-        compared += (("ppo/policy/kl_loss",) if not config.kl_in_reward_resolved else ())
+        compared = compared_statistics(config)
         compared += () if critic_free else ("ppo/loss/value",)
         for key in compared:
             np.testing.assert_allclose(got[key], float(want[key]), rtol=2e-5, atol=2e-6, err_msg=key)
