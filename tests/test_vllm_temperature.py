@@ -1,7 +1,8 @@
 """The colocated vLLM engine of a run at PPOConfig.temperature=0.7 (docs/temperature.md): started with
 logprobs_mode='processed_logprobs', its generation_logprobs of sampled rows equal a float64 recomputation of
-log_softmax(z / 0.7) to vLLM's own float32 noise, and the requests whose processed log-probs would be another
-distribution's (greedy rows, top-k/top-p) or another temperature's are refused before anything is generated;
+log_softmax(z / 0.7) to vLLM's own float32 noise - with a model whose generation_config truncates, which PPOConfig
+overrides - and the requests whose processed log-probs would be another distribution's (greedy rows, top-k/top-p)
+or another temperature's are refused before anything is generated;
 the same log-probs from a server launched with ``-- --logprobs-mode processed_logprobs``, whose mode the client
 reads from the server; and a step on the engine's rows whose lp_old (under z / 0.7) shows only vLLM's own gap.
 """
@@ -11,6 +12,7 @@ import torch
 from engine_checks import assert_sampled_rows_and_logprobs
 from test_vllm_server import launched_server
 from tiny_models import make_gpt2, make_tokenizer
+from transformers import GenerationConfig
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 
@@ -24,32 +26,41 @@ T = 0.7
 QUERIES = [torch.tensor(q) for q in ([5, 6, 7, 8, 9], [10], [11, 12, 13], [14, 15])]
 
 
-def colocated_trainer() -> PPOTrainer:
-    """A run at T=0.7 with a float32 colocated vLLM engine (close its generation when done)."""
+def colocated_trainer(generation_config: GenerationConfig | None = None) -> PPOTrainer:
+    """A run at T=0.7 with a float32 colocated vLLM engine (close its generation when done); ``generation_config``:
+    the model's, if given."""
     config = PPOConfig(
         batch_size=4, mini_batch_size=2, use_vllm=True, vllm_kv_cache_gb=1, vllm_max_model_len=64,
         vllm_dtype="float32", vllm_enable_sleep_mode=False, temperature=T,
     )  # fmt: skip
-    model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2(seed=1, n_embd=64))
+    lm = make_gpt2(seed=1, n_embd=64)
+    if generation_config is not None:
+        lm.generation_config = generation_config
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(lm)
     return PPOTrainer(config, model, tokenizer=make_tokenizer())
 
 
 def test_sampled_rows_logprobs_are_log_softmax_of_logits_over_the_temperature_and_mismatches_are_refused():
-    trainer = colocated_trainer()
+    # The model's generation_config truncates and penalises (Qwen2.5-Instruct's): PPOConfig's settings win.
+    instruct = GenerationConfig(do_sample=True, temperature=0.6, top_k=20, top_p=0.8, repetition_penalty=1.05,
+                                eos_token_id=EOS, pad_token_id=0)  # fmt: skip
+    trainer = colocated_trainer(instruct)
     try:
         assert trainer.generation.engine.backend.logprobs_mode == "processed_logprobs"
         lm = trainer.model.pretrained_model.eval()
         k, new = 3, 12
-        # No temperature kwarg: the engine samples at the run's 0.7 and returns log_softmax(z / 0.7).
-        rows, logprobs = trainer.generate(QUERIES, return_prompt=True, max_new_tokens=new, do_sample=True, top_k=0,
-                                          top_p=1.0, num_return_sequences=k, return_logprobs=True)  # fmt: skip
+        # No sampling kwargs: the engine samples at the run's 0.7, untruncated, and returns log_softmax(z / 0.7)
+        # (vLLM's processed log-probs: a top-k, top-p or penalty from the model would show in them).
+        with pytest.warns(UserWarning, match="generation_config has temperature=0.6, top_k=20, top_p=0.8"):
+            rows, logprobs = trainer.generate(QUERIES, return_prompt=True, max_new_tokens=new,
+                                              num_return_sequences=k, return_logprobs=True)  # fmt: skip
         assert_sampled_rows_and_logprobs(rows, logprobs, lm, QUERIES, k, new, EOS, temperature=T)
         # A log-prob at temperature 1 would be off by far more than vLLM's noise.
         with pytest.raises(AssertionError):
             assert_sampled_rows_and_logprobs(rows, logprobs, lm, QUERIES, k, new, EOS, temperature=1.0)
         for kwargs, message in (
             (dict(do_sample=True, temperature=1.0), "got temperature=1.0, but PPOConfig.temperature=0.7"),
-            (dict(do_sample=True), "top_k=50"),  # transformers' default top-k truncates
+            (dict(do_sample=True, top_k=50), "got top_k=50, but PPOConfig.top_k=0"),
             (dict(do_sample=True, top_k=0, top_p=0.9), "top_p=0.9"),
             (dict(do_sample=False), "greedy decoding"),
         ):  # fmt: skip
@@ -59,7 +70,8 @@ def test_sampled_rows_logprobs_are_log_softmax_of_logits_over_the_temperature_an
         greedy = trainer.generate(QUERIES, return_prompt=False, max_new_tokens=4, do_sample=False)
         with torch.no_grad():
             expected = [lm.generate(input_ids=q[None], attention_mask=torch.ones_like(q[None]), do_sample=False,
-                                    max_new_tokens=4, pad_token_id=0)[0, len(q) :] for q in QUERIES]  # fmt: skip
+                                    repetition_penalty=1.0, max_new_tokens=4, pad_token_id=0)[0, len(q) :]
+                        for q in QUERIES]  # fmt: skip
         assert [row.tolist() for row in greedy] == [row.tolist() for row in expected]
     finally:
         trainer.generation.close()

@@ -119,6 +119,7 @@ config = PPOConfig(
     use_score_scaling=script_args.use_score_scaling,
     use_score_norm=script_args.use_score_norm,
     score_clip=script_args.score_clip,
+    top_p=0.9,  # classic's nucleus sampling: PPOConfig is the one source of the sampling distribution
 )
 
 ppo_trainer = PPOTrainer(
@@ -132,7 +133,6 @@ ppo_trainer = PPOTrainer(
 
 generation_kwargs = {
     "top_k": 0.0,
-    "top_p": 0.9,
     "do_sample": True,
     "pad_token_id": tokenizer.pad_token_id,
     "max_new_tokens": 32,

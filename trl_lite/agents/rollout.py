@@ -159,9 +159,9 @@ def run_episodes(
         tokenizer: the tokenizer with the chat template; default the trainer's (or the engine's).
         batch_size: queries per ``generate`` chunk on the transformers engine; default all at once.
         generation_kwargs: ``generate`` keyword arguments of every turn; ``max_new_tokens`` (tokens of
-            one model turn) is required. They sample at the engine's temperature (``PPOConfig.temperature``)
-            unless they give one; a different one is refused when that is not 1.0. A turn stops at the template's end-of-turn token (and the
-            tokenizer's EOS, and any ``eos_token_id`` given); a turn that ends at EOS ends the episode.
+            one model turn) is required. They sample from the engine's distribution (``PPOConfig.temperature``,
+            ``top_k``, ...); a sampling kwarg that disagrees is refused. A turn stops at the template's end-of-turn
+            token (and the tokenizer's EOS, and any ``eos_token_id`` given); a turn that ends at EOS ends the episode.
 
     A model turn without a tool call ends an episode with tools; a step environment's ``done`` ends
     one; without tools and environment an episode is one turn. A tool's result goes back as
@@ -179,9 +179,9 @@ def run_episodes(
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {value!r}.")
     options = _Options(max_turns, max_episode_tokens, answer_malformed_tool_calls, check_tool_arguments)
-    # The run's temperature (PPOConfig.temperature, held by the engine): a different one is refused here,
+    # The run's sampling (PPOConfig's, held by the engine): a kwarg that disagrees is refused here,
     # before any environment exists.
-    kwargs = resolve_sampling_kwargs(_turn_kwargs(generation_kwargs, num_generations), engine.engine.temperature)
+    kwargs = resolve_sampling_kwargs(_turn_kwargs(generation_kwargs, num_generations), engine.engine.sampling)
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError(f"prompts must be a non-empty list of chat prompts, got {prompts!r:.80}.")
     factories = environment_factories(environment_factory)

@@ -9,7 +9,7 @@ config's fields without importing the trainer.
 
 from .base import GenerationEngine, trim_rows
 from .generation import RolloutGeneration, build_generation
-from .temperature import check_vllm_logprobs, resolve_sampling_kwargs, vllm_logprobs_mode
+from .temperature import Sampling, check_vllm_logprobs, resolve_sampling_kwargs, vllm_logprobs_mode
 from .transformers_engine import TransformersEngine, eval_mode
 from .vllm_engine import (
     ColocatedVLLM,
@@ -23,7 +23,8 @@ from .vllm_options import EnginePlacement, colocated_llm_options, engine_dtype, 
 from .weight_sync import WeightVersion, named_policy_weights
 
 __all__ = [
-    "ColocatedVLLM", "EnginePlacement", "GenerationEngine", "RolloutGeneration", "TransformersEngine", "VLLMEngine",
+    "ColocatedVLLM", "EnginePlacement", "GenerationEngine", "RolloutGeneration", "Sampling", "TransformersEngine",
+    "VLLMEngine",
     "WeightVersion", "build_generation", "build_vllm_backend", "check_vllm_can_load", "check_vllm_logprobs",
     "colocated_llm_options", "engine_dtype", "engine_placement", "eval_mode", "named_policy_weights", "require_vllm",
     "resolve_sampling_kwargs", "resolve_sleep_mode", "sampling_params", "trim_rows", "vllm_logprobs_mode",

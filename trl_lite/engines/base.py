@@ -13,18 +13,25 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from .temperature import Sampling
+
 
 class GenerationEngine(ABC):
     """Generates rollouts for the trainer; one implementation per backend.
 
     ``needs_weight_sync``: whether the engine holds its own copy of the policy's weights, which
     :meth:`load_weights` must refresh after every update (False for an engine that runs the trained
-    model itself). ``temperature``: the run's (``PPOConfig.temperature``), which its sampling and its
-    log-probs follow (:func:`~.temperature.resolve_sampling_kwargs`).
+    model itself). ``sampling``: the run's distribution (``PPOConfig.temperature``, ``top_k``, ...), which its
+    sampling follows (:func:`~.temperature.resolve_sampling_kwargs`); its log-probs are at ``temperature``.
     """
 
     needs_weight_sync: bool = False
-    temperature: float = 1.0
+    sampling: Sampling = Sampling()
+
+    @property
+    def temperature(self) -> float:
+        """The run's temperature (``sampling.temperature``)."""
+        return self.sampling.temperature
 
     @abstractmethod
     def generate(

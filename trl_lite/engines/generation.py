@@ -19,7 +19,7 @@ import torch
 
 from .base import GenerationEngine
 from .lora_sync import AdapterSpec, AdapterSync, AdapterUpdate, ByteTally, adapter_spec, resolve_lora_sync
-from .temperature import resolve_sampling_kwargs
+from .temperature import Sampling, resolve_sampling_kwargs
 from .transformers_engine import TransformersEngine, eval_mode
 from .vllm_engine import VLLMEngine, build_vllm_backend, check_vllm_can_load, require_vllm
 from .vllm_options import engine_placement
@@ -156,8 +156,8 @@ class RolloutGeneration:
             )
         elif return_logprobs:
             raise ValueError("return_logprobs=True needs a list of queries; pass [query_tensor].")
-        # A temperature other than the run's is refused before any weight push or wake-up.
-        generation_kwargs = resolve_sampling_kwargs(generation_kwargs, self.engine.temperature)
+        # A sampling kwarg other than the run's is refused before any weight push or wake-up.
+        generation_kwargs = resolve_sampling_kwargs(generation_kwargs, self.engine.sampling)
         with self.awake(), self.timer("rollout/generate"):
             if not isinstance(query_tensor, (list, tuple)):
                 if length_sampler is not None:
@@ -213,7 +213,7 @@ def _build_generation(config, model, unwrapped, accelerator, tokenizer, pad_toke
 
     def transformers_engine(context):
         return TransformersEngine(context, accelerator, tokenizer, pad_token_id, is_encoder_decoder, is_zero3,
-                                  temperature=config.temperature, halve_on_oom=config.oom_backoff)  # fmt: skip
+                                  sampling=Sampling.of(config), halve_on_oom=config.oom_backoff)  # fmt: skip
 
     reference = transformers_engine(reference_context)
     if not config.use_vllm:
@@ -250,7 +250,7 @@ def _build_generation(config, model, unwrapped, accelerator, tokenizer, pad_toke
         lora = resolve_lora_sync(config.vllm_lora_sync, spec, reason)
     eos = tokenizer.eos_token_id if tokenizer is not None else getattr(model_config, "eos_token_id", None)
     engine = VLLMEngine(backend, eos, pad_token_id, getattr(transformers_model, "generation_config", None),
-                        temperature=config.temperature)  # fmt: skip
+                        sampling=Sampling.of(config))  # fmt: skip
     if lora is not None:
         adapter_sync = AdapterSync(lm, lora, engine, is_zero3)
         policy_weights, push = adapter_sync.updates, adapter_sync.push

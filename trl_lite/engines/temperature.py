@@ -1,48 +1,149 @@
-"""The run's sampling temperature (``PPOConfig.temperature``) against the kwargs of a ``generate`` call.
+"""The run's sampling distribution (``PPOConfig``) against the kwargs of a ``generate`` call and the model's own
+``generation_config``.
 
-The trainer scores every token under ``softmax(logits / T)`` (docs/temperature.md): a rollout drawn at
-another temperature would be scored as another policy's, with nothing to show it. :func:`resolve_sampling_kwargs`
-is the one rule every generating path applies - the trainer's ``generate``, both engines, ``run_episodes``,
-``AsyncRollouts`` and ``BestOfNSampler``.
+The trainer scores every token under ``softmax(logits / T)`` (docs/temperature.md): a rollout drawn from another
+distribution - another temperature, or a top-k/top-p/min-p cut, or a repetition penalty the run never asked for
+(a model's ``generation_config`` ships them: Qwen2.5-Instruct samples at 0.7 with top-k 20 and top-p 0.8) -
+would be scored as another policy's, with nothing to show it. :func:`resolve_sampling_kwargs` is the one rule
+every generating path applies - the trainer's ``generate``, both engines, ``run_episodes``, ``AsyncRollouts`` and
+``BestOfNSampler``: a call's kwarg that disagrees with ``PPOConfig`` is refused (the caller wrote it), and a
+model default that does is overridden with one warning naming both (the caller did not).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
+from dataclasses import dataclass
 
 
-def resolve_sampling_kwargs(generation_kwargs: dict, temperature: float, defaults=None) -> dict:
-    """``generation_kwargs`` (transformers ``generate`` keyword arguments) that sample at ``temperature``; a new dict.
+@dataclass(frozen=True)
+class Sampling:
+    """The distribution a run samples from (``PPOConfig.temperature``, ``top_k``, ``top_p``, ``min_p``,
+    ``repetition_penalty``); the defaults are the untruncated ``softmax(z)``."""
 
-    ``temperature``: the run's (``PPOConfig.temperature``). At 1.0, the classic behaviour, the kwargs come back
-    as given: a ``temperature`` kwarg samples at it and the trainer still scores under the raw logits. Otherwise
-    a ``temperature`` kwarg must equal it (else ``ValueError`` naming both), and a sampling call without one
-    gets it - sampling as ``do_sample`` says, else as ``defaults`` (the model's ``GenerationConfig``, whose own
-    temperature it overrides) says. A greedy call gets none: its tokens do not depend on it, and transformers
-    warns about a temperature it does not use.
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    @classmethod
+    def of(cls, config) -> Sampling:
+        """The sampling settings of a ``PPOConfig``."""
+        return cls(config.temperature, config.top_k, config.top_p, config.min_p, config.repetition_penalty)
+
+
+# transformers' generate() arguments that reshape the next-token distribution, each at the value that leaves it
+# unchanged, and whether it acts on greedy decoding too (the warpers act on sampling only). Length and token
+# constraints (min_new_tokens, suppress_tokens, bad_words_ids, forced_*_token_id, ...) are not sampling settings:
+# they pass as given.
+_SHAPING = {
+    "temperature": (1.0, False), "top_k": (0, False), "top_p": (1.0, False), "min_p": (0.0, False),
+    "typical_p": (1.0, False), "epsilon_cutoff": (0.0, False), "eta_cutoff": (0.0, False), "top_h": (None, False),
+    "repetition_penalty": (1.0, True), "encoder_repetition_penalty": (1.0, True), "no_repeat_ngram_size": (0, True),
+    "encoder_no_repeat_ngram_size": (0, True), "guidance_scale": (1.0, True),
+}  # fmt: skip
+# Set explicitly on every sampling call, whatever the model says: transformers' own default top_k is 50.
+_ALWAYS_SET = ("temperature", "top_k", "top_p")
+
+
+def _normal(name: str, value):
+    """``value`` of the generate() argument ``name`` in one spelling per distribution (None: off)."""
+    neutral = _SHAPING[name][0]
+    if value is None or value == neutral:
+        return neutral
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value  # a list (top_h's None aside, none of these takes one): compared as given
+    if name == "top_k":
+        return int(value) if float(value).is_integer() else float(value)
+    if name in ("top_p", "typical_p") and value >= 1.0:
+        return 1.0
+    if name in ("epsilon_cutoff", "eta_cutoff") and not 0.0 < value < 1.0:
+        return 0.0
+    return float(value)
+
+
+def is_neutral(name: str, value) -> bool:
+    """Whether the generate() argument ``name`` at ``value`` leaves the distribution as it is (False for names
+    that do not shape it)."""
+    return name in _SHAPING and _normal(name, value) == _SHAPING[name][0]
+
+
+def _check_number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"the generation kwarg {name} must be a number, got {value!r}.")
+    if not math.isfinite(value):
+        raise ValueError(f"the generation kwarg {name} must be a finite number, got {value!r}.")
+
+
+def _wanted(sampling: Sampling, name: str):
+    """The run's value of the generate() argument ``name``: ``PPOConfig``'s, or off where it has no field."""
+    return getattr(sampling, name) if name in Sampling.__dataclass_fields__ else _SHAPING[name][0]
+
+
+def _run_value(sampling: Sampling, name: str) -> str:
+    if name in Sampling.__dataclass_fields__:
+        return f"PPOConfig.{name}={getattr(sampling, name)!r}"
+    return f"PPOConfig, which has no {name} setting (it samples without one, {name}={_SHAPING[name][0]!r})"
+
+
+def resolve_sampling_kwargs(generation_kwargs: dict, sampling: Sampling, defaults=None) -> dict:
+    """``generation_kwargs`` (transformers ``generate`` keyword arguments) that draw from ``sampling``; a new dict.
+
+    ``sampling``: the run's (:meth:`Sampling.of` a ``PPOConfig``); ``defaults``: the model's ``GenerationConfig``
+    (None: transformers' own defaults). At every temperature, 1.0 included:
+
+    - a kwarg that shapes the distribution (temperature, top_k, top_p, min_p, typical_p, the repetition
+      penalties, ...; None is absent) must equal the run's value, in any spelling (``top_k=0.0`` is
+      ``top_k=0``), else ``ValueError`` naming both;
+    - a sampling call (``do_sample``, else the model's ``do_sample``) gets the run's temperature, top_k and top_p
+      written out, and any other setting the run asks for;
+    - a model default that would shape the distribution otherwise (the settings greedy decoding uses too -
+      repetition penalties, n-gram bans - on a greedy call) is overridden by the run's value, with one warning
+      (per message and process, as ``warnings`` does) naming both.
+
+    A greedy call gets no sampling settings: its tokens do not depend on them, and transformers warns about
+    settings it does not use.
     """
+    if not isinstance(sampling, Sampling):
+        raise TypeError(f"sampling must be a trl_lite.engines.Sampling (Sampling.of(config)), got {sampling!r}.")
     kwargs = dict(generation_kwargs)
-    if temperature == 1.0:
-        return kwargs
-    given = kwargs.get("temperature")
-    if given is not None:
-        if isinstance(given, bool) or not isinstance(given, (int, float)):
-            raise TypeError(f"the generation kwarg temperature must be a number, got {given!r}.")
-        if not math.isfinite(given):
-            raise ValueError(f"the generation kwarg temperature must be a finite number, got {given!r}.")
-        if float(given) != float(temperature):
+    for name, given in generation_kwargs.items():
+        if name not in _SHAPING or given is None:
+            continue
+        _check_number(name, given)
+        if _normal(name, given) != _normal(name, _wanted(sampling, name)):
+            hint = (f"Drop the {name} kwarg (generate() then uses the run's), or set PPOConfig.{name}={given!r}"
+                    if name in Sampling.__dataclass_fields__ else f"Drop the {name} kwarg")  # fmt: skip
             raise ValueError(
-                f"generate() got temperature={given!r}, but PPOConfig.temperature={temperature!r}: the trainer scores "
-                f"the rollouts under logits / {temperature!r}, so they must be sampled at it. Drop the temperature "
-                f"kwarg (generate() then samples at {temperature!r}), pass temperature={temperature!r}, or set "
-                f"PPOConfig.temperature={given!r}."
+                f"generate() got {name}={given!r}, but {_run_value(sampling, name)}: PPOConfig is the one source of "
+                f"the sampling distribution, and the trainer scores the rollouts under logits / "
+                f"{sampling.temperature!r}, untruncated unless PPOConfig truncates. {hint}. (For greedy decoding "
+                "pass do_sample=False.)"
             )
-        return kwargs
     do_sample = kwargs.get("do_sample")
     if do_sample is None:
         do_sample = getattr(defaults, "do_sample", None)
-    if do_sample:
-        kwargs["temperature"] = float(temperature)
+    overridden = []
+    for name, (_, greedy_too) in _SHAPING.items():
+        if not (do_sample or greedy_too) or kwargs.get(name) is not None:
+            continue
+        wanted, model = _wanted(sampling, name), getattr(defaults, name, None)
+        if model is not None and _normal(name, model) != _normal(name, wanted):
+            overridden.append((name, model, wanted))
+        elif not ((do_sample and name in _ALWAYS_SET) or _normal(name, wanted) != _SHAPING[name][0]):
+            continue
+        kwargs[name] = wanted
+    if overridden:
+        warnings.warn(
+            f"the model's generation_config has {', '.join(f'{n}={m!r}' for n, m, _ in overridden)}, but PPOConfig "
+            f"samples with {', '.join(f'{n}={w!r}' for n, _, w in overridden)}: PPOConfig is the one source of the "
+            "sampling distribution (the trainer scores the rollouts under it), so generate() uses PPOConfig's values. "
+            "To sample as the model's generation_config says, set them in PPOConfig (temperature, top_k, top_p, "
+            "min_p, repetition_penalty) - the trainer then scores under that temperature too.",
+            stacklevel=1,  # one place: the default filter shows each message once per process, whoever calls
+        )
     return kwargs
 
 
@@ -90,7 +191,7 @@ def check_vllm_logprobs(params: dict, temperature: float, logprobs_mode: str) ->
         raise ValueError(
             "return_logprobs=True on vLLM (logprobs_mode='processed_logprobs') gives the log-probs after every "
             f"sampling processor, and this request has {', '.join(extra)}: they would not be "
-            f"log_softmax(logits / {temperature!r}) of the sampled tokens, the distribution the trainer scores with. Sample with do_sample=True, top_k=0, "
-            "top_p=1.0 and no min_p or repetition_penalty, or generate with use_vllm=False (whose log-probs are "
-            "always the untruncated ones)."
+            f"log_softmax(logits / {temperature!r}) of the sampled tokens, the distribution the trainer scores with. Sample (do_sample=True) "
+            "with PPOConfig's top_k=0, top_p=1.0, min_p=0.0 and repetition_penalty=1.0 (the defaults), or generate "
+            "with use_vllm=False (whose log-probs are always the untruncated ones)."
         )

@@ -11,7 +11,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from .base import GenerationEngine, trim_rows
-from .temperature import resolve_sampling_kwargs
+from .temperature import Sampling, resolve_sampling_kwargs
 
 _NO_MASK_WARNING = "We strongly recommend passing in an `attention_mask`"
 
@@ -63,7 +63,7 @@ class TransformersEngine(GenerationEngine):
         is_encoder_decoder: responses then start with the decoder start token, and no prompt is cut off.
         is_zero3: weights are gathered once per call, and every process makes the same number of
             ``generate`` calls (a process with fewer chunks joins the others' with a one-row stand-in).
-        temperature: the run's (``PPOConfig.temperature``): calls sample as
+        sampling: the run's distribution (:meth:`~.temperature.Sampling.of` the ``PPOConfig``): calls sample as
             :func:`~.temperature.resolve_sampling_kwargs` says, and log-probs are ``log_softmax(z / temperature)``.
         halve_on_oom: a chunk that raises ``torch.OutOfMemoryError`` is generated again in halves, and the
             rest of the call in chunks of that size (``PPOConfig.oom_backoff``; not under ZeRO-3, whose
@@ -71,14 +71,14 @@ class TransformersEngine(GenerationEngine):
     """
 
     def __init__(self, model_context: Callable[[], AbstractContextManager], accelerator, tokenizer, pad_token_id: int,
-                 is_encoder_decoder: bool, is_zero3: bool, temperature: float = 1.0, halve_on_oom: bool = False):  # fmt: skip
+                 is_encoder_decoder: bool, is_zero3: bool, sampling: Sampling = Sampling(), halve_on_oom: bool = False):  # fmt: skip
         self.model_context = model_context
         self.accelerator = accelerator
         self.tokenizer = tokenizer
         self.pad_token_id = pad_token_id
         self.is_encoder_decoder = is_encoder_decoder
         self.is_zero3 = is_zero3
-        self.temperature = temperature
+        self.sampling = sampling
         self.halve_on_oom = halve_on_oom
 
     @contextmanager
@@ -97,10 +97,10 @@ class TransformersEngine(GenerationEngine):
     def generate_one(self, query, generation_kwargs, return_prompt):
         """One 1-D query (on the CPU or the accelerator's device) -> ``(k, S)`` on the accelerator's device."""
         query = query.unsqueeze(0).to(self.accelerator.device)
-        kwargs = resolve_sampling_kwargs(generation_kwargs, self.temperature)  # refused before the model is touched
+        kwargs = resolve_sampling_kwargs(generation_kwargs, self.sampling)  # refused before the model is touched
         with self._generation_model() as model:
             # Again with the model's defaults: a call that leaves do_sample to them may sample.
-            kwargs = resolve_sampling_kwargs(kwargs, self.temperature, _generation_defaults(model))
+            kwargs = resolve_sampling_kwargs(kwargs, self.sampling, _generation_defaults(model))
             response = model.generate(input_ids=query, **kwargs)
         if not return_prompt and not self.is_encoder_decoder:
             response = response[:, query.shape[1] :]
@@ -127,7 +127,7 @@ class TransformersEngine(GenerationEngine):
             raise ValueError("generate() with a list of queries needs the trainer's tokenizer (for padding); got None.")
         device = self.accelerator.device
         pad = self.pad_token_id
-        kwargs = resolve_sampling_kwargs(generation_kwargs, self.temperature)
+        kwargs = resolve_sampling_kwargs(generation_kwargs, self.sampling)
         kwargs.setdefault("pad_token_id", pad)
         if return_logprobs:
             if int(kwargs.get("num_beams") or 1) != 1:
@@ -142,7 +142,7 @@ class TransformersEngine(GenerationEngine):
         starts = range(0, len(queries), batch_size)
         with self._generation_model() as gen_model, _mask_is_passed():
             # Again with the model's defaults: a call that leaves do_sample to them may sample.
-            kwargs = resolve_sampling_kwargs(kwargs, self.temperature, _generation_defaults(gen_model))
+            kwargs = resolve_sampling_kwargs(kwargs, self.sampling, _generation_defaults(gen_model))
             for _ in range(self._missing_generate_calls(len(starts))):
                 # Under ZeRO-3 every forward pass is a collective, so a process with fewer chunks
                 # than another joins the extra calls with a one-row stand-in whose output is dropped.

@@ -34,7 +34,7 @@ import torch
 
 from .base import GenerationEngine
 from .lora_sync import write_peft_adapter
-from .temperature import check_vllm_logprobs, resolve_sampling_kwargs, vllm_logprobs_mode
+from .temperature import Sampling, check_vllm_logprobs, is_neutral, resolve_sampling_kwargs, vllm_logprobs_mode
 from .vllm_logging import configure_vllm_logging
 from .vllm_options import (
     EnginePlacement,
@@ -75,7 +75,9 @@ def sampling_params(generation_kwargs: dict, prompt_lengths: list[int], defaults
     accepted and change nothing. Anything else, beam search and greedy decoding with
     ``num_return_sequences > 1`` raise ``ValueError``.
     """
-    unknown = sorted(set(generation_kwargs) - _MAPPED - _NO_EFFECT)
+    # A sampling setting vLLM has no parameter for is refused unless it is off (resolve_sampling_kwargs writes
+    # one out to override a model default).
+    unknown = sorted(k for k in set(generation_kwargs) - _MAPPED - _NO_EFFECT if not is_neutral(k, generation_kwargs[k]))
     if unknown:
         raise ValueError(
             f"generate() on the vLLM engine cannot map the generation kwargs {unknown} to vLLM's sampling parameters; "
@@ -146,8 +148,8 @@ class VLLMEngine(GenerationEngine):
             default stop token.
         pad_token_id: pads the rows of the single-query output.
         generation_defaults: the policy's ``GenerationConfig``, for the kwargs a call leaves unset.
-        temperature: the run's (``PPOConfig.temperature``): sampling and log-probs follow
-            :func:`~.temperature.resolve_sampling_kwargs`, and a call whose log-probs the backend's
+        sampling: the run's distribution (:meth:`~.temperature.Sampling.of` the ``PPOConfig``): calls sample as
+            :func:`~.temperature.resolve_sampling_kwargs` says, and a call whose log-probs the backend's
             ``logprobs_mode`` would not give as ``log_softmax(z / temperature)`` is refused
             (:func:`~.temperature.check_vllm_logprobs`).
     """
@@ -155,12 +157,12 @@ class VLLMEngine(GenerationEngine):
     needs_weight_sync = True
 
     def __init__(self, backend, eos_token_id: int | None, pad_token_id: int, generation_defaults=None,
-                 temperature: float = 1.0):  # fmt: skip
+                 sampling: Sampling = Sampling()):  # fmt: skip
         self.backend = backend
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.generation_defaults = generation_defaults
-        self.temperature = temperature
+        self.sampling = sampling
 
     def generate(self, queries, generation_kwargs, length_sampler, batch_size, return_prompt, remove_padding,
                  return_logprobs):  # fmt: skip
@@ -171,7 +173,7 @@ class VLLMEngine(GenerationEngine):
         after the tokenizer's first EOS. Log-probs are the engine's, ``log_softmax(z / temperature)`` of
         the sampled tokens: vLLM's raw ones at temperature 1, its processed ones otherwise.
         """
-        kwargs = resolve_sampling_kwargs(generation_kwargs, self.temperature, self.generation_defaults)
+        kwargs = resolve_sampling_kwargs(generation_kwargs, self.sampling, self.generation_defaults)
         lengths = [len(q) for q in queries]
         params = sampling_params(kwargs, lengths, self.generation_defaults, self.eos_token_id, return_logprobs)
         if return_logprobs and params:

@@ -14,7 +14,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 from ..core import set_seed
 from ..models import PreTrainedModelWrapper
 from ..engines.generation import eval_mode
-from ..engines.temperature import resolve_sampling_kwargs
+from ..engines.temperature import Sampling, resolve_sampling_kwargs
 
 
 def _as_query_list(tokenized_query) -> list[torch.Tensor]:
@@ -56,8 +56,9 @@ class BestOfNSampler:
         seed: when given, ``set_seed(seed)`` is called once here.
         n_candidates: texts returned per query, best first.
         generation_config: passed to ``model.generate``; keyword arguments of :meth:`generate` override it.
-        temperature: the policy's ``PPOConfig.temperature``: samples are drawn at it unless :meth:`generate`'s
-            kwargs give one (a different one is refused when it is not 1.0; docs/temperature.md).
+        temperature: the policy's ``PPOConfig.temperature``: samples are drawn at it, untruncated (a sampling
+            kwarg that disagrees is refused; ``generation_config``'s and the model's own sampling settings are
+            overridden with a warning; docs/temperature.md).
     """
 
     def __init__(
@@ -121,7 +122,7 @@ class BestOfNSampler:
         """
         queries = _as_query_list(tokenized_query)
         defaults = self.gen_config if self.gen_config is not None else self.model.pretrained_model.generation_config
-        generation_kwargs = resolve_sampling_kwargs(generation_kwargs, self.temperature, defaults)
+        generation_kwargs = resolve_sampling_kwargs(generation_kwargs, Sampling(self.temperature), defaults)
         lengths = [int(self.length_sampler()) for _ in queries]
         pad_id = self._pad_id()
         device = device if device is not None else next(self.model.parameters()).device

@@ -79,14 +79,14 @@ class PolicyCopyEngine(TransformersEngine):
 
     ``model``: a plain transformers model of the policy's architecture, used by nothing else. A push
     makes the snapshot's tensors the model's parameters (no copy: snapshots are never modified). It
-    samples and takes log-probs at ``engine``'s temperature (the run's).
+    samples as ``engine`` does (the run's sampling) and takes log-probs at its temperature.
     """
 
     needs_weight_sync = True
 
     def __init__(self, engine: TransformersEngine, model: torch.nn.Module):
         super().__init__(lambda: nullcontext(model), engine.accelerator, engine.tokenizer, engine.pad_token_id,
-                         engine.is_encoder_decoder, is_zero3=False, temperature=engine.temperature)  # fmt: skip
+                         engine.is_encoder_decoder, is_zero3=False, sampling=engine.sampling)  # fmt: skip
         self.model = model
 
     def load_weights(self, named_tensors) -> None:

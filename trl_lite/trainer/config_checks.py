@@ -168,8 +168,16 @@ def _validate_engine(config) -> None:
 
 
 def _validate_temperature(config) -> None:
-    """``temperature``: the sampling and scoring temperature (docs/temperature.md)."""
+    """``temperature``: the sampling and scoring temperature; ``top_k``, ``top_p``, ``min_p``,
+    ``repetition_penalty``: the rest of the sampling distribution (docs/temperature.md)."""
     _check_positive_float("temperature", config.temperature)
+    _check_positive_float("repetition_penalty", config.repetition_penalty)
+    if isinstance(config.top_k, bool) or not isinstance(config.top_k, int) or config.top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0: off), got {config.top_k!r}.")
+    _check_float("top_p", config.top_p, minimum=0.0, maximum=1.0)
+    _check_float("min_p", config.min_p, minimum=0.0, maximum=1.0)
+    if config.top_p == 0.0:
+        raise ValueError(f"top_p must be a number in (0, 1] (1.0: off), got {config.top_p!r}.")
 
 
 def _validate_dropout(config) -> None:

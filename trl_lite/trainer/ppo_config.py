@@ -171,11 +171,18 @@ class PPOConfig:
     # Sampling temperature (docs/temperature.md)
     temperature: float = field(
         default=1.0,
-        metadata={"help": "The sampling temperature: generate() samples at it unless its kwargs give one (a different "
-                  "one is refused when this is not 1.0); the policy's log-probs, entropy and KL terms in every pass, "
-                  "and the engines' generation_logprobs, are taken under logits / temperature, the reference's at "
-                  "the same temperature. 1.0: the classic behaviour (scores under the raw logits)."},
+        metadata={"help": "The sampling temperature: every engine samples at it (a different temperature kwarg is "
+                  "refused; the model's generation_config's is overridden with a warning); the policy's log-probs, "
+                  "entropy and KL terms in every pass, and the engines' generation_logprobs, are taken under "
+                  "logits / temperature, the reference's at the same temperature. 1.0: scores under the raw logits."},
     )
+    # What else shapes the sampling distribution; the defaults are off (docs/temperature.md)
+    top_k: int = field(default=0, metadata={"help": "Sample from the k most likely tokens only. 0: off."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling: the smallest set of tokens holding this "
+                                                        "probability. 1.0: off."})
+    min_p: float = field(default=0.0, metadata={"help": "Drop tokens below min_p times the most likely one's "
+                                                        "probability. 0.0: off."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "transformers' repetition penalty. 1.0: off."})
     # Generation engine
     use_vllm: bool = field(
         default=False,
