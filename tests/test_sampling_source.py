@@ -15,7 +15,8 @@ from transformers import GenerationConfig
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 from trl_lite.agents import run_episodes
-from trl_lite.engines import Sampling, VLLMEngine, resolve_sampling_kwargs
+from trl_lite.engines import Sampling, VLLMEngine, named_policy_weights, resolve_sampling_kwargs
+from trl_lite.rollouts.producer_generation import PolicyCopyEngine, policy_copy
 
 QUERY = torch.tensor([5, 6, 7, 8, 9])
 # Qwen2.5-Instruct's generation_config.json, sampling part.
@@ -80,7 +81,7 @@ def test_a_default_run_samples_the_untruncated_t1_distribution_whatever_the_mode
     assert "PPOConfig samples with temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0" in messages[0]
 
 
-def test_seed_for_seed_the_run_draws_what_transformers_untruncated_sampler_draws():
+def test_seed_for_seed_every_engine_draws_what_transformers_untruncated_sampler_draws():
     trainer = instruct_trainer()
     lm = trainer.model.pretrained_model
 
@@ -101,6 +102,12 @@ def test_seed_for_seed_the_run_draws_what_transformers_untruncated_sampler_draws
     # The single-query (classic) output too.
     torch.manual_seed(0)
     assert trainer.generate(QUERY, return_prompt=False, max_new_tokens=8)[0].tolist() == draws[0]
+    # And the asynchronous producer's copy of the policy (max_staleness > 0), which copies the generation_config.
+    copied = PolicyCopyEngine(trainer.generation.engine, policy_copy(lm))
+    copied.load_weights(named_policy_weights(lm))
+    torch.manual_seed(0)
+    (row,), _ = copied.generate([QUERY], {"max_new_tokens": 8}, None, 1, False, True, False)
+    assert row.tolist() == draws[0]
 
 
 def test_a_run_that_asks_for_truncation_gets_it_and_logprobs_stay_untruncated():

@@ -353,9 +353,10 @@ class PPOTrainer(ClassicHelpersMixin):
         transformers). With ``return_logprobs=True`` (a list only) the last returned element is one
         1-D float tensor per row: the log-probability of each generated token (prompt excluded) under
         ``softmax(logits / PPOConfig.temperature)`` of the generating model, untruncated by top-k/top-p,
-        ready for ``step(..., generation_logprobs=...)``. Sampling is at ``PPOConfig.temperature`` unless
-        the kwargs give a temperature; one that differs from a config temperature other than 1.0 is
-        refused (:func:`~trl_lite.engines.resolve_sampling_kwargs`, docs/temperature.md).
+        ready for ``step(..., generation_logprobs=...)``. Sampling is from ``PPOConfig``'s distribution alone
+        (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``): a kwarg that disagrees is
+        refused, the model's ``generation_config`` overridden with a warning
+        (:func:`~trl_lite.engines.resolve_sampling_kwargs`, docs/temperature.md).
 
         The transformers engine (default) generates in chunks of ``batch_size`` queries and draws
         ``length_sampler`` once per chunk; under ZeRO-3 generation is collective (every process calls
