@@ -193,7 +193,7 @@ def test_resolve_sampling_kwargs_writes_out_the_run_settings_and_overrides_the_m
         resolve_sampling_kwargs({}, Sampling(temperature=0.3, min_p=0.1), GenerationConfig(temperature=0.3, min_p=0.1))
     with pytest.raises(TypeError, match="the generation kwarg top_p must be a number, got 'high'"):
         resolve_sampling_kwargs({"top_p": "high"}, run)
-    with pytest.raises(TypeError, match=r"sampling must be a trl_lite.engines.Sampling \(Sampling.of\(config\)\), got 0.7"):
+    with pytest.raises(TypeError, match=r"sampling must be a trl_lite.engines.Sampling \(Sampling.of\(config\)\)"):
         resolve_sampling_kwargs({}, 0.7)
 
 
@@ -241,4 +241,4 @@ def test_the_vllm_engine_samples_with_ppoconfigs_settings_not_the_models():
     with pytest.warns(UserWarning):
         asks.generate([QUERY], {"max_new_tokens": 2}, None, 1, False, True, False)
     (params,) = backend.params
-    assert (params["temperature"], params["top_k"], params["top_p"], params["repetition_penalty"]) == (1.0, 20, 1.0, 1.05)
+    assert [params[name] for name in ("temperature", "top_k", "top_p", "repetition_penalty")] == [1.0, 20, 1.0, 1.05]

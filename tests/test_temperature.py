@@ -48,7 +48,7 @@ def test_resolve_sampling_kwargs_samples_at_the_run_temperature_and_refuses_anot
     assert resolve_sampling_kwargs({"do_sample": False}, Sampling(T)) == {"do_sample": False}
     # Left unset, do_sample is the model's generation config's, whose own temperature the run's overrides.
     sampling_model = GenerationConfig(do_sample=True, temperature=0.3)
-    with pytest.warns(UserWarning, match="generation_config has temperature=0.3, but PPOConfig samples with temperature=0.7"):
+    with pytest.warns(UserWarning, match="has temperature=0.3, but PPOConfig samples with temperature=0.7"):
         assert resolve_sampling_kwargs({}, Sampling(T), sampling_model) == {"temperature": T, "top_k": 0, "top_p": 1.0}
     assert resolve_sampling_kwargs({"do_sample": False}, Sampling(T), sampling_model) == {"do_sample": False}
     given = {"do_sample": True, "temperature": 0.7}
@@ -158,7 +158,7 @@ def test_a_call_that_leaves_sampling_to_the_models_generation_config_samples_at_
                            **kwargs)[0, len(query) :].tolist()  # fmt: skip
 
     torch.manual_seed(7)
-    with pytest.warns(UserWarning, match="generation_config has temperature=0.3, but PPOConfig samples with temperature=0.7"):
+    with pytest.warns(UserWarning, match="has temperature=0.3, but PPOConfig samples with temperature=0.7"):
         (row,) = trainer.generate([query], batch_size=1, return_prompt=False, max_new_tokens=8)
     assert row.tolist() == draw(temperature=T) != draw()  # the model's own 0.3 draws otherwise
 

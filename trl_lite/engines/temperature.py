@@ -191,7 +191,7 @@ def check_vllm_logprobs(params: dict, temperature: float, logprobs_mode: str) ->
         raise ValueError(
             "return_logprobs=True on vLLM (logprobs_mode='processed_logprobs') gives the log-probs after every "
             f"sampling processor, and this request has {', '.join(extra)}: they would not be "
-            f"log_softmax(logits / {temperature!r}) of the sampled tokens, the distribution the trainer scores with. Sample (do_sample=True) "
-            "with PPOConfig's top_k=0, top_p=1.0, min_p=0.0 and repetition_penalty=1.0 (the defaults), or generate "
-            "with use_vllm=False (whose log-probs are always the untruncated ones)."
+            f"log_softmax(logits / {temperature!r}) of the sampled tokens, the distribution the trainer scores "
+            "with. Sample (do_sample=True) with PPOConfig's top_k=0, top_p=1.0, min_p=0.0 and repetition_penalty=1.0 "
+            "(the defaults), or generate with use_vllm=False (whose log-probs are always the untruncated ones)."
         )

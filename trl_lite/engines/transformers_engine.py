@@ -71,7 +71,8 @@ class TransformersEngine(GenerationEngine):
     """
 
     def __init__(self, model_context: Callable[[], AbstractContextManager], accelerator, tokenizer, pad_token_id: int,
-                 is_encoder_decoder: bool, is_zero3: bool, sampling: Sampling = Sampling(), halve_on_oom: bool = False):  # fmt: skip
+                 is_encoder_decoder: bool, is_zero3: bool, sampling: Sampling = Sampling(),
+                 halve_on_oom: bool = False):  # fmt: skip
         self.model_context = model_context
         self.accelerator = accelerator
         self.tokenizer = tokenizer
