@@ -1,7 +1,9 @@
 """Classic TRL's `examples/scripts/ppo.py`, ported to trl_lite: sentiment tuning with PPO.
 
 Ported by changing `trl` to `trl_lite` in the imports. The hub names are the `PPOConfig` fields the
-classic script already reads, so local directories go in the same flags:
+classic script already reads, with classic's defaults (`gpt2`, `stanfordnlp/imdb`,
+`sentiment-analysis:lvwerra/distilbert-imdb`: no flags runs classic's setup where the hub is reachable),
+so local directories go in the same flags:
 
     python examples/classic/ppo.py --model_name lvwerra/gpt2-imdb --query_dataset stanfordnlp/imdb \
         --reward_model sentiment-analysis:lvwerra/distilbert-imdb --log_with wandb
