@@ -5,14 +5,16 @@ CUDA accelerate then settles a single-process state; before the fix, DeepSpeed f
 data parallel ran each process alone on the whole dataset. `tests/distributed/state_first_loop.py` runs one
 `step()` per dataloader batch on 2 processes (12 rows, 2 per process and step); the tests check that the run is
 the one of a trainer built first: 3 steps per process on disjoint rows, the same weights on both processes and
-the same weights as the trainer-first run. The in-process tests check the errors where the state cannot be
-rebuilt (`build_accelerator`).
+the same weights as the trainer-first run. Classic's `ppo.py` itself (`examples/classic/ppo.py`) then runs under
+classic's own ZeRO-3 config. The in-process tests check the errors where the state cannot be rebuilt
+(`build_accelerator`).
 """
 
 import pytest
 import torch
 import torch.distributed as dist
 from accelerate.state import AcceleratorState, GradientState, PartialState
+from test_classic_examples import CLASSIC, assets  # noqa: F401 (the fixture: local stand-ins for the hub assets)
 from test_distributed import SCRIPTS, _free_port, launch
 
 from trl_lite import PPOConfig
@@ -87,3 +89,43 @@ def test_an_accelerator_with_fewer_processes_than_launched_is_an_error(launched_
     """cpu=False without CUDA (or any set-up accelerate makes single-process) under a launch of 2 raises at once."""
     with pytest.raises(RuntimeError, match=r"accelerate set up 1 process\(es\).*WORLD_SIZE=2: every process would"):
         build_accelerator(PPOConfig(accelerator_kwargs={"cpu": False}))
+
+
+# Classic TRL 0.11.4's examples/accelerate_configs/deepspeed_zero3.yaml: bf16, zero3_init_flag true (models built
+# under the launch are partitioned as they load), 8 processes (2 below).
+CLASSIC_ZERO3 = """\
+compute_environment: LOCAL_MACHINE
+debug: false
+deepspeed_config:
+  deepspeed_multinode_launcher: standard
+  offload_optimizer_device: none
+  offload_param_device: none
+  zero3_init_flag: true
+  zero3_save_16bit_model: true
+  zero_stage: 3
+distributed_type: DEEPSPEED
+downcast_bf16: 'no'
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 8
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+
+
+def test_classic_ppo_script_runs_under_classics_zero3_config(assets, tmp_path):  # noqa: F811
+    """`PartialState()` first, the policy loaded before the trainer, the classifier pipeline after it (kept whole
+    under zero3_init_flag): 16 reviews, 4 per process and step, so 2 steps on each of the 2 processes."""
+    config = tmp_path / "deepspeed_zero3.yaml"
+    config.write_text(CLASSIC_ZERO3)
+    args = ["--model_name", assets["policy"], "--query_dataset", assets["imdb"]]
+    args += ["--reward_model", f"sentiment-analysis:{assets['sentiment']}", "--batch_size", "4", "--mini_batch_size", "2"]
+    result = launch(config, SCRIPTS / "run_script_then_exit.py", str(CLASSIC / "ppo.py"), *args)
+    assert result.stderr.count("2/2 [") >= 2, result.stderr[-3000:]
+    assert "/4 [" not in result.stderr  # a process training alone would take 4 steps

@@ -25,6 +25,7 @@ from datasets import load_dataset
 from peft import LoraConfig
 from tqdm import tqdm
 from transformers import AutoTokenizer, HfArgumentParser, is_torch_npu_available, is_torch_xpu_available, pipeline
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from trl_lite import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOConfig, PPOTrainer, set_seed
 from trl_lite.core import LengthSampler
@@ -124,8 +125,11 @@ if ppo_trainer.accelerator.num_processes == 1:
 ds_plugin = ppo_trainer.accelerator.state.deepspeed_plugin
 task, model_name = ppo_config.reward_model.split(":")
 if ds_plugin is not None and ds_plugin.is_zero3_init_enabled():
-    # The classifier is not trained: keep it whole rather than partitioned by ZeRO-3.
+    # The classifier is not trained: keep it whole rather than partitioned by ZeRO-3. accelerate 1.x's
+    # context manager leaves transformers' ZeRO-3 config registered (from_pretrained would still partition):
+    # unregister it inside; leaving the context registers it again.
     with ds_plugin.zero3_init_context_manager(enable=False):
+        unset_hf_deepspeed_config()
         sentiment_pipe = pipeline(task, model=model_name, device=device)
 else:
     sentiment_pipe = pipeline(task, model=model_name, device=device)

@@ -18,6 +18,9 @@ def _default_exp_name() -> str:
 class PPOConfig:
     """Configuration of :class:`~trl_lite.PPOTrainer` (the classic ``trl.PPOConfig`` fields).
 
+    Every field classic TRL 0.11.4 had keeps its name and default (``tests/test_config_classic_defaults.py``
+    lists classic's values).
+
     Batch sizes are per process: ``batch_size`` triplets go into each ``step()`` call, split
     into mini-batches of ``mini_batch_size`` rows; ``gradient_accumulation_steps`` mini-batches
     make one optimizer step (``backward_batch_size`` rows).
