@@ -13,7 +13,9 @@ so local directories go in the same flags:
 One change for today's transformers: the sentiment pipeline no longer takes `return_all_scores`;
 `top_k=None` returns every label's score, sorted by score, so the positive score is found by its
 label (the classifier's label 1, "POSITIVE" for the IMDB classifier) rather than by position. With
-`--use_peft` on a machine without a GPU the model goes to the CPU (classic asked for GPU 0).
+`--use_peft` on a machine without a GPU the model goes to the CPU (classic asked for GPU 0). Under a
+ZeRO-3 config with `zero3_init_flag: true` the classifier is loaded with transformers' ZeRO-3 config
+unregistered, as classic meant it to be (accelerate 1.x's `zero3_init_context_manager` leaves it registered).
 """
 
 from dataclasses import dataclass, field

@@ -4,8 +4,8 @@
 
 For scripts that end on their own, as classic TRL's examples do (no `end_training`): after the script's last
 line, a barrier, then `os._exit(0)`, which skips interpreter shutdown, where torch's gloo threads abort some
-finished 2-process CPU runs ("terminate called without an active exception": 3 of 14 runs of
-`examples/classic/ppo.py` here, on a machine with load 4).
+finished 2-process CPU runs ("terminate called without an active exception": 3 of 16 runs of
+`examples/classic/ppo.py` here, machine load 4-6).
 """
 
 import os
