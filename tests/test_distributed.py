@@ -36,11 +36,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(config: str, script: Path, *args: str, num_processes: int = 2) -> None:
-    """Run `script` under `accelerate launch` with `accelerate_configs/<config>.yaml`; fail with its output."""
+def launch(config: str | Path, script: Path, *args: str, num_processes: int = 2) -> subprocess.CompletedProcess:
+    """Run `script` under `accelerate launch` with `accelerate_configs/<config>.yaml` (or the config file `config`
+    given as a Path); fail with its output, else return the finished process."""
+    config_file = config if isinstance(config, Path) else REPO / "accelerate_configs" / f"{config}.yaml"
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(REPO / "accelerate_configs" / f"{config}.yaml"),
+        "--config_file", str(config_file),
         "--num_processes", str(num_processes),
         "--main_process_port", str(_free_port()),
         str(script), *args,
@@ -48,6 +50,7 @@ def launch(config: str, script: Path, *args: str, num_processes: int = 2) -> Non
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-8000:]}"
+    return result
 
 
 @pytest.fixture(scope="module", autouse=True)

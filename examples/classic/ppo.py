@@ -1,7 +1,9 @@
 """Classic TRL's `examples/scripts/ppo.py`, ported to trl_lite: sentiment tuning with PPO.
 
 Ported by changing `trl` to `trl_lite` in the imports. The hub names are the `PPOConfig` fields the
-classic script already reads, so local directories go in the same flags:
+classic script already reads, with classic's defaults (`gpt2`, `stanfordnlp/imdb`,
+`sentiment-analysis:lvwerra/distilbert-imdb`: no flags runs classic's setup where the hub is reachable),
+so local directories go in the same flags:
 
     python examples/classic/ppo.py --model_name lvwerra/gpt2-imdb --query_dataset stanfordnlp/imdb \
         --reward_model sentiment-analysis:lvwerra/distilbert-imdb --log_with wandb
@@ -11,7 +13,9 @@ classic script already reads, so local directories go in the same flags:
 One change for today's transformers: the sentiment pipeline no longer takes `return_all_scores`;
 `top_k=None` returns every label's score, sorted by score, so the positive score is found by its
 label (the classifier's label 1, "POSITIVE" for the IMDB classifier) rather than by position. With
-`--use_peft` on a machine without a GPU the model goes to the CPU (classic asked for GPU 0).
+`--use_peft` on a machine without a GPU the model goes to the CPU (classic asked for GPU 0). Under a
+ZeRO-3 config with `zero3_init_flag: true` the classifier is loaded with transformers' ZeRO-3 config
+unregistered, as classic meant it to be (accelerate 1.x's `zero3_init_context_manager` leaves it registered).
 """
 
 from dataclasses import dataclass, field
@@ -23,6 +27,7 @@ from datasets import load_dataset
 from peft import LoraConfig
 from tqdm import tqdm
 from transformers import AutoTokenizer, HfArgumentParser, is_torch_npu_available, is_torch_xpu_available, pipeline
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from trl_lite import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOConfig, PPOTrainer, set_seed
 from trl_lite.core import LengthSampler
@@ -122,8 +127,11 @@ if ppo_trainer.accelerator.num_processes == 1:
 ds_plugin = ppo_trainer.accelerator.state.deepspeed_plugin
 task, model_name = ppo_config.reward_model.split(":")
 if ds_plugin is not None and ds_plugin.is_zero3_init_enabled():
-    # The classifier is not trained: keep it whole rather than partitioned by ZeRO-3.
+    # The classifier is not trained: keep it whole rather than partitioned by ZeRO-3. accelerate 1.x's
+    # context manager leaves transformers' ZeRO-3 config registered (from_pretrained would still partition):
+    # unregister it inside; leaving the context registers it again.
     with ds_plugin.zero3_init_context_manager(enable=False):
+        unset_hf_deepspeed_config()
         sentiment_pipe = pipeline(task, model=model_name, device=device)
 else:
     sentiment_pipe = pipeline(task, model=model_name, device=device)

@@ -11,10 +11,12 @@ import copy
 import gc
 import logging
 import os
+import warnings
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
 
 from ..parallel import data_parallel_size, sequence_parallel_size
 from ..parallel.sequence_parallel import check_before_prepare
@@ -34,6 +36,47 @@ class _NoGPUNotice(logging.Filter):
 logging.getLogger("DeepSpeed").addFilter(_NoGPUNotice())
 
 
+def launched_processes() -> int:
+    """How many processes the launcher (``accelerate launch``, torchrun, DeepSpeed) started: ``WORLD_SIZE``, 1 without."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def settle_state_made_before(launched: int) -> None:
+    """Drop a single-process accelerate state that a script made before the trainer under a launch of
+    ``launched`` processes on a machine without CUDA, so that the trainer's Accelerator builds the group.
+
+    Classic TRL's scripts make ``PartialState()`` (or ``Accelerator()``) first. Without CUDA accelerate then
+    finds no backend: it still joins the launcher's process group (torch's default backend, or DeepSpeed's
+    when ``ACCELERATE_USE_DEEPSPEED`` is set) but records one process, distributed type NO (DEEPSPEED under
+    a DeepSpeed config), and every later Accelerator inherits that state. The state is a shared dict that
+    every ``PartialState``/``AcceleratorState`` object reads, so after the reset the script's own objects
+    report the rebuilt group too; the existing process group is reused (accelerate initialises one only
+    where none exists). On a GPU accelerate makes the right state by itself and nothing is done here.
+    """
+    if launched <= 1 or torch.cuda.is_available() or not PartialState._shared_state:
+        return
+    state = PartialState()
+    if state.num_processes == launched and state.distributed_type != DistributedType.NO:
+        return
+    made = f"{state.num_processes} process(es), distributed type {state.distributed_type}"
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() != launched:
+        raise RuntimeError(
+            f"accelerate's state, made before the trainer, holds {made}, and its process group has "
+            f"{torch.distributed.get_world_size()} processes, but the launcher started WORLD_SIZE={launched}: the "
+            "trainer cannot rebuild it. Build the trainer before any PartialState()/Accelerator(), or make them for "
+            "the launch (without CUDA: PartialState(cpu=True) for plain data parallel, "
+            "Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend='gloo')]) under DeepSpeed)."
+        )
+    warnings.warn(
+        f"accelerate's state was made before the trainer with {made} although the launcher started {launched} "
+        "processes (without CUDA accelerate finds no backend for PartialState()/Accelerator() made by the script); "
+        f"the trainer rebuilds it as one group of {launched}. What the script did under the old state (e.g. "
+        "local_main_process_first) ran on every process alone.",
+        stacklevel=4,
+    )
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def build_accelerator(config, sync_with_dataloader: bool = False, **defaults) -> Accelerator:
     """The trainer's Accelerator, with the CPU fixes of ENVIRONMENT.md for multi-process runs.
 
@@ -44,11 +87,15 @@ def build_accelerator(config, sync_with_dataloader: bool = False, **defaults) ->
     override (e.g. ``mixed_precision``).
 
     Under DeepSpeed without CUDA the process group needs gloo; for plain data parallel without
-    CUDA, ``cpu=True`` is what makes accelerate use MULTI_CPU with real DDP.
+    CUDA, ``cpu=True`` is what makes accelerate use MULTI_CPU with real DDP. A single-process state made
+    before (see :func:`settle_state_made_before`) is rebuilt; an Accelerator with fewer processes than the
+    launcher started raises ``RuntimeError``: each process would otherwise train alone on all its data.
     """
     kwargs = {**defaults, **config.accelerator_kwargs}
     handlers = list(kwargs.pop("kwargs_handlers", []))
-    multi_process = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    launched = launched_processes()
+    settle_state_made_before(launched)
+    multi_process = launched > 1
     use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     if not torch.cuda.is_available() and multi_process:
         if use_deepspeed:
@@ -60,13 +107,21 @@ def build_accelerator(config, sync_with_dataloader: bool = False, **defaults) ->
     accumulation = GradientAccumulationPlugin(
         num_steps=config.gradient_accumulation_steps, sync_with_dataloader=sync_with_dataloader
     )
-    return Accelerator(
+    accelerator = Accelerator(
         log_with=config.log_with,
         gradient_accumulation_plugin=accumulation,
         project_config=project_config,
         kwargs_handlers=handlers,
         **kwargs,
     )
+    if multi_process and accelerator.num_processes != launched:
+        raise RuntimeError(
+            f"accelerate set up {accelerator.num_processes} process(es) (distributed type "
+            f"{accelerator.distributed_type}) but the launcher started WORLD_SIZE={launched}: every process would "
+            "train alone on all of its data. Build the trainer before any PartialState()/Accelerator() of the "
+            "script, or make those for the launch (accelerate's state is shared: the first one made decides)."
+        )
+    return accelerator
 
 
 def fill_deepspeed_config(accelerator: Accelerator, config: PPOConfig, model=None, critic=None) -> None:

@@ -18,6 +18,9 @@ def _default_exp_name() -> str:
 class PPOConfig:
     """Configuration of :class:`~trl_lite.PPOTrainer` (the classic ``trl.PPOConfig`` fields).
 
+    Every field classic TRL 0.11.4 had keeps its name and default (``tests/test_config_classic_defaults.py``
+    lists classic's values).
+
     Batch sizes are per process: ``batch_size`` triplets go into each ``step()`` call, split
     into mini-batches of ``mini_batch_size`` rows; ``gradient_accumulation_steps`` mini-batches
     make one optimizer step (``backward_batch_size`` rows).
@@ -30,9 +33,18 @@ class PPOConfig:
         default=None, metadata={"help": "Tracker for accelerate: 'wandb', 'tensorboard', 'all' or None."}
     )
     task_name: str | None = field(default=None, metadata={"help": "Name of the task, logged with the run."})
-    model_name: str | None = field(default=None, metadata={"help": "Name of the model, logged with the run."})
-    query_dataset: str | None = field(default=None, metadata={"help": "Name of the query dataset, logged with the run."})
-    reward_model: str | None = field(default=None, metadata={"help": "Name of the reward model, logged with the run."})
+    # The three names below are only logged by the trainer; the classic scripts (examples/classic/ppo.py) load
+    # them, so their defaults are classic's: `python ppo.py` with no flags runs classic's IMDB sentiment task.
+    model_name: str | None = field(
+        default="gpt2", metadata={"help": "Model the scripts load (hub name or local directory), logged with the run."}
+    )
+    query_dataset: str | None = field(
+        default="stanfordnlp/imdb", metadata={"help": "Query dataset the scripts load, logged with the run."}
+    )
+    reward_model: str | None = field(
+        default="sentiment-analysis:lvwerra/distilbert-imdb",
+        metadata={"help": "'task:model' of the scripts' reward pipeline, logged with the run."},
+    )
     dataset_num_proc: int | None = field(
         default=None, metadata={"help": "Worker processes for dataset preprocessing in scripts (classic field)."}
     )
