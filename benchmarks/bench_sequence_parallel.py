@@ -21,9 +21,14 @@ copy of ``accelerate_configs/deepspeed_sequence_parallel.yaml`` whose DeepSpeed 
 file with that bucket size. The 1-process runs use all ``--threads`` torch threads; each of the 2 processes
 gets half. ``--gradient_checkpointing`` runs every case with the layers' activations recomputed.
 
+Each run also reports the growth of its peak resident size (``VmHWM``, reset before the step) over the resident
+size before each of the first two (unprofiled) steps, and how much of the first step's growth is file-backed
+pages (``RssFile``: library code run for the first time). ``--return_freed_cpu_memory`` runs every case with
+``PPOConfig(keep_freed_cpu_memory=False)`` (glibc's own malloc settings).
+
 Usage:
     python benchmarks/bench_sequence_parallel.py [--lengths 8192 16384] [--layers 2] [--width 256] [--heads 4]
-        [--gradient_checkpointing]
+        [--gradient_checkpointing] [--return_freed_cpu_memory]
 """
 
 import argparse
@@ -57,15 +62,23 @@ def worker(args) -> None:
     )  # fmt: skip
     model = AutoModelForCausalLMWithValueHead.from_pretrained(GPT2LMHeadModel(config))
     ppo_config = PPOConfig(batch_size=len(args.lengths), mini_batch_size=1, ppo_epochs=1, padding_free=True, seed=0,
-                           gradient_checkpointing=args.gradient_checkpointing)  # fmt: skip
+                           gradient_checkpointing=args.gradient_checkpointing,
+                           keep_freed_cpu_memory=not args.return_freed_cpu_memory)  # fmt: skip
     trainer = PPOTrainer(ppo_config, model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3))
     g = torch.Generator().manual_seed(0)
     queries = [torch.randint(3, 512, (64,), generator=g) for _ in args.lengths]
     responses = [torch.randint(3, 512, (n - 64,), generator=g) for n in args.lengths]
     scores = [torch.randn((), generator=g) for _ in args.lengths]
-    start = time.perf_counter()
-    stats = trainer.step(queries, responses, scores)
-    seconds = time.perf_counter() - start
+    growth = []  # per unprofiled step: peak resident growth and growth of file-backed pages (the code run first)
+    for _ in range(2):
+        before, file_before = resident_mb("VmRSS"), resident_mb("RssFile")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak resident size (VmHWM) starts again from the current one
+        start = time.perf_counter()
+        stats = trainer.step(queries, responses, scores)
+        if not growth:
+            seconds = time.perf_counter() - start  # the first step's time
+        growth.append((resident_mb("VmHWM") - before, resident_mb("RssFile") - file_before))
     peaks = []
     for _ in range(2):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -78,12 +91,20 @@ def worker(args) -> None:
         "deepspeed": trainer.is_deepspeed_enabled,
         "sp_size": sequence_parallel_size(trainer.accelerator), "threads": torch.get_num_threads(),
         "tensor_peak_mb": peak, "tensor_peaks_mb": peaks, "step_seconds": seconds, "loss": stats["ppo/loss/total"],
+        "resident_growth_mb": growth[0][0], "file_growth_mb": growth[0][1], "second_growth_mb": growth[1][0],
     }  # fmt: skip
     print(RESULT_MARKER + json.dumps(result), flush=True)
     if trainer.accelerator.num_processes > 1:
         trainer.accelerator.wait_for_everyone()
         sys.stdout.flush()
         os._exit(0)
+
+
+def resident_mb(field: str) -> float:
+    """This process's ``VmRSS`` (resident now) or ``VmHWM`` (its peak) from /proc/self/status, in MB."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024 / 1e6
 
 
 def group_config(args, directory: Path, sequence_parallel: bool = True) -> Path:
@@ -119,8 +140,9 @@ def run(args, processes: int, deepspeed: bool = True) -> list[dict]:
     sequence-parallel group of ``processes``, or as 1 process without sequence parallelism."""
     worker_args = [str(Path(__file__).resolve()), "--worker", "--lengths", *map(str, args.lengths), "--layers",
                    str(args.layers), "--width", str(args.width), "--heads", str(args.heads)]  # fmt: skip
-    if args.gradient_checkpointing:
-        worker_args.append("--gradient_checkpointing")
+    for flag in ("gradient_checkpointing", "return_freed_cpu_memory"):
+        if getattr(args, flag):
+            worker_args.append(f"--{flag}")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": str(max(args.threads // processes, 1))}
     if not deepspeed:
         cmd = [sys.executable, *worker_args]
@@ -147,6 +169,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--return_freed_cpu_memory", action="store_true",
+                        help="PPOConfig(keep_freed_cpu_memory=False): glibc's own malloc settings")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -160,15 +184,19 @@ def main() -> None:
     print(f"load average {load}; rows {args.lengths} tokens; {args.layers} x {args.width}, {args.heads} "
           f"heads{checkpointing}")  # fmt: skip
     print("| processes | DeepSpeed | sp_size | threads each | tensor peak per process (MB) | of 1 process | "
-          "of 1 DeepSpeed process | 2 peaks (MB) | step (s) |")  # fmt: skip
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "of 1 DeepSpeed process | 2 peaks (MB) | resident growth, first step (MB) | of 1 process | of it file-backed "
+          "(MB) | resident growth, second step (MB) | of 1 process | step (s) |")  # fmt: skip
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in [alone, alone_deepspeed, *group]:
         ratio = r["tensor_peak_mb"] / alone["tensor_peak_mb"]
         ratio_deepspeed = r["tensor_peak_mb"] / alone_deepspeed["tensor_peak_mb"]
         both = " / ".join(f"{p:.0f}" for p in r["tensor_peaks_mb"])
+        resident = r["resident_growth_mb"] / alone["resident_growth_mb"]
+        second = r["second_growth_mb"] / alone["second_growth_mb"]
         print(f"| {r['processes']} (rank {r['rank']}) | {'ZeRO-2' if r['deepspeed'] else 'no'} | {r['sp_size']} | "
               f"{r['threads']} | {r['tensor_peak_mb']:.0f} | {ratio:.2f} | {ratio_deepspeed:.2f} | {both} | "
-              f"{r['step_seconds']:.1f} |")  # fmt: skip
+              f"{r['resident_growth_mb']:.0f} | {resident:.2f} | {r['file_growth_mb']:.0f} | {r['second_growth_mb']:.0f} | "
+              f"{second:.2f} | {r['step_seconds']:.1f} |")  # fmt: skip
     print(f"loss: 1 process {alone['loss']:.6f}, 1 DeepSpeed process {alone_deepspeed['loss']:.6f}, "
           f"sequence-parallel {group[0]['loss']:.6f}")  # fmt: skip
 

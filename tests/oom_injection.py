@@ -8,7 +8,8 @@ gradient), where a real device runs out of memory most often.
 
 A call's tokens: the sum of its ``attention_mask`` when it has one (padded rows), else the size of its
 ``input_ids`` (packed rows). Calls are counted from installation; ``training_only`` counts (and fails) only
-calls in training mode, the learner's passes, not the rollout's (which run in eval mode).
+calls in training mode, the learner's passes, not the rollout's (which run in eval mode). ``bug=True`` raises a
+plain ``RuntimeError`` (a shape mismatch, as a bug would) instead, at the same calls.
 
 Usage::
 
@@ -30,12 +31,13 @@ class InjectedOutOfMemory:
     """
 
     def __init__(self, module: torch.nn.Module, max_tokens: int | None = None, calls: tuple = (),
-                 in_backward: bool = False, training_only: bool = True):  # fmt: skip
+                 in_backward: bool = False, training_only: bool = True, bug: bool = False):  # fmt: skip
         self.module = module
         self.max_tokens = max_tokens
         self.calls = set(calls)
         self.in_backward = in_backward
         self.training_only = training_only
+        self.bug = bug
         self.failures = 0
         self.seen = []
         self.rows = []
@@ -68,6 +70,8 @@ class InjectedOutOfMemory:
 
     def _raise(self, *_):
         self.failures += 1
+        if self.bug:
+            raise RuntimeError(f"Injected: mat1 and mat2 shapes cannot be multiplied in a call of {self.seen[-1]} tokens.")
         raise torch.OutOfMemoryError(f"Injected: out of memory in a call of {self.seen[-1]} tokens.")
 
     def _before(self, module, args, kwargs):

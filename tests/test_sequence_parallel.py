@@ -12,16 +12,19 @@ head under ZeRO-1; a LoRA policy with the LM head and the full KL in chunks and 
 number of slices); 4 processes as 2 groups must give those of 2 processes of data parallelism
 (`global_token_mean`, whose normaliser counts tokens over processes). Every launched run also checks that
 `generate()` gives the processes of a group the same responses, each process generating a share, and that
-the group gathers only per-token numbers (never a slice's logits or hidden states).
+the group gathers only per-token numbers (never a slice's logits or hidden states); the group's processes other
+than the first draw from generators of their own (the group trains in its first process's order). 4 processes
+over 2 key/value heads are followed by a padded pass; a group given different rows stops with a clear error.
 """
 
+import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
-from test_distributed import REPO, SCRIPTS, deepspeed_cpu_collectives, launch  # noqa: F401 (fixture)
+from test_distributed import REPO, SCRIPTS, _free_port, deepspeed_cpu_collectives, launch  # noqa: F401 (fixture)
 
 from tiny_models import make_gpt2, make_gpt2_critic
 from trl_lite.models.packed_attention import takes_row_lengths
@@ -96,6 +99,8 @@ def assert_same_training(result: dict, reference: dict) -> None:
                 "--kl_penalty", "full")),
         # 4 slices: the 2-token row is shorter than the number of slices, the long rows span several.
         (4, 2, ("--estimator", "grpo", "--model", "gpt2_4_heads")),
+        # 4 processes over 2 key/value heads (DeepSpeed repeats them for the exchange), then a padded pass.
+        (4, 2, ("--estimator", "gae", "--model", "qwen2_4_heads", "--padded_pass", "1")),
     ],
 )
 def test_one_group_equals_one_process(tmp_path, sp_size, zero_stage, args):
@@ -112,6 +117,8 @@ def test_one_group_equals_one_process(tmp_path, sp_size, zero_stage, args):
         assert parallel["longest_slice"] <= -(-alone["longest_slice"] // sp_size)
     assert_same_training(parallel, alone)
     assert parallel["gathered_shapes"] == [()]  # one number per slot or token: no (tokens x vocabulary) gather
+    if "--padded_pass" in args:  # the padded pass kept the model's own key/value grouping
+        assert parallel["greedy"] == alone["greedy"] and len(parallel["greedy"]) == 2
     if "--lm_head_chunk_size" in args:
         assert all(stats["memory/lm_head_chunk_size"] == 5 for stats in parallel["stats"])
     if "--peft" in args:  # the adapter trained: its B matrices start at zero
@@ -129,6 +136,24 @@ def test_two_groups_equal_two_processes_of_data_parallelism(tmp_path):
     assert (data_parallel["sp_size"], data_parallel["num_processes"]) == (1, 2)
     assert_one_generation_per_group(parallel)
     assert_same_training(parallel, data_parallel)
+
+
+def test_a_group_given_different_rows_stops_on_every_process_with_a_clear_error(tmp_path):
+    """The second process of the group gets other scores than the first: both refuse step() at once (a gather of
+    the rows' fingerprints), naming the cause, instead of training on wrong numbers or failing in an exchange."""
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+        str(REPO / "accelerate_configs" / "deepspeed_sequence_parallel.yaml"), "--num_processes", "2",
+        "--main_process_port", str(_free_port()), str(SCRIPT), "--estimator", "gae", "--different_rows", "1",
+        "--output_dir", str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    output = run.stdout + run.stderr
+    assert run.returncode != 0
+    for rank in range(2):
+        assert f"[rank{rank}]: ValueError: step() got different rows on the 2 processes of a sequence-parallel group" in output
+    assert not (tmp_path / "result.pt").exists()
 
 
 def test_slice_slot_counts_match_brute_force():

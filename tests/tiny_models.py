@@ -58,14 +58,14 @@ def make_gpt2(seed: int = 0, n_layer: int = 2, n_embd: int = 32, dropout: float 
     return GPT2LMHeadModel(config)
 
 
-def make_qwen2(seed: int = 0, n_layer: int = 2, hidden: int = 64) -> Qwen2ForCausalLM:
+def make_qwen2(seed: int = 0, n_layer: int = 2, hidden: int = 64, heads: int = 2, kv_heads: int = 1) -> Qwen2ForCausalLM:
     """A randomly initialised tiny Qwen2 (rotary positions, grouped-query attention, gated MLP, tied
-    embeddings; a model vLLM serves LoRA adapters for) over the tiny tokenizer's vocabulary: 2 heads of
-    ``hidden / 2`` (vLLM's CPU attention needs at least 32) sharing one key/value head."""
+    embeddings; a model vLLM serves LoRA adapters for) over the tiny tokenizer's vocabulary: by default 2 heads
+    of ``hidden / 2`` (vLLM's CPU attention needs at least 32) sharing one key/value head."""
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=n_layer,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=True,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=1, pad_token_id=0,
     )  # fmt: skip
     model = Qwen2ForCausalLM(config)

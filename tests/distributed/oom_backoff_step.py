@@ -8,7 +8,9 @@
 Each process trains 4 rows of a fixed global batch of 8 (mini-batches of 2, 2 accumulation steps: one backward
 batch, so one optimizer step per epoch; REINFORCE++, SGD). ``--inject forward|backward`` raises
 ``torch.OutOfMemoryError`` on rank 1 in the forward (or the backward) of its training pass number ``--call``
-(tests/oom_injection.py); ``none`` runs clean. ``--sp_size 2`` under
+(tests/oom_injection.py), or with ``bug`` a plain RuntimeError in that forward; ``none`` runs clean.
+``--classic_alone 1``: after the step rank 0 alone runs the classic ``batched_forward_pass`` (with the budget
+the back-off left). ``--sp_size 2`` under
 accelerate_configs/deepspeed_sequence_parallel.yaml: the 2 processes are one group sharing the batch. Rank 0 writes OUT/result.pt: its full weights, the step's
 scalar statistics and every process's token budget after the step (gathered with torch.distributed).
 """
@@ -30,11 +32,14 @@ GLOBAL_BATCH = 8
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output_dir", required=True)
-    parser.add_argument("--inject", choices=("none", "forward", "backward"), default="none")
+    parser.add_argument("--inject", choices=("none", "forward", "backward", "bug"), default="none",
+                        help="bug: a plain RuntimeError in the forward instead of an out-of-memory error")
     parser.add_argument("--call", type=int, default=0)
     parser.add_argument("--ppo_epochs", type=int, default=2)
     parser.add_argument("--sp_size", type=int, default=1,
                         help="the launch config's sequence-parallel size: packed passes, one batch per group")  # fmt: skip
+    parser.add_argument("--classic_alone", type=int, choices=(0, 1), default=0,
+                        help="after the step, rank 0 alone runs the classic batched_forward_pass")
     args = parser.parse_args()
 
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -54,7 +59,8 @@ def main() -> None:
     queries, responses, scores = random_batch(GLOBAL_BATCH, seed=3, query_len=(2, 5), response_len=(1, 9))
     group = rank // args.sp_size
     mine = slice(group * per_process, (group + 1) * per_process)
-    inject = dict(calls=(args.call,) if args.inject != "none" and rank == 1 else (), in_backward=args.inject == "backward")
+    inject = dict(calls=(args.call,) if args.inject != "none" and rank == 1 else (), in_backward=args.inject == "backward",
+                  bug=args.inject == "bug")  # fmt: skip
     torch.manual_seed(1)
     with InjectedOutOfMemory(trainer.accelerator.unwrap_model(trainer.model), **inject) as injected:
         stats = trainer.step(queries[mine], responses[mine], scores[mine])
@@ -63,7 +69,14 @@ def main() -> None:
     weights = full_named_parameters(trainer)
     if rank == 0:
         scalars = {key: float(value) for key, value in stats.items() if getattr(value, "ndim", 0) == 0}
-        torch.save({"named_parameters": weights, "stats": scalars, "budgets": budgets}, os.path.join(args.output_dir, "result.pt"))
+        result = {"named_parameters": weights, "stats": scalars, "budgets": budgets}
+        if args.classic_alone:  # the classic pass on this process alone, under the budget the back-off left
+            q, r = queries[mine], responses[mine]
+            inputs = trainer.prepare_model_inputs(q, r)
+            logprobs, _, _, masks = trainer.batched_forward_pass(trainer.model, q, r, inputs)
+            result.update(classic=(logprobs, masks), classic_budget=trainer.forward.max_tokens,
+                          response_tokens=sum(len(response) for response in r))  # fmt: skip
+        torch.save(result, os.path.join(args.output_dir, "result.pt"))
     print(f"rank {rank}: {injected.failures} injected failures, retries {stats['memory/oom_retries']}", flush=True)
     finish(trainer)
 

@@ -51,8 +51,12 @@ def main() -> None:
     parser.add_argument("--lm_head_chunk_size", type=int, default=None, help="tokens per chunk of the LM head")
     parser.add_argument("--peft", type=int, choices=(0, 1), default=0,
                         help="train a LoRA adapter on the projections; the reference is the base model")
-    parser.add_argument("--model", choices=("gpt2", "gpt2_4_heads", "qwen2"), default="gpt2",
-                        help="qwen2: rotary positions, 2 query heads sharing 1 key/value head")  # fmt: skip
+    parser.add_argument("--model", choices=("gpt2", "gpt2_4_heads", "qwen2", "qwen2_4_heads"), default="gpt2",
+                        help="qwen2: rotary positions, 2 query heads sharing 1 key/value head (4 sharing 2)")  # fmt: skip
+    parser.add_argument("--different_rows", type=int, choices=(0, 1), default=0,
+                        help="give every process but the group's first other scores (step() must refuse them)")
+    parser.add_argument("--padded_pass", type=int, choices=(0, 1), default=0,
+                        help="after the steps, generate greedily for 2 queries (a padded pass, not cut)")
     parser.add_argument("--output_dir", required=True)
     args = parser.parse_args()
 
@@ -75,7 +79,10 @@ def main() -> None:
         seed=0,
     )
     set_seed(0)
-    lm = make_qwen2(seed=0) if args.model == "qwen2" else make_gpt2(seed=0, n_head=4 if "4" in args.model else 2)
+    if args.model.startswith("qwen2"):
+        lm = make_qwen2(seed=0, **({"heads": 4, "kv_heads": 2} if "4" in args.model else {}))
+    else:
+        lm = make_gpt2(seed=0, n_head=4 if "4" in args.model else 2)
     peft_config = None
     if args.peft:
         from peft import LoraConfig
@@ -108,7 +115,12 @@ def main() -> None:
         dist.all_gather_object(generations, [r.tolist() for r in generated])
         mine, generated_queries = generated_queries[0], [None] * trainer.accelerator.num_processes
         dist.all_gather_object(generated_queries, mine)
-    torch.manual_seed(0)  # the same mini-batch order on every process and run
+    # The group's first process draws the mini-batch order of the 1-process run; the others' generators are their
+    # own (as accelerate's set_seed(device_specific=True) or a sampler of their own leaves them): the group must
+    # train in its first process's order.
+    torch.manual_seed(0)
+    if trainer.accelerator.process_index % sp_size:
+        torch.rand(trainer.accelerator.process_index)
 
     # The trailing shape of every piece the group gathers (trl_lite's gathers of per-slot and per-token results).
     gathered_shapes = set()
@@ -122,9 +134,17 @@ def main() -> None:
     stats = []
     for step in range(2):
         queries, responses, scores, masks = batch(group, step)
+        if args.different_rows and trainer.accelerator.process_index % sp_size:
+            scores = [score + 1 for score in scores]  # a mistake the group must refuse: its members' rows differ
         ptx = [torch.cat((q, r)) for q, r in zip(queries, responses)] if args.ptx else None
         stats.append(trainer.step(queries, responses, scores, response_masks=masks, ptx_inputs=ptx))
 
+    # A padded pass after the cut ones: greedy generation of fewer queries than processes (each process generates
+    # them all, with a padding mask).
+    greedy = None
+    if args.padded_pass:
+        greedy = [r.tolist() for r in trainer.generate(batch(group, 0)[0][::2], max_new_tokens=3, batch_size=2,
+                                                        do_sample=False)]
     named = full_named_parameters(trainer)
     if args.critic:
         critic_model = trainer.accelerator.unwrap_model(trainer.critic).pretrained_model
@@ -140,6 +160,7 @@ def main() -> None:
             "generations": generations,
             "generated_queries": generated_queries,
             "gathered_shapes": sorted(gathered_shapes),
+            "greedy": greedy,
         }
         torch.save(result, os.path.join(args.output_dir, "result.pt"))
     if trainer.accelerator.num_processes > 1:

@@ -23,6 +23,7 @@ Configured as accelerate configures it: ``ParallelismConfig(sp_size=..., sp_back
 
 from __future__ import annotations
 
+import hashlib
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -191,6 +192,26 @@ class SequenceParallel:
         device = next((t.device for t in _tensors(value)), None)
         return holder[0] if device is None else _to_device(holder[0], device)
 
+    def check_same_rows(self, *parts) -> None:
+        """Raise ValueError on every process of the group unless all were given the same rows of a step: equal
+        ``parts`` (each a tensor, a list of per-row tensors, or None; ``step()``'s queries, responses, masks,
+        PTX inputs and scores).
+
+        A group trains one batch: its processes cut the same packed passes and exchange their slices, which with
+        different rows fail inside the attention exchange (or train on wrong numbers). Each process gathers every
+        member's 8-byte fingerprint (:func:`fingerprint`) and compares them itself: all raise, none is left waiting.
+        """
+        fingerprints = [None] * self.size
+        dist.all_gather_object(fingerprints, fingerprint(*parts), group=self.group)
+        if len(set(fingerprints)) > 1:
+            raise ValueError(
+                f"step() got different rows on the {self.size} processes of a sequence-parallel group (fingerprints of "
+                f"their queries, responses, response_masks, ptx_inputs and scores, by rank in the group: {fingerprints}). "
+                "A group trains one batch: pass each of its processes the same rows (choose the batch by "
+                "accelerator.process_index // sp_size, or sample it with trainer.generate(), which gives the group one "
+                "generation)."
+            )
+
     def slice_buffer_rows(self, buffer_rows: int, tokens: list[int], mini_batch_size: int, max_tokens: int | None) -> int:
         """The most LM-head slots one slice of any pass of a step can hold: at most the slots of a whole pass
         (``buffer_rows``) and at most a slice's tokens, ``ceil(T / size)`` for the largest pass's ``T`` tokens
@@ -267,6 +288,23 @@ def _to_device(value, device):
     if isinstance(value, (list, tuple)):
         return type(value)(_to_device(item, device) for item in value)
     return value
+
+
+def fingerprint(*parts) -> str:
+    """A hex digest (BLAKE2b, 8 bytes) of ``parts``, each a tensor, a list of tensors (rows) or None: equal parts
+    give equal digests on every process, and a difference in any value, dtype, shape or row length changes it.
+    The tensors of a list are joined on their device first: one read to the host per part and device."""
+    digest = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        rows = [] if part is None else [part] if isinstance(part, torch.Tensor) else list(part)
+        digest.update(repr([(t.dtype, tuple(t.shape)) for t in rows]).encode())
+        by_device = {}
+        for tensor in rows:
+            by_device.setdefault(tensor.device, []).append(tensor.detach().reshape(-1))
+        for tensors in by_device.values():
+            joined = torch.cat([t.view(torch.uint8) if t.numel() else t.new_zeros(0, dtype=torch.uint8) for t in tensors])
+            digest.update(joined.cpu().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def slice_slot_counts(size: int, chunk: int, firsts: list[int], counts: list[int]) -> tuple:
@@ -364,7 +402,15 @@ def ulysses_attention_forward(module, query, key, value, attention_mask, **kwarg
         return packed_sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     kwargs[ROW_LENGTHS] = piece.rows
     kwargs["position_ids"] = piece.position_ids
-    out, weights = piece.parallel.engine(query, key)(module, query, key, value, None, **kwargs)
+    # With fewer key/value heads than processes DeepSpeed repeats them for the exchange and sets the module's
+    # num_key_value_groups to the exchanged heads' ratio, for good: the passes that are not cut (generation,
+    # padded passes) need the model's own.
+    groups = getattr(module, "num_key_value_groups", None)
+    try:
+        out, weights = piece.parallel.engine(query, key)(module, query, key, value, None, **kwargs)
+    finally:
+        if groups is not None:
+            module.num_key_value_groups = groups
     return out.reshape(query.shape[0], query.shape[2], query.shape[1], -1), weights
 
 

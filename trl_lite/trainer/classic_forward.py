@@ -50,7 +50,9 @@ def batched_forward_pass(forward: ForwardPass, model, queries, responses, model_
     def passes():
         outs = [torch.zeros(batch, length, device=device) for _ in range(3)]  # log-probs, values, masks
         logits_out = []  # filled at the first pass: (B, T, V)
-        for index, idx in forward.minibatches(rows):
+        # The processes agree on the passes only where every forward is collective (ZeRO-3, sequence parallelism),
+        # so the caller runs this on every process anyway; elsewhere a user may call it on some of them.
+        for index, idx in forward.minibatches(rows, agree=forward.memory.forwards_synchronise):
             forward.memory.begin_pass(sum(rows.tokens(i) for i in index), len(index))
             with forward.memory.attempt(what="a batched_forward_pass pass"):
                 _classic_pass(forward, model, rows, index, idx, valid, cols, outs, logits_out, return_logits)

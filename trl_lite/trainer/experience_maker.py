@@ -89,6 +89,10 @@ class ExperienceMaker:
             actions = actions_per_row(batch.responses, batch.response_masks, 1 if self.forward.is_encoder_decoder else 0)
         # The batch's tensors reach the device in one copy (see transfer.py for every sync of a step).
         batch, ends_with_eos = batch_to_device(batch, self.device, ends_with_eos)
+        if self.forward.sequence is not None:  # a group trains one batch: checked before its first exchange
+            self.forward.sequence.check_same_rows(
+                batch.queries, batch.responses, batch.response_masks, batch.ptx_inputs, batch.scores
+            )
         scores = self.shape_scores(scores_tensor(batch.scores, self.device), lengths, ends_with_eos)
 
         # Section 3: forward passes without grad, and section 15: the gap to the generating engine

@@ -126,21 +126,22 @@ class ForwardPass:
         slice_rows = self.sequence.slice_buffer_rows(rows.buffer_rows, tokens, self.mini_batch_size, self.max_tokens)
         return dataclasses.replace(rows, buffer_rows=slice_rows)
 
-    def minibatches(self, rows: Rows):
+    def minibatches(self, rows: Rows, agree: bool = True):
         """The no-grad passes over every row of ``rows``: ``(index, idx)``, a host list and the same on the device.
 
         Consecutive runs of ``mini_batch_size`` rows, or under a token budget the balanced split of
-        :meth:`split` (the same number of passes on every process).
+        :meth:`split` (the same number of passes on every process; ``agree=False``: this process's own split,
+        no collective).
         """
         if self.max_tokens is None:
             for start in range(0, len(rows), self.mini_batch_size):
                 stop = min(start + self.mini_batch_size, len(rows))
                 yield list(range(start, stop)), torch.arange(start, stop, device=self.device)
             return
-        for index in self.split([list(range(len(rows)))], [rows.tokens(i) for i in range(len(rows))])[0]:
+        for index in self.split([list(range(len(rows)))], [rows.tokens(i) for i in range(len(rows))], agree)[0]:
             yield index, to_device(index, self.device)
 
-    def split(self, groups: list[list[int]], costs) -> list[list[list[int]]]:
+    def split(self, groups: list[list[int]], costs, agree: bool = True) -> list[list[list[int]]]:
         """Each group of row numbers split into passes of at most ``max_tokens`` tokens (docs/algorithm.md
         section 18): per group, a list of passes, each a list of row numbers. ``costs[i]``: row ``i``'s tokens.
 
@@ -148,10 +149,11 @@ class ForwardPass:
         of them needs (one collective): each pass runs collectives (ZeRO-3 gathers parameters in the
         forward, ZeRO-2 reduces gradients in each backward, the learner's skip check reduces flags), and
         they must line up. A group of ``n`` rows never needs more than ``n`` passes, and every process
-        holds as many rows, so the larger count can always be met.
+        holds as many rows, so the larger count can always be met. ``agree=False``: no collective, each
+        process its own split.
         """
         splits = [split_by_tokens([costs[i] for i in group], self.max_tokens) for group in groups]
-        if self.accelerator.num_processes > 1 and splits:
+        if agree and self.accelerator.num_processes > 1 and splits:
             counts = torch.tensor([len(s) for s in splits], device=self.device)
             counts = self.accelerator.reduce(counts, reduction="max").tolist()
             splits = [

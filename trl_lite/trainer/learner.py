@@ -103,9 +103,12 @@ class Learner:
         # is redone with half the budget (docs/out_of_memory.md).
         with self.forward.per_row_attention(), self.forward.memory.catching():
             for _ in range(config.ppo_epochs):
-                # Drawn on the host from torch's global generator: the same permutation on every run and process,
-                # once per epoch (a backward batch redone after an out-of-memory error draws nothing).
+                # Drawn on the host from torch's global generator, once per epoch (a backward batch redone after an
+                # out-of-memory error draws nothing). A sequence-parallel group trains in its first process's order:
+                # the others' generators may differ (seeded per process, or used by a sampler of their own).
                 order = torch.randperm(len(experience)).tolist()
+                if self.forward.sequence is not None:
+                    order = self.forward.sequence.share(order)
                 epoch_policykl = []
                 plans = plan_epoch(config, self.accelerator, self.forward, self.objective, experience, order)
                 b, skipped = 0, self.skipped_minibatches

@@ -100,8 +100,8 @@ class MemoryBackoff:
                 raise torch.OutOfMemoryError(self._unrecoverable_message(what)) from error
             self._failure = self._failure or self._pass
         except RuntimeError as error:
-            if recoverable or self.accelerator.num_processes == 1:
-                raise
+            if recoverable or self.accelerator.num_processes == 1 or not broke_collective(error):
+                raise  # the pass's own error (a bug, a shape mismatch) as it is
             # The collective broke because a peer left it: say where to look (gloo reports a closed connection).
             raise RuntimeError(
                 f"Process {self.accelerator.process_index} failed inside a collective of {what} ({error}). When another "
@@ -227,6 +227,12 @@ class MemoryBackoff:
             self.budget = state["budget"] if self.budget is None else min(self.budget, state["budget"])
             self.backed_off = True
         self.retries = self._reported = state["retries"]
+
+
+def broke_collective(error: RuntimeError) -> bool:
+    """Whether ``error`` is a collective's failure (a torch.distributed error, or gloo's plain RuntimeError, which
+    names its transport), such as a peer leaving it, rather than an error of the pass's own computation."""
+    return isinstance(error, torch.distributed.DistError) or "gloo" in str(error)
 
 
 def drop_gradients(models) -> None:
