@@ -19,7 +19,7 @@ from test_step_reference import assert_stats_close, assert_weights_close, make_b
 from tiny_models import make_gpt2, make_qwen2, make_t5, make_tokenizer, random_batch
 
 import trl_lite.core.lm_head as lm_head_module
-import trl_lite.core.logprobs as logprobs_module
+import trl_lite.core.lm_head as lm_head_module
 import trl_lite.trainer.forward as forward_module
 from trl_lite import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOConfig, PPOTrainer
 
@@ -33,7 +33,7 @@ def one_buffer_path_forbidden(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a (tokens x vocabulary) logits buffer was built in a chunked step")
 
-    monkeypatch.setattr(logprobs_module, "_lm_head_logits", forbidden)
+    monkeypatch.setattr(lm_head_module, "_lm_head_logits", forbidden)
     monkeypatch.setattr(forward_module, "full_kl_from_logits", forbidden)
 
 

@@ -372,7 +372,7 @@ def test_lm_head_and_softmax_see_only_the_response_token_slots(monkeypatch, enco
     # of a decoder-only model: each call gets exactly one row per response token of its mini-batch
     # (one fewer per row for encoder-decoders, whose first decoder token is the start token).
     # Decoder-only models go through the fused head (core._lm_head_logits), T5 through its own head.
-    import trl_lite.core.logprobs as core_module
+    import trl_lite.core.lm_head as core_module
     import trl_lite.trainer.forward as forward_module
     import trl_lite.trainer.learner as learner_module
 
@@ -476,7 +476,7 @@ def test_fused_head_follows_a_head_replaced_after_the_trainer_was_made():
 def test_cpu_steps_reuse_one_logits_buffer_when_keeping_freed_memory(monkeypatch, keep):
     # With keep_freed_cpu_memory every fused-head pass of every step writes into one buffer, grown
     # when a step has longer responses; without it each pass allocates its own.
-    import trl_lite.core.logprobs as core_module
+    import trl_lite.core.lm_head as core_module
 
     outs = []
     real_head_logits = core_module._lm_head_logits
