@@ -374,7 +374,6 @@ def test_lm_head_and_softmax_see_only_the_response_token_slots(monkeypatch, enco
     # Decoder-only models go through the fused head (core._lm_head_logits), T5 through its own head.
     import trl_lite.core.lm_head as core_module
     import trl_lite.trainer.forward as forward_module
-    import trl_lite.trainer.learner as learner_module
 
     if encoder_decoder:
         model = AutoModelForSeq2SeqLMWithValueHead.from_pretrained(make_t5())
@@ -385,7 +384,7 @@ def test_lm_head_and_softmax_see_only_the_response_token_slots(monkeypatch, enco
     lengths = [len(r) - encoder_decoder for r in responses]
     assert len(set(lengths)) > 1  # the mini-batches do have padding to leave out
     softmax_rows, buffers = [], []
-    for module, name in ((forward_module, "logprobs_from_logits"), (learner_module, "logprobs_and_entropy_from_logits")):
+    for module, name in ((forward_module, "logprobs_from_logits"), (forward_module, "logprobs_and_entropy_from_logits")):
         real = getattr(module, name)
 
         def recording(logits, labels, *args, real=real, **kwargs):

@@ -165,28 +165,34 @@ def _softmax_stats(z, labels, logprobs, entropy, log_sum_exp, scratch) -> None:
             entropy[rows] = -log_p.mul_(torch.exp(log_p, out=piece)).sum(-1)
 
 
-def softmax_grad_(probs, labels, entropy, grad_logprobs, grad_entropy, temperature: float, scratch) -> torch.Tensor:
+def softmax_grad_(probs, labels, entropy, grad_logprobs, grad_entropy, temperature: float, scratch,
+                  log_sum_exp: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The gradient of the logits ``z`` (before the division by ``T``), written over the softmax ``probs`` ``(R, V)``.
 
     ``grad_z = ((onehot - p) g_lp - p (log p + H) g_H) / T``, i.e. ``(-p (g_lp + H g_H) - xlogy(p, p) g_H
     + onehot g_lp) / T``. Shapes: labels ``(R, 1)``, entropy ``(R,)``; either incoming gradient ``(R,)`` may be
-    None (its output was not used by the loss). ``scratch`` ``(S, V)``: the cache-sized pieces of the entropy's term
-    (None: one is made for this call).
+    None (its output was not used by the loss). With ``log_sum_exp`` ``(R,)``, ``probs`` holds the logits ``z / T``
+    and becomes ``p = exp(z / T - lse)`` in the same pass. Cache-sized pieces of ``scratch`` ``(S, V)`` (None: one
+    is made for this call): each piece is read from memory once.
     """
     rows = probs.shape[0]
     g_lp = torch.zeros(rows, dtype=probs.dtype, device=probs.device) if grad_logprobs is None else grad_logprobs
     grad = g_lp.reshape(-1, 1).to(probs.dtype) / temperature
-    if grad_entropy is None:
-        return probs.mul_(-grad).scatter_add_(-1, labels, grad)
-    g_h = grad_entropy.reshape(-1, 1).to(probs.dtype) / temperature
-    scale = -(grad + entropy.reshape(-1, 1) * g_h)
+    g_h = None if grad_entropy is None else grad_entropy.reshape(-1, 1).to(probs.dtype) / temperature
+    scale = -grad if g_h is None else -(grad + entropy.reshape(-1, 1) * g_h)
     scratch = _scratch(probs) if scratch is None else scratch
     step = scratch.shape[0]
     for start in range(0, rows, step):
-        piece = probs[start : start + step]
+        rows_here = slice(start, start + step)
+        piece = probs[rows_here]
+        if log_sum_exp is not None:
+            piece.sub_(log_sum_exp[rows_here].unsqueeze(-1)).exp_()
+        if g_h is None:
+            piece.mul_(scale[rows_here])
+            continue
         # p log p is 0 where p underflowed to 0, which xlogy gives and p * log p would not at -inf logits.
         p_log_p = torch.xlogy(piece, piece, out=scratch[: piece.shape[0]])
-        piece.mul_(scale[start : start + step]).addcmul_(p_log_p, g_h[start : start + step], value=-1.0)
+        piece.mul_(scale[rows_here]).addcmul_(p_log_p, g_h[rows_here], value=-1.0)
     return probs.scatter_add_(-1, labels, grad)
 
 
@@ -253,12 +259,12 @@ class _LinearHead(torch.autograd.Function):
             if ctx.chunk_size:
                 with under_autocast(ctx.autocast):  # the forward's logits exactly: its log-sum-exp is reused
                     probs = _chunk_logits(hidden[rows], weight, bias, temperature, buffer)
-                probs.sub_(saved[rows].unsqueeze(-1)).exp_()
             else:
                 probs = saved  # the saved softmax is not needed again: its memory becomes the gradient
             grad_z = softmax_grad_(
                 probs, labels[rows], entropy[rows], None if grad_logprobs is None else grad_logprobs[rows],
                 None if grad_entropy is None else grad_entropy[rows], temperature, scratch,
+                saved[rows] if ctx.chunk_size else None,
             )  # fmt: skip
             if want_bias:
                 grad_bias += grad_z.sum(0)
