@@ -21,6 +21,7 @@ from tiny_models import make_gpt2, make_qwen2, make_t5, make_tokenizer, random_b
 import trl_lite.core.lm_head as lm_head_module
 import trl_lite.trainer.forward as forward_module
 from trl_lite import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOConfig, PPOTrainer
+from trl_lite.trainer.oom_backoff import PassOutOfMemory
 
 CHUNK = 3  # tokens: every pass of these batches spans several chunks
 
@@ -203,6 +204,29 @@ def test_default_is_one_buffer_while_small_and_chunks_above(monkeypatch):
     monkeypatch.setattr(lm_head_module, "_CHUNK_BYTES", {"cpu": 4 * vocab * 5, "cuda": 4 * vocab * 5})
     trainer = _trainer(make_gpt2, dict(batch_size=4, ppo_epochs=1), None)
     assert trainer.step(*batch)["memory/lm_head_chunk_size"] == 5
+
+
+def test_a_step_after_a_back_off_stays_chunked(monkeypatch):
+    """Issue 50: a back-off halves the passes' tokens; the automatic rule then picked one (N, V) buffer again - the
+    bigger path, right after running out of memory. Once backed off, every pass of every step takes chunks."""
+    batch = random_batch(4, seed=1)
+    vocab = make_gpt2().config.vocab_size
+    monkeypatch.setattr(lm_head_module, "_CHUNK_BYTES", {"cpu": 4 * vocab * 5, "cuda": 4 * vocab * 5})
+    trainer = _trainer(make_gpt2, dict(batch_size=4, ppo_epochs=1, max_tokens_per_minibatch=64), None)
+    assert trainer.step(*batch)["memory/lm_head_chunk_size"] == 0  # small passes: one buffer
+    with pytest.warns(UserWarning, match="Out of memory"), pytest.raises(PassOutOfMemory):
+        trainer.forward.memory.back_off(64, single_row=False)  # what a pass out of memory does
+    assert trainer.forward.memory.budget == 32
+    seen = []
+    real = lm_head_module.linear_head
+
+    def recording(hidden, weight, bias, labels, chunk_size=0, *args):
+        seen.append(chunk_size)
+        return real(hidden, weight, bias, labels, chunk_size, *args)
+
+    monkeypatch.setattr(forward_module, "linear_head", recording)
+    assert trainer.step(*batch)["memory/lm_head_chunk_size"] == 5
+    assert seen and set(seen) == {5}
 
 
 def test_a_model_without_a_linear_head_says_why_once_and_keeps_its_logits():
