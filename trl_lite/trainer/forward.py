@@ -200,22 +200,28 @@ class ForwardPass:
         return self._sequence_pass.gather_slots(*per_slot)
 
     def linear_head(self, model) -> torch.nn.Linear | None:
-        """The model's LM head when the pass may fuse it with the log-softmax, else None.
+        """The model's LM head when the pass may fuse it with the log-softmax (:meth:`apply_head`), else None.
 
-        Fused (``core.logprobs_and_entropy_from_hidden``), the head's logits become the softmax in
-        place, in a buffer of ``Rows.buffer_rows`` rows: one vocabulary-sized tensor per mini-batch
-        instead of two, of the same size in every mini-batch of a step. Asked every pass: the head
-        may be replaced (``resize_token_embeddings``) after the trainer is made.
+        Asked every pass: the head may be replaced (``resize_token_embeddings``) after the trainer is made.
         """
-        head = self.unwrapped(model).linear_lm_head()
-        if head is None and self.lm_head_chunk_size and not self._warned_no_chunks:
+        inner = self.unwrapped(model)
+        head = inner.linear_lm_head()
+        # ZeRO-3 is said whatever the chunk size: its passes hold (tokens x vocabulary) logits where the
+        # default would have taken chunks; another model's own head is the path it was built with.
+        output = inner.transformers_model.get_output_embeddings()
+        partitioned = head is None and hasattr(getattr(output, "weight", None), "ds_id")
+        if head is None and (self.lm_head_chunk_size or partitioned) and not self._warned_no_chunks:
             self._warned_no_chunks = True
-            warnings.warn(
-                f"lm_head_chunk_size={self.lm_head_chunk_size} does not apply to {type(self.unwrapped(model)).__name__}: "
-                "its LM head is not a plain nn.Linear the trainer may apply itself (an encoder-decoder, whose "
+            reason = (
+                "its LM head's weight is partitioned by DeepSpeed ZeRO-3 outside the model's forward" if partitioned
+                else "its LM head is not a plain nn.Linear the trainer may apply itself (an encoder-decoder, whose "
                 "head input the model rescales; logits the model post-processes, e.g. soft-capping; an adapter "
-                "or quantised head; a ZeRO-3 partitioned weight), so its passes take the model's own "
-                "(tokens x vocabulary) logits, as without chunks.",
+                "or quantised head)"
+            )  # fmt: skip
+            warnings.warn(
+                f"lm_head_chunk_size={self.lm_head_chunk_size} does not apply to {type(inner).__name__}: {reason}, so "
+                "its passes take the model's own (tokens x vocabulary) float32 logits, as without chunks "
+                "(memory/lm_head_chunk_size -1); bound them with max_tokens_per_minibatch.",
                 stacklevel=3,
             )
         return head
