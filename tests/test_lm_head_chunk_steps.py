@@ -202,8 +202,9 @@ def test_default_is_one_buffer_while_small_and_chunks_above(monkeypatch):
     vocab = make_gpt2().config.vocab_size
     monkeypatch.setattr(lm_head_module, "_ONE_BUFFER_BYTES", {"cpu": 0, "cuda": 0})
     monkeypatch.setattr(lm_head_module, "_CHUNK_BYTES", {"cpu": 4 * vocab * 5, "cuda": 4 * vocab * 5})
-    trainer = _trainer(make_gpt2, dict(batch_size=4, ppo_epochs=1), None)
+    trainer = _trainer(make_gpt2, dict(batch_size=4, ppo_epochs=1, keep_freed_cpu_memory=True), None)
     assert trainer.step(*batch)["memory/lm_head_chunk_size"] == 5
+    assert trainer.forward._logits_buffer is None  # chunked passes made no (N, V) buffer to keep either
 
 
 def test_a_step_after_a_back_off_stays_chunked(monkeypatch):

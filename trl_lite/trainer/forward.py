@@ -244,13 +244,14 @@ class ForwardPass:
         return OWN_LOGITS if head is None else self.head_chunk_size(self.buffer_rows(rows), head)
 
     def apply_head(self, head: torch.nn.Linear | None, outputs: torch.Tensor, targets: torch.Tensor, tokens: int,
-                   out: torch.Tensor | None = None, temperature: float | None = None):  # fmt: skip
+                   rows: Rows | None = None, temperature: float | None = None):  # fmt: skip
         """The LM head of every pass (rollout, training, PTX, the classic pass): log-probs of ``targets`` ``(N,)`` and,
         when grad flows, the entropy ``(N,)`` (else None), under ``softmax(z / temperature)`` (default the config's).
 
         ``outputs``: the head's inputs ``(N, H)`` when ``head`` is the model's linear head (:meth:`linear_head`),
         applied here in one buffer or chunks by :meth:`head_chunk_size` for passes of up to ``tokens`` slots (one
-        buffer: at least ``tokens`` rows, or ``out``); else the model's own logits ``(N, V)``.
+        buffer: at least ``tokens`` rows; with the step's ``rows``, the shared :meth:`logits_out`); else the model's
+        own logits ``(N, V)``.
         """
         temperature = self.temperature if temperature is None else temperature
         if head is None:
@@ -258,7 +259,7 @@ class ForwardPass:
                 return logprobs_and_entropy_from_logits(outputs, targets, temperature)
             return logprobs_from_logits(outputs, targets, temperature=temperature), None
         chunk = self.head_chunk_size(tokens, head)
-        out = None if chunk else out
+        out = None if chunk or rows is None else self.logits_out(rows, head)  # chunks: no (N, V) buffer made
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (outputs, head.weight, head.bias))
         with self.head_autocast():
             if grad:
@@ -366,8 +367,7 @@ class ForwardPass:
         outputs, targets, values, slots, width = self.head_inputs(
             model, rows, index, idx, lm_head_inputs=head is not None, return_values=return_values, critic=critic
         )
-        out = None if head is None else self.logits_out(rows, head)
-        logprobs, _ = self.apply_head(head, outputs, targets, self.buffer_rows(rows), out)
+        logprobs, _ = self.apply_head(head, outputs, targets, self.buffer_rows(rows), rows)
         keep = return_logits or return_head_inputs
         logprobs, gathered = self.gather_slots(logprobs, outputs if keep and gather_outputs else None)
         logprobs = to_compact(logprobs, slots, len(index), width)

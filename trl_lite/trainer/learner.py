@@ -211,8 +211,7 @@ class Learner:
         outputs, targets, vpreds, slots, width = forward.head_inputs(
             self.model, rows, mb.index, mb.idx, head is not None, return_values=self.policy_values, critic=self.critic
         )
-        out = None if head is None else forward.logits_out(rows, head)
-        logprobs, entropy = forward.apply_head(head, outputs, targets, forward.buffer_rows(rows), out)
+        logprobs, entropy = forward.apply_head(head, outputs, targets, forward.buffer_rows(rows), rows)
         del outputs  # the logits, when the head ran in the model: the saved softmax replaces them
         logprobs, entropy = forward.gather_slots(logprobs, entropy)
         logprobs = to_compact(logprobs, slots, len(mb.index), width)
