@@ -185,13 +185,17 @@ def softmax_grad_(probs, labels, entropy, grad_logprobs, grad_entropy, temperatu
     for start in range(0, rows, step):
         rows_here = slice(start, start + step)
         piece = probs[rows_here]
-        if log_sum_exp is not None:
-            piece.sub_(log_sum_exp[rows_here].unsqueeze(-1)).exp_()
+        if log_sum_exp is None:
+            # p log p is 0 where p underflowed to 0, which xlogy gives and p * log p would not at -inf logits.
+            p_log_p = None if g_h is None else torch.xlogy(piece, piece, out=scratch[: piece.shape[0]])
+        else:
+            # From the logits, log p = z - lse is at hand (finite): no logarithm per entry, one exponential.
+            log_p = torch.sub(piece, log_sum_exp[rows_here].unsqueeze(-1), out=scratch[: piece.shape[0]])
+            torch.exp(log_p, out=piece)
+            p_log_p = None if g_h is None else log_p.mul_(piece)
         if g_h is None:
             piece.mul_(scale[rows_here])
             continue
-        # p log p is 0 where p underflowed to 0, which xlogy gives and p * log p would not at -inf logits.
-        p_log_p = torch.xlogy(piece, piece, out=scratch[: piece.shape[0]])
         piece.mul_(scale[rows_here]).addcmul_(p_log_p, g_h[rows_here], value=-1.0)
     return probs.scatter_add_(-1, labels, grad)
 
