@@ -79,6 +79,8 @@ def assert_same_training(result: dict, reference: dict) -> None:
     for ours, theirs in zip(result["stats"], reference["stats"]):
         assert ours.keys() == theirs.keys()
         for key, value in theirs.items():
+            if key == "memory/lm_head_chunk_size" and ours[key] == -1:
+                continue  # ZeRO-3 keeps the model's own head (-1) where one process fuses it: the path, not a number
             np.testing.assert_allclose(ours[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
 
 
