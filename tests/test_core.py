@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from trl_lite import core
+from trl_lite.core import lm_head as core_lm_head
 from trl_lite.core import logprobs as core_logprobs
 
 F64_TOL = 1e-10
@@ -212,6 +213,7 @@ def small_chunks(monkeypatch):
     one, which the default 2 MiB budget would need far bigger tensors to exercise.
     """
     monkeypatch.setattr(core_logprobs, "_CHUNK_BYTES", {"cpu": 1000})
+    monkeypatch.setattr(core_lm_head, "_CACHE_BYTES", {"cpu": 1000})
 
 
 def test_logprobs_from_logits_gather_makes_no_full_log_softmax(monkeypatch, small_chunks):
@@ -910,6 +912,6 @@ def test_lm_head_buffer_has_the_requested_rows():
     hidden, weight, _, _, _ = _linear_head_inputs(torch.float32, 5, 7, False, seed=12)
     with torch.no_grad():
         for buffer_rows, allocated in ((None, 5), (3, 5), (9, 9)):
-            logits = core_logprobs._lm_head_logits(hidden, weight, None, buffer_rows)
+            logits = core_lm_head._lm_head_logits(hidden, weight, None, buffer_rows)
             assert logits.shape == (5, 7) and logits.untyped_storage().nbytes() == 4 * 7 * allocated
             torch.testing.assert_close(logits, hidden @ weight.T, rtol=0, atol=0)

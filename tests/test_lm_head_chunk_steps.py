@@ -19,9 +19,9 @@ from test_step_reference import assert_stats_close, assert_weights_close, make_b
 from tiny_models import make_gpt2, make_qwen2, make_t5, make_tokenizer, random_batch
 
 import trl_lite.core.lm_head as lm_head_module
-import trl_lite.core.logprobs as logprobs_module
 import trl_lite.trainer.forward as forward_module
 from trl_lite import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOConfig, PPOTrainer
+from trl_lite.trainer.oom_backoff import PassOutOfMemory
 
 CHUNK = 3  # tokens: every pass of these batches spans several chunks
 
@@ -33,7 +33,7 @@ def one_buffer_path_forbidden(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a (tokens x vocabulary) logits buffer was built in a chunked step")
 
-    monkeypatch.setattr(logprobs_module, "_lm_head_logits", forbidden)
+    monkeypatch.setattr(lm_head_module, "_lm_head_logits", forbidden)
     monkeypatch.setattr(forward_module, "full_kl_from_logits", forbidden)
 
 
@@ -202,8 +202,32 @@ def test_default_is_one_buffer_while_small_and_chunks_above(monkeypatch):
     vocab = make_gpt2().config.vocab_size
     monkeypatch.setattr(lm_head_module, "_ONE_BUFFER_BYTES", {"cpu": 0, "cuda": 0})
     monkeypatch.setattr(lm_head_module, "_CHUNK_BYTES", {"cpu": 4 * vocab * 5, "cuda": 4 * vocab * 5})
-    trainer = _trainer(make_gpt2, dict(batch_size=4, ppo_epochs=1), None)
+    trainer = _trainer(make_gpt2, dict(batch_size=4, ppo_epochs=1, keep_freed_cpu_memory=True), None)
     assert trainer.step(*batch)["memory/lm_head_chunk_size"] == 5
+    assert trainer.forward._logits_buffer is None  # chunked passes made no (N, V) buffer to keep either
+
+
+def test_a_step_after_a_back_off_stays_chunked(monkeypatch):
+    """Issue 50: a back-off halves the passes' tokens; the automatic rule then picked one (N, V) buffer again - the
+    bigger path, right after running out of memory. Once backed off, every pass of every step takes chunks."""
+    batch = random_batch(4, seed=1)
+    vocab = make_gpt2().config.vocab_size
+    monkeypatch.setattr(lm_head_module, "_CHUNK_BYTES", {"cpu": 4 * vocab * 5, "cuda": 4 * vocab * 5})
+    trainer = _trainer(make_gpt2, dict(batch_size=4, ppo_epochs=1, max_tokens_per_minibatch=64), None)
+    assert trainer.step(*batch)["memory/lm_head_chunk_size"] == 0  # small passes: one buffer
+    with pytest.warns(UserWarning, match="Out of memory"), pytest.raises(PassOutOfMemory):
+        trainer.forward.memory.back_off(64, single_row=False)  # what a pass out of memory does
+    assert trainer.forward.memory.budget == 32
+    seen = []
+    real = lm_head_module.linear_head
+
+    def recording(hidden, weight, bias, labels, chunk_size=0, *args):
+        seen.append(chunk_size)
+        return real(hidden, weight, bias, labels, chunk_size, *args)
+
+    monkeypatch.setattr(forward_module, "linear_head", recording)
+    assert trainer.step(*batch)["memory/lm_head_chunk_size"] == 5
+    assert seen and set(seen) == {5}
 
 
 def test_a_model_without_a_linear_head_says_why_once_and_keeps_its_logits():
@@ -218,7 +242,25 @@ def test_a_model_without_a_linear_head_says_why_once_and_keeps_its_logits():
             stats = trainer.step(queries[:4], responses[:4], scores[:4])
     said = [w for w in caught if "lm_head_chunk_size=3 does not apply" in str(w.message)]
     assert len(said) == 1 and "encoder-decoder" in str(said[0].message)
-    assert stats["memory/lm_head_chunk_size"] == 0 and np.isfinite(stats["ppo/loss/total"])
+    assert stats["memory/lm_head_chunk_size"] == -1 and np.isfinite(stats["ppo/loss/total"])  # -1: its own logits
+
+
+def test_a_zero3_partitioned_head_says_so_with_the_default_chunk_size():
+    """Issue 50: under ZeRO-3 (a head weight DeepSpeed partitions, marked by its ``ds_id``) the default
+    ``lm_head_chunk_size=None`` kept full logits without a word; now it warns once and the statistic says -1."""
+    _reset_accelerate_state()
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2())
+    model.transformers_model.get_output_embeddings().weight.ds_id = 0  # the mark of a ZeRO-3 parameter
+    assert model.linear_lm_head() is None
+    reference = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2())
+    trainer = PPOTrainer(PPOConfig(batch_size=4, mini_batch_size=2, ppo_epochs=1), model, reference, tokenizer=make_tokenizer())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            stats = trainer.step(*random_batch(4, seed=2))
+    said = [str(w.message) for w in caught if "does not apply" in str(w.message)]
+    assert len(said) == 1 and "lm_head_chunk_size=None" in said[0] and "ZeRO-3" in said[0]
+    assert stats["memory/lm_head_chunk_size"] == -1 and np.isfinite(stats["ppo/loss/total"])
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,9 @@ plain ``log_softmax(z / T)``, at several temperatures; the full KL from both hea
 functions' temperature; no ``(N, V)`` tensor is ever made; bf16 and autocast; the automatic rule.
 """
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +17,7 @@ import trl_lite.core.lm_head as lm_head_module
 from trl_lite import core
 
 F32_TOL = 1e-5
+BENCH_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_step.py"
 
 
 def _inputs(dtype, rows=23, hidden_size=5, vocab=17, bias=True, seed=0):
@@ -181,11 +185,28 @@ def test_automatic_rule_keeps_one_buffer_while_small_and_chunks_above():
     assert core.lm_head_chunk_size(10_000, vocab, "cpu", requested=0) == 0
     assert core.lm_head_chunk_size(3, vocab, "cpu", requested=64) == 64
     assert core.lm_head_chunk_size((256 << 20) // row, vocab, "cpu") == 0
-    assert core.lm_head_chunk_size((256 << 20) // row + 1, vocab, "cpu") == (32 << 20) // row == 55
+    assert core.lm_head_chunk_size((256 << 20) // row + 1, vocab, "cpu") == (64 << 20) // row == 110
     assert core.lm_head_chunk_size((1 << 30) // row, vocab, "cuda") == 0
     assert core.lm_head_chunk_size(8192, vocab, "cuda") == (256 << 20) // row == 441
     assert core.lm_head_chunk_size(8192, vocab, "xpu") == 441  # other accelerators: the accelerator's numbers
     assert core.lm_head_chunk_size(10**9, 10**9, "cpu") == 1  # never 0 once chunked
+    # A bf16 head's one buffer also casts its (N, V) gradient to bf16: 6 bytes a logit, not 4.
+    tokens = (1 << 30) // row
+    assert core.lm_head_chunk_size(tokens, vocab, "cuda", weight_dtype=torch.float32) == 0
+    assert core.lm_head_chunk_size(tokens, vocab, "cuda", weight_dtype=torch.bfloat16) == 441
+    assert core.lm_head_chunk_size(tokens * 4 // 6, vocab, "cuda", weight_dtype=torch.bfloat16) == 0
+
+
+def test_rule_stays_chunked_after_a_back_off():
+    # Issue 50: 3,000 tokens of a 152k vocabulary take chunks on CUDA; the back-off halves them to 1,500, whose
+    # one buffer (0.91 GB) the rule used to pick - the bigger path, right after running out of memory.
+    vocab = 151_936
+    assert core.lm_head_chunk_size(3000, vocab, "cuda") == 441
+    assert core.lm_head_chunk_size(1500, vocab, "cuda") == 0  # a step that never ran out keeps one buffer
+    for tokens in (1500, 750, 100, 1):
+        assert core.lm_head_chunk_size(tokens, vocab, "cuda", backed_off=True) == 441
+        assert core.lm_head_chunk_size(tokens, vocab, "cpu", backed_off=True) == 110
+    assert core.lm_head_chunk_size(1500, vocab, "cuda", requested=0, backed_off=True) == 0  # asked for: as given
 
 
 @pytest.mark.parametrize(
@@ -213,21 +234,63 @@ def test_bad_chunk_size_or_temperature_is_rejected(kwargs, error, match):
 
 
 def test_chunk_buffers_are_the_logits_dtype_and_reused():
-    # The forward allocates its (C, V) work buffers once, whatever the number of chunks.
+    # The forward and the backward each allocate one (C, V) work buffer, whatever the number of chunks.
     hidden, weight, b, labels = _inputs(torch.float32, rows=40, vocab=11, seed=11)
     calls = []
-    real = lm_head_module._work_buffers
+    real = lm_head_module._work_buffer
 
-    def recording(n, chunk_size, w, count):
-        buffers = real(n, chunk_size, w, count)
-        calls.append([(tuple(x.shape), x.dtype) for x in buffers])
-        return buffers
+    def recording(n, chunk_size, w):
+        buffer = real(n, chunk_size, w)
+        calls.append((tuple(buffer.shape), buffer.dtype))
+        return buffer
 
-    lm_head_module._work_buffers = recording
+    lm_head_module._work_buffer = recording
     try:
         lp, _ = core.logprobs_and_entropy_from_hidden(hidden, weight, b, labels, chunk_size=3)
         lp.sum().backward()
     finally:
-        lm_head_module._work_buffers = real
-    assert calls == [[((3, 11), torch.float32)] * 2] * 2  # forward and backward, 14 chunks each
+        lm_head_module._work_buffer = real
+    assert calls == [((3, 11), torch.float32)] * 2  # forward and backward, 14 chunks each
     assert np.isfinite(hidden.grad.numpy()).all()
+
+
+def _tensor_peak_mb(run) -> float:
+    """The live tensor memory at the peak of ``run()``, counted from its start (the benchmarks' replay)."""
+    spec = importlib.util.spec_from_file_location("bench_step", BENCH_PATH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    return bench.tensor_peak_mb(prof)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_chunked_backward_holds_no_weight_sized_temporary(dtype):
+    # Issue 50, at its sizes: dW used to be summed in a float32 (V, H) buffer, each chunk adding a bf16 (V, H)
+    # product, then cast: 43 MB against the one buffer's 15 MB. Now it is summed in the weight's gradient itself.
+    rows, hidden_size, vocab = 256, 1024, 4096
+    g = torch.Generator().manual_seed(12)
+    hidden = torch.randn(rows, hidden_size, generator=g).div_(8).to(dtype).requires_grad_(True)
+    weight = torch.randn(vocab, hidden_size, generator=g).div_(8).to(dtype).requires_grad_(True)
+    labels = torch.randint(0, vocab, (rows,), generator=g)
+    grad_mb = vocab * hidden_size * weight.element_size() / 2**20
+
+    def step(chunk):
+        def run():
+            lp, entropy = core.logprobs_and_entropy_from_hidden(hidden, weight, None, labels, chunk_size=chunk)
+            (lp.sum() + 0.1 * entropy.sum()).backward()
+
+        hidden.grad = weight.grad = None
+        return _tensor_peak_mb(run), weight.grad.clone()
+
+    (one_peak, one_grad), (chunk_peak, chunk_grad) = step(0), step(32)
+    assert chunk_peak < one_peak
+    # Besides the gradient itself: the (32, V) work buffer and its cache-sized piece, the chunk's cast, grad_hidden.
+    assert chunk_peak < grad_mb + 3 * 32 * vocab * 4 / 2**20 + rows * hidden_size * 4 / 2**20
+    ref_lp, ref_entropy, leaves = _plain(hidden, weight, None, labels, 1.0)
+    (want,) = torch.autograd.grad(ref_lp.sum() + 0.1 * ref_entropy.sum(), leaves[1])
+    assert chunk_grad.dtype == dtype
+    # float32: summation order only. bf16: the product of bf16 inputs, and 8 chunks summed in bf16 (8 roundings).
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-5, atol=2e-2)
+    torch.testing.assert_close(chunk_grad.double(), want, **tol)
+    torch.testing.assert_close(one_grad.double(), want, **tol)

@@ -13,7 +13,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import AcceleratorState, GradientState
 from tiny_models import make_gpt2, make_gpt2_critic, make_tokenizer, random_batch
 
-import trl_lite.core.logprobs as logprobs_module
+import trl_lite.core.lm_head as lm_head_module
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 
 # bf16 keeps 8 bits of mantissa: relative errors of ~1e-2 per product, a few of them per statistic.
@@ -81,14 +81,14 @@ def test_bf16_step_matches_the_fp32_step(weights):
 
 def test_the_fused_lm_head_runs_in_the_autocast_dtype(monkeypatch):
     seen = []
-    real = logprobs_module._lm_head_logits
+    real = lm_head_module._lm_head_logits
 
     def recording(hidden, weight, bias, buffer_rows, out=None):
         device = hidden.device.type  # autocast is per device type: "cuda" where the trainer runs on a GPU
         seen.append((torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), hidden.dtype))
         return real(hidden, weight, bias, buffer_rows, out)
 
-    monkeypatch.setattr(logprobs_module, "_lm_head_logits", recording)
+    monkeypatch.setattr(lm_head_module, "_lm_head_logits", recording)
     trainer = make_trainer(make_gpt2(), mixed_precision="bf16", ppo_epochs=1)
     trainer.step(*random_batch(4))
     # Rollout passes of policy and reference (2 mini-batches each) and 2 training passes.

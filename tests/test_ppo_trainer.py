@@ -372,9 +372,8 @@ def test_lm_head_and_softmax_see_only_the_response_token_slots(monkeypatch, enco
     # of a decoder-only model: each call gets exactly one row per response token of its mini-batch
     # (one fewer per row for encoder-decoders, whose first decoder token is the start token).
     # Decoder-only models go through the fused head (core._lm_head_logits), T5 through its own head.
-    import trl_lite.core.logprobs as core_module
+    import trl_lite.core.lm_head as core_module
     import trl_lite.trainer.forward as forward_module
-    import trl_lite.trainer.learner as learner_module
 
     if encoder_decoder:
         model = AutoModelForSeq2SeqLMWithValueHead.from_pretrained(make_t5())
@@ -385,7 +384,7 @@ def test_lm_head_and_softmax_see_only_the_response_token_slots(monkeypatch, enco
     lengths = [len(r) - encoder_decoder for r in responses]
     assert len(set(lengths)) > 1  # the mini-batches do have padding to leave out
     softmax_rows, buffers = [], []
-    for module, name in ((forward_module, "logprobs_from_logits"), (learner_module, "logprobs_and_entropy_from_logits")):
+    for module, name in ((forward_module, "logprobs_from_logits"), (forward_module, "logprobs_and_entropy_from_logits")):
         real = getattr(module, name)
 
         def recording(logits, labels, *args, real=real, **kwargs):
@@ -442,8 +441,10 @@ def test_fused_lm_head_step_equals_the_model_head_step(monkeypatch, untied_head_
 
     (fused_stats, fused_weights), (plain_stats, plain_weights) = run(True), run(False)
     for fused, plain in zip(fused_stats, plain_stats):
+        # The path taken differs, as it should: one buffer (0) against the model's own logits (-1).
+        assert (fused["memory/lm_head_chunk_size"], plain["memory/lm_head_chunk_size"]) == (0, -1)
         for key, value in plain.items():
-            if not key.startswith("time/"):
+            if not key.startswith("time/") and key != "memory/lm_head_chunk_size":
                 np.testing.assert_allclose(fused[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
     assert fused_weights.keys() == plain_weights.keys()
     if untied_head_with_bias:
@@ -476,7 +477,7 @@ def test_fused_head_follows_a_head_replaced_after_the_trainer_was_made():
 def test_cpu_steps_reuse_one_logits_buffer_when_keeping_freed_memory(monkeypatch, keep):
     # With keep_freed_cpu_memory every fused-head pass of every step writes into one buffer, grown
     # when a step has longer responses; without it each pass allocates its own.
-    import trl_lite.core.logprobs as core_module
+    import trl_lite.core.lm_head as core_module
 
     outs = []
     real_head_logits = core_module._lm_head_logits

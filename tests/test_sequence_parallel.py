@@ -85,6 +85,8 @@ def assert_same_training(result: dict, reference: dict) -> None:
     for ours, theirs in zip(result["stats"], reference["stats"]):
         assert ours.keys() == theirs.keys()
         for key, value in theirs.items():
+            if key == "memory/lm_head_chunk_size" and ours[key] == -1:
+                continue  # ZeRO-3 keeps the model's own head (-1) where one process fuses it: the path, not a number
             # A KL is a difference of two log-probs of magnitude up to log(vocabulary) ~ 6, each rounded in float32
             # (a few ulps of 6 is ~2e-6) and summed in another order when cut: its absolute error scales with the
             # log-probs, not with the (small) KL itself.

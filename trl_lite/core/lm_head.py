@@ -1,11 +1,15 @@
-"""The LM head fused with log-probs, entropy and the full KL, chunk by chunk of tokens (docs/memory.md).
+"""The LM head fused with log-probs, entropy and the full KL: one path for every pass (docs/memory.md).
 
-The logits ``z = hidden @ W.T + b`` are never held for all N tokens at once: each chunk of C tokens
-gets its ``(C, V)`` logits, gives its per-token numbers (log-sum-exp, chosen log-prob, entropy) and is
-dropped; the backward recomputes each chunk's logits from the saved head inputs (one more head
-product) and forms ``grad_hidden``, ``grad_W`` and ``grad_b`` chunk by chunk. The largest
-vocabulary-sized tensor is ``(C, V)``. With a sampling temperature ``T`` every number is that of
-``softmax(z / T)`` (docs/algorithm.md section 20); ``T = 1`` runs no division.
+A pass gives the head's inputs ``h`` and gets per-token numbers - the chosen log-prob, the entropy -
+without the model's ``(N, V)`` logits: :func:`linear_head` (with grad) and :func:`linear_head_logprobs`
+(without) compute ``z = (h W^T + b) / T`` either in one ``(N, V)`` float32 buffer (``chunk_size`` 0: it
+becomes the softmax in place and then the logits' gradient, nothing recomputed) or ``C`` tokens at a time
+(``chunk_size`` C: each chunk's ``(C, V)`` logits give their numbers and are dropped; the backward
+recomputes them from the saved head inputs and each chunk's log-sum-exp). Either way the vocabulary work
+(log-softmax, exponential, entropy, gradient) runs over cache-sized pieces of rows, and one gradient formula
+(:func:`softmax_grad_`) serves every path, the logits' one of :mod:`.logprobs` included. ``dW`` is formed in
+the weight's own gradient, chunk after chunk in place: no weight-sized temporary. With a sampling temperature
+``T`` every number is that of ``softmax(z / T)`` (docs/algorithm.md section 20); ``T = 1`` runs no division.
 
 Shape names: ``N`` token positions, ``V`` vocabulary, ``H`` hidden size, ``C`` tokens per chunk.
 """
@@ -16,26 +20,38 @@ import torch
 import torch.nn.functional as F
 
 # The automatic rule (PPOConfig.lm_head_chunk_size=None): one (N, V) float32 buffer up to these bytes -
-# faster, no recomputation - and chunks of the second size above them. CPU: a step's w3 buffer (about
-# 200 MiB) stays whole; 32 MiB chunks keep the head's products large enough to run at the matrix
-# product's speed. CUDA: a GiB is small next to an accelerator's memory; 256 MiB chunks (about 440
-# tokens of a 152k vocabulary) keep every product and softmax kernel large.
+# no recomputation - and chunks of the second size above them. CPU: a step's w3 buffer (about 200 MiB)
+# stays whole; 64 MiB chunks (110 tokens of a 152k vocabulary) keep the Python loop short and the head's
+# products large. CUDA: a GiB is small next to an accelerator's memory; 256 MiB chunks (about 440 tokens
+# of a 152k vocabulary) keep every product and softmax kernel large.
 _ONE_BUFFER_BYTES = {"cpu": 256 << 20, "cuda": 1 << 30}
-_CHUNK_BYTES = {"cpu": 32 << 20, "cuda": 256 << 20}
+_CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 256 << 20}
+# The vocabulary work runs over pieces of rows of these bytes: on the CPU about 2 MiB stays in cache, which
+# makes the softmax kernels about twice as fast as one pass over a (C, V) block; accelerators take large pieces
+# (few kernel launches), which bound the scratch of one buffer's log-softmax.
+_CACHE_BYTES = {"cpu": 2 << 20}
+_DEFAULT_CACHE_BYTES = 256 << 20
 _DEFAULT_DEVICE = "cuda"  # other accelerators take the accelerator's numbers
 
 
-def lm_head_chunk_size(tokens: int, vocab: int, device_type: str, requested: int | None = None) -> int:
+def lm_head_chunk_size(tokens: int, vocab: int, device_type: str, requested: int | None = None,
+                       backed_off: bool = False, weight_dtype: torch.dtype = torch.float32) -> int:  # fmt: skip
     """Tokens per chunk of the fused LM head for passes of up to ``tokens`` positions; 0 = one ``(N, V)`` buffer.
 
-    ``requested`` is ``PPOConfig.lm_head_chunk_size``: 0 or a positive count is returned as given; None
-    applies the automatic rule: one buffer while ``tokens * V`` float32 values fit the device's
-    one-buffer bytes, else chunks of the device's chunk bytes (at least one token).
+    ``requested`` is ``PPOConfig.lm_head_chunk_size``: 0 or a positive count is returned as given. None applies
+    the automatic rule, which counts the bytes each path adds to the pass besides the ``(V, H)`` weight gradient
+    (both paths form it in place, :func:`linear_head`): one buffer adds ``tokens x V`` float32 logits, plus the
+    same count in the weight's dtype for its gradient cast when the weight is not float32; it is taken while
+    that fits the device's one-buffer bytes - and never after an out-of-memory back-off (``backed_off``): a pass
+    that ran out of memory takes chunks, however few tokens the back-off leaves. Else chunks of the device's
+    chunk bytes (at least one token).
     """
     if requested is not None:
         return requested
     row_bytes = 4 * vocab
-    if tokens * row_bytes <= _ONE_BUFFER_BYTES.get(device_type, _ONE_BUFFER_BYTES[_DEFAULT_DEVICE]):
+    cast = 0 if weight_dtype in (torch.float32, torch.float64) else torch.empty((), dtype=weight_dtype).element_size()
+    one_buffer = tokens * vocab * (4 + cast)
+    if not backed_off and one_buffer <= _ONE_BUFFER_BYTES.get(device_type, _ONE_BUFFER_BYTES[_DEFAULT_DEVICE]):
         return 0
     return max(1, _CHUNK_BYTES.get(device_type, _CHUNK_BYTES[_DEFAULT_DEVICE]) // row_bytes)
 
@@ -74,6 +90,35 @@ def under_autocast(state: tuple):
     return torch.autocast(device_type, dtype=dtype, enabled=enabled)
 
 
+def cache_rows(rows: torch.Tensor) -> int:
+    """How many ``(V,)`` rows of ``rows`` ``(R, V)`` one cache-sized piece of the vocabulary work holds."""
+    budget = _CACHE_BYTES.get(rows.device.type, _DEFAULT_CACHE_BYTES)
+    return max(1, budget // (rows.element_size() * rows.shape[-1]))
+
+
+def _logits_dtype(weight: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(weight.dtype, torch.float32)
+
+
+def _lm_head_logits(hidden, weight, bias, buffer_rows: int | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The one buffer: logits ``hidden @ weight.T + bias`` in float32 (float64 for float64 inputs), ``(N, V)``.
+
+    The result is the first N rows of ``out`` when given, else a view of a fresh
+    ``(max(N, buffer_rows), V)`` allocation. Callers that give every call of a step the same
+    ``buffer_rows`` make all these allocations the same size, so the memory one mini-batch frees
+    fits the next; reusing one ``out`` allocates nothing at all.
+    """
+    dtype, n, vocab = _logits_dtype(weight), hidden.shape[0], weight.shape[0]
+    if out is None:
+        out = torch.empty((max(n, buffer_rows or 0), vocab), dtype=dtype, device=hidden.device)
+    elif out.dim() != 2 or out.shape[0] < n or (out.shape[1], out.dtype, out.device) != (vocab, dtype, hidden.device):
+        raise ValueError(
+            f"out must be a ({n} or more, {vocab}) {dtype} tensor on {hidden.device} for these logits, got "
+            f"{tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    return _chunk_logits(head_input(hidden, weight), weight, bias, 1.0, out)
+
+
 def _chunk_logits(hidden, weight, bias, temperature: float, out: torch.Tensor) -> torch.Tensor:
     """``(hidden @ weight.T + bias) / temperature`` of one chunk, written into the first C rows of ``out``.
 
@@ -91,128 +136,193 @@ def _chunk_logits(hidden, weight, bias, temperature: float, out: torch.Tensor) -
     return z if temperature == 1.0 else z.div_(temperature)
 
 
-def _work_buffers(n: int, chunk_size: int, weight: torch.Tensor, count: int) -> list[torch.Tensor]:
-    """``count`` reused ``(min(C, N), V)`` buffers in the logits' dtype: no allocation per chunk."""
-    dtype = torch.promote_types(weight.dtype, torch.float32)
-    shape = (min(chunk_size, n), weight.shape[0])
-    return [torch.empty(shape, dtype=dtype, device=weight.device) for _ in range(count)]
+def _work_buffer(n: int, chunk_size: int, weight: torch.Tensor) -> torch.Tensor:
+    """One reused ``(min(C, N), V)`` buffer in the logits' dtype: no allocation per chunk."""
+    return torch.empty((min(chunk_size, n), weight.shape[0]), dtype=_logits_dtype(weight), device=weight.device)
 
 
-class _ChunkedLinearLogProbsAndEntropy(torch.autograd.Function):
-    """The LM head, log-probs of chosen tokens and entropy (both differentiable), C tokens at a time.
+def _scratch(block: torch.Tensor) -> torch.Tensor:
+    """One cache-sized ``(S, V)`` buffer for the vocabulary work over ``block`` ``(R, V)``."""
+    return block.new_empty((min(cache_rows(block), block.shape[0]), block.shape[1]))
 
-    Forward per chunk: ``z`` (divided by ``T``), ``lse = logsumexp(z)``, ``lp = z_y - lse`` and
-    ``H = -sum_v p_v log p_v``; saved: the head's inputs, ``lse`` and ``H`` (``(N,)`` each). Backward per
-    chunk: ``log p = z - lse`` recomputed, ``grad_z = ((onehot - p) g_lp - p (log p + H) g_H) / T``, then
-    ``grad_hidden = grad_z W``, ``grad_W += grad_z^T hidden`` and ``grad_b += sum_n grad_z`` (float32
-    accumulators for half-precision heads).
+
+def _softmax_stats(z, labels, logprobs, entropy, log_sum_exp, scratch) -> None:
+    """Per token of ``z`` ``(R, V)``: the chosen log-prob into ``logprobs`` ``(R,)``, and when not None the entropy
+    and the log-sum-exp; with the entropy, ``z`` becomes the softmax in place (the one buffer's saved tensor).
+
+    Cache-sized pieces: one fused log-softmax into ``scratch``, the gather, then ``p = exp(log p)`` over ``z``
+    and ``H = -sum_v p_v log p_v``.
+    """
+    step = scratch.shape[0]
+    for start in range(0, z.shape[0], step):
+        rows = slice(start, start + step)
+        piece, target = z[rows], labels[rows]
+        log_p = torch.log_softmax(piece, dim=-1, out=scratch[: piece.shape[0]])
+        logprobs[rows] = log_p.gather(-1, target).squeeze(-1)
+        if log_sum_exp is not None:
+            log_sum_exp[rows] = piece.gather(-1, target).squeeze(-1) - logprobs[rows]
+        if entropy is not None:
+            entropy[rows] = -log_p.mul_(torch.exp(log_p, out=piece)).sum(-1)
+
+
+def softmax_grad_(probs, labels, entropy, grad_logprobs, grad_entropy, temperature: float, scratch,
+                  log_sum_exp: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The gradient of the logits ``z`` (before the division by ``T``), written over the softmax ``probs`` ``(R, V)``.
+
+    ``grad_z = ((onehot - p) g_lp - p (log p + H) g_H) / T``, i.e. ``(-p (g_lp + H g_H) - xlogy(p, p) g_H
+    + onehot g_lp) / T``. Shapes: labels ``(R, 1)``, entropy ``(R,)``; either incoming gradient ``(R,)`` may be
+    None (its output was not used by the loss). With ``log_sum_exp`` ``(R,)``, ``probs`` holds the logits ``z / T``
+    and becomes ``p = exp(z / T - lse)`` in the same pass. Cache-sized pieces of ``scratch`` ``(S, V)`` (None: one
+    is made for this call): each piece is read from memory once.
+    """
+    rows = probs.shape[0]
+    g_lp = torch.zeros(rows, dtype=probs.dtype, device=probs.device) if grad_logprobs is None else grad_logprobs
+    grad = g_lp.reshape(-1, 1).to(probs.dtype) / temperature
+    g_h = None if grad_entropy is None else grad_entropy.reshape(-1, 1).to(probs.dtype) / temperature
+    scale = -grad if g_h is None else -(grad + entropy.reshape(-1, 1) * g_h)
+    scratch = _scratch(probs) if scratch is None else scratch
+    step = scratch.shape[0]
+    for start in range(0, rows, step):
+        rows_here = slice(start, start + step)
+        piece = probs[rows_here]
+        if log_sum_exp is None:
+            # p log p is 0 where p underflowed to 0, which xlogy gives and p * log p would not at -inf logits.
+            p_log_p = None if g_h is None else torch.xlogy(piece, piece, out=scratch[: piece.shape[0]])
+        else:
+            # From the logits, log p = z - lse is at hand (finite): no logarithm per entry, one exponential.
+            log_p = torch.sub(piece, log_sum_exp[rows_here].unsqueeze(-1), out=scratch[: piece.shape[0]])
+            torch.exp(log_p, out=piece)
+            p_log_p = None if g_h is None else log_p.mul_(piece)
+        if g_h is None:
+            piece.mul_(scale[rows_here])
+            continue
+        piece.mul_(scale[rows_here]).addcmul_(p_log_p, g_h[rows_here], value=-1.0)
+    return probs.scatter_add_(-1, labels, grad)
+
+
+def _head_pass(hidden, weight, bias, labels, chunk_size: int, temperature: float, buffer_rows=None, out=None,
+               with_entropy: bool = True):  # fmt: skip
+    """The forward of the head, one buffer (``chunk_size`` 0) or chunks: log-probs ``(N,)``, entropy ``(N,)`` (None
+    without ``with_entropy``), and what a backward needs - the softmax ``(N, V)`` of one buffer, else the
+    log-sum-exp ``(N,)``. ``hidden`` as :func:`head_input` gives it, labels ``(N, 1)``."""
+    n, dtype = hidden.shape[0], _logits_dtype(weight)
+    logprobs = torch.empty(n, dtype=dtype, device=hidden.device)
+    entropy = torch.empty_like(logprobs) if with_entropy else None
+    if not chunk_size:
+        z = _lm_head_logits(hidden, weight, bias, buffer_rows, out)
+        z = z if temperature == 1.0 else z.div_(temperature)
+        _softmax_stats(z, labels, logprobs, entropy, None, _scratch(z))
+        return logprobs, entropy, z
+    log_sum_exp = torch.empty_like(logprobs) if with_entropy else None
+    buffer = _work_buffer(n, chunk_size, weight)
+    scratch = _scratch(buffer)
+    for start in range(0, n, chunk_size):
+        rows = slice(start, start + chunk_size)
+        z = _chunk_logits(hidden[rows], weight, bias, temperature, buffer)
+        _softmax_stats(z, labels[rows], logprobs[rows], None if entropy is None else entropy[rows],
+                       None if log_sum_exp is None else log_sum_exp[rows], scratch)  # fmt: skip
+    return logprobs, entropy, log_sum_exp
+
+
+class _LinearHead(torch.autograd.Function):
+    """The LM head, log-probs of chosen tokens and entropy (both differentiable): the one Function of every pass.
+
+    Forward (:func:`_head_pass`): ``z`` (divided by ``T``), ``lp = log_softmax(z)_y`` and ``H = -sum_v p_v log p_v``;
+    saved: the head's inputs, ``H`` and either the softmax ``(N, V)`` (one buffer) or ``lse`` ``(N,)`` (chunks,
+    whose backward recomputes ``p = exp(z - lse)`` chunk by chunk). Backward per chunk (one buffer: one chunk of
+    N): :func:`softmax_grad_` in place, then ``grad_hidden = grad_z W``, ``grad_W += grad_z^T hidden`` into the
+    weight's gradient itself (its dtype, in place: no ``(V, H)`` temporary, :func:`_add_weight_grad`; a single
+    chunk's one product is the gradient) and ``grad_b += sum_n grad_z``.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk_size, temperature):
+    def forward(ctx, hidden, weight, bias, labels, chunk_size, temperature, buffer_rows, out):
         hidden = head_input(hidden, weight)  # saved as the product saw it; the engine casts grad_hidden back
-        n = hidden.shape[0]
         flat_labels = labels.reshape(-1, 1)
-        z_buf, p_buf = _work_buffers(n, chunk_size, weight, 2)
-        logprobs = torch.empty(n, dtype=z_buf.dtype, device=hidden.device)
-        log_sum_exp, entropy = torch.empty_like(logprobs), torch.empty_like(logprobs)
-        for start in range(0, n, chunk_size):
-            rows = slice(start, start + chunk_size)
-            z = _chunk_logits(hidden[rows], weight, bias, temperature, z_buf)
-            log_sum_exp[rows] = torch.logsumexp(z, dim=-1)
-            log_p = z.sub_(log_sum_exp[rows].unsqueeze(-1))  # the logits are not needed again
-            logprobs[rows] = log_p.gather(-1, flat_labels[rows]).squeeze(-1)
-            # In place, no matrix-product op: the forward may run under autocast, which would cast one to bf16.
-            entropy[rows] = -log_p.mul_(torch.exp(log_p, out=p_buf[: len(z)])).sum(-1)
-        ctx.save_for_backward(hidden, weight, bias, flat_labels, log_sum_exp, entropy)
+        logprobs, entropy, saved = _head_pass(hidden, weight, bias, flat_labels, chunk_size, temperature, buffer_rows, out)
+        ctx.save_for_backward(hidden, weight, bias, flat_labels, saved, entropy)
         ctx.chunk_size, ctx.temperature, ctx.autocast = chunk_size, temperature, autocast_state(hidden)
         ctx.set_materialize_grads(False)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, bias, labels, log_sum_exp, entropy = ctx.saved_tensors
-        chunk_size, temperature = ctx.chunk_size, ctx.temperature
-        n, dtype = hidden.shape[0], log_sum_exp.dtype
+        hidden, weight, bias, labels, saved, entropy = ctx.saved_tensors
+        temperature, n = ctx.temperature, hidden.shape[0]
+        step = ctx.chunk_size or n
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         want_bias = bias is not None and ctx.needs_input_grad[2]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if want_weight else None
-        grad_bias = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if want_bias else None
-        g_lp = torch.zeros(n, dtype=dtype, device=hidden.device) if grad_logprobs is None else grad_logprobs.to(dtype)
-        g_h = None if grad_entropy is None else grad_entropy.to(dtype).reshape(-1, 1)
-        z_buf, p_buf = _work_buffers(n, chunk_size, weight, 2)
-        for start in range(0, n, chunk_size):
-            rows = slice(start, start + chunk_size)
-            with under_autocast(ctx.autocast):  # the forward's logits exactly: its log-sum-exp is reused
-                log_p = _chunk_logits(hidden[rows], weight, bias, temperature, z_buf)
-            log_p.sub_(log_sum_exp[rows].unsqueeze(-1))
-            chunk_g_h = None if g_h is None else g_h[rows]
-            grad_z = _logits_grad(log_p, p_buf[: len(log_p)], labels[rows], entropy[rows], g_lp[rows], chunk_g_h)
-            if temperature != 1.0:
-                grad_z.div_(temperature)
-            grad_z = grad_z.to(weight.dtype)
-            with under_autocast(ctx.autocast):
-                if want_hidden:
-                    grad_hidden[rows] = grad_z @ weight
-                if want_weight:
-                    _accumulate(grad_weight, grad_z.t(), hidden[rows])
+        grad_weight = None
+        grad_bias = torch.zeros(weight.shape[0], dtype=saved.dtype, device=weight.device) if want_bias else None
+        # Chunks reuse one work buffer and one cache-sized scratch; one buffer's scratch is freed before its products.
+        buffer = _work_buffer(n, step, weight) if ctx.chunk_size else None
+        scratch = _scratch(buffer) if ctx.chunk_size else None
+        for start in range(0, n, step):
+            rows = slice(start, start + step)
+            if ctx.chunk_size:
+                with under_autocast(ctx.autocast):  # the forward's logits exactly: its log-sum-exp is reused
+                    probs = _chunk_logits(hidden[rows], weight, bias, temperature, buffer)
+            else:
+                probs = saved  # the saved softmax is not needed again: its memory becomes the gradient
+            grad_z = softmax_grad_(
+                probs, labels[rows], entropy[rows], None if grad_logprobs is None else grad_logprobs[rows],
+                None if grad_entropy is None else grad_entropy[rows], temperature, scratch,
+                saved[rows] if ctx.chunk_size else None,
+            )  # fmt: skip
             if want_bias:
-                grad_bias += grad_z.sum(0, dtype=dtype)
-        grad_weight = grad_weight.to(weight.dtype) if want_weight else None
+                grad_bias += grad_z.sum(0)
+            grad_z = grad_z.to(weight.dtype)
+            if want_hidden:
+                with under_autocast(ctx.autocast):
+                    grad_hidden[rows] = grad_z @ weight
+            if want_weight and step >= n:  # one product, in the model's precision: it is the gradient itself
+                with under_autocast(ctx.autocast):
+                    grad_weight = grad_z.t() @ hidden
+            elif want_weight:
+                grad_weight = _add_weight_grad(grad_weight, grad_z, hidden[rows], weight)
         grad_bias = grad_bias.to(bias.dtype) if want_bias else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
-def _logits_grad(log_p, p, labels, entropy, g_lp, g_h) -> torch.Tensor:
-    """The gradient of one chunk's logits (before the temperature), written over ``p`` ``(C, V)``.
+def _add_weight_grad(total: torch.Tensor | None, grad_z: torch.Tensor, hidden: torch.Tensor, weight) -> torch.Tensor:
+    """``total + grad_z^T hidden`` ``(V, H)`` in the weight's dtype, in place after the first chunk.
 
-    ``grad_z = (onehot - p) g_lp - p (log p + H) g_H``. Shapes: labels ``(C, 1)``, entropy, g_lp ``(C,)``,
-    g_h ``(C, 1)`` or None (the loss does not use the entropy). ``log_p`` ``(C, V)`` is overwritten too.
+    Outside autocast: under mixed precision the float32 weight's gradient is summed in float32 by one float32
+    product per chunk rather than made in bfloat16 and upcast (a weight-sized temporary per chunk; CPU and
+    CUDA have no in-place bfloat16 product into float32). A bfloat16 weight's gradient is summed in bfloat16,
+    as gradient accumulation over passes sums it.
     """
-    torch.exp(log_p, out=p)
-    grad = g_lp.unsqueeze(-1)
-    if g_h is None:
-        return p.mul_(-grad).scatter_add_(-1, labels, grad)
-    scale = -(grad + entropy.unsqueeze(-1) * g_h)
-    # p log p is 0 where p underflowed to 0, which xlogy gives and p * log p would not at -inf logits.
-    p_log_p = torch.xlogy(p, p, out=log_p)
-    return p.mul_(scale).addcmul_(p_log_p, g_h, value=-1.0).scatter_add_(-1, labels, grad)
+    grad_z, hidden = grad_z.to(weight.dtype), hidden.to(weight.dtype)
+    with torch.autocast(weight.device.type, enabled=False):
+        if total is None:
+            return torch.mm(grad_z.t(), hidden)  # the first chunk's product is the gradient itself
+        return total.addmm_(grad_z.t(), hidden)
 
 
-def _accumulate(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
-    """``total += left @ right``, in place when the product's dtype is the accumulator's."""
-    if left.dtype == right.dtype == total.dtype and not torch.is_autocast_enabled(total.device.type):
-        total.addmm_(left, right)
-    else:
-        total += left @ right
+def linear_head(hidden, weight, bias, labels, chunk_size: int = 0, temperature: float = 1.0,
+                buffer_rows: int | None = None, out: torch.Tensor | None = None):  # fmt: skip
+    """Log-probability of ``labels`` and entropy (both differentiable) under ``softmax((hidden @ W.T + b) / T)``.
 
-
-def chunked_logprobs_and_entropy(hidden, weight, bias, labels, chunk_size: int, temperature: float = 1.0):
-    """Log-probability of ``labels`` and entropy (both differentiable) under ``softmax((hidden @ W.T + b) / T)``,
-    ``chunk_size`` tokens at a time (see :class:`_ChunkedLinearLogProbsAndEntropy`).
-
+    ``chunk_size`` 0: one ``(N, V)`` buffer, kept until the backward - allocated for at least ``buffer_rows``
+    rows, or the first N rows of ``out`` (float32, ``(R >= N, V)``), which may be reused only after the
+    backward has run. ``chunk_size`` C > 0: C tokens at a time (``buffer_rows`` and ``out`` unused).
     Shapes: hidden ``(N, H)``, weight ``(V, H)``, bias ``(V,)`` or None, labels ``(N,)`` -> two ``(N,)`` tensors
     (float32; float64 for float64 weights).
     """
-    return _ChunkedLinearLogProbsAndEntropy.apply(hidden, weight, bias, labels, chunk_size, temperature)
+    check_head_options(chunk_size, temperature)
+    return _LinearHead.apply(hidden, weight, bias, labels, chunk_size, temperature, buffer_rows, out)
 
 
 @torch.no_grad()
-def chunked_logprobs(hidden, weight, bias, labels, chunk_size: int, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probability of ``labels`` under ``softmax((hidden @ W.T + b) / T)`` without grad, ``chunk_size`` tokens at a time.
-
-    Shapes as in :func:`chunked_logprobs_and_entropy`; returns ``(N,)``.
-    """
+def linear_head_logprobs(hidden, weight, bias, labels, chunk_size: int = 0, temperature: float = 1.0,
+                         buffer_rows: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Log-probability of ``labels`` under ``softmax((hidden @ W.T + b) / T)`` without grad or entropy, in one
+    buffer or chunks as :func:`linear_head`. Returns ``(N,)``."""
+    check_head_options(chunk_size, temperature)
     hidden = head_input(hidden, weight)
-    (z_buf,) = _work_buffers(hidden.shape[0], chunk_size, weight, 1)
-    out = torch.empty(hidden.shape[0], dtype=z_buf.dtype, device=hidden.device)
-    flat_labels = labels.reshape(-1, 1)
-    for start in range(0, hidden.shape[0], chunk_size):
-        rows = slice(start, start + chunk_size)
-        z = _chunk_logits(hidden[rows], weight, bias, temperature, z_buf)
-        out[rows] = z.gather(-1, flat_labels[rows]).squeeze(-1) - torch.logsumexp(z, dim=-1)
-    return out
+    labels = labels.reshape(-1, 1)
+    return _head_pass(hidden, weight, bias, labels, chunk_size, temperature, buffer_rows, out, with_entropy=False)[0]
 
 
 @torch.no_grad()
@@ -230,13 +340,18 @@ def full_kl_from_hidden(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, 
         raise ValueError(f"chunk_size must be a positive int for full_kl_from_hidden, got {chunk_size}.")
     hidden, ref_hidden = head_input(hidden, weight), head_input(ref_hidden, ref_weight)
     n = hidden.shape[0]
-    (z_buf,) = _work_buffers(n, chunk_size, weight, 1)
-    (q_buf,) = _work_buffers(n, chunk_size, ref_weight, 1)
+    z_buf, q_buf = _work_buffer(n, chunk_size, weight), _work_buffer(n, chunk_size, ref_weight)
+    scratch = _scratch(z_buf)
     out = torch.empty(n, dtype=z_buf.dtype, device=hidden.device)
     for start in range(0, n, chunk_size):
         rows = slice(start, start + chunk_size)
-        log_p = torch.log_softmax(_chunk_logits(hidden[rows], weight, bias, temperature, z_buf), dim=-1)
+        z = _chunk_logits(hidden[rows], weight, bias, temperature, z_buf)
         log_q = _chunk_logits(ref_hidden[rows], ref_weight, ref_bias, temperature, q_buf)
-        log_q = log_q.sub_(torch.logsumexp(log_q, dim=-1, keepdim=True)).neg_().add_(log_p)  # log p - log q
-        out[rows] = log_q.mul_(log_p.exp_()).sum(-1)  # not vecdot: autocast would run it in half precision
+        for piece_start in range(0, z.shape[0], scratch.shape[0]):
+            piece = slice(piece_start, piece_start + scratch.shape[0])
+            log_p = torch.log_softmax(z[piece], dim=-1, out=scratch[: z[piece].shape[0]])
+            q_piece = log_q[piece]
+            q_piece.sub_(torch.logsumexp(q_piece, dim=-1, keepdim=True)).neg_().add_(log_p)  # log p - log q
+            # Not vecdot: autocast would run it in half precision.
+            out[start + piece_start : start + piece_start + q_piece.shape[0]] = q_piece.mul_(log_p.exp_()).sum(-1)
     return out

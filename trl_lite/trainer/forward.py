@@ -15,7 +15,8 @@ from contextlib import contextmanager
 
 import torch
 
-from ..core import full_kl_from_hidden, full_kl_from_logits, lm_head_chunk_size, logprobs_from_hidden, logprobs_from_logits
+from ..core import full_kl_from_hidden, full_kl_from_logits, logprobs_and_entropy_from_logits, logprobs_from_logits
+from ..core.lm_head import linear_head, linear_head_logprobs, lm_head_chunk_size
 from ..models.packed_attention import PACKED_SDPA, ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths, without_cudnn
 from ..models.varlen_attention import packed_rows
 from ..parallel.sequence_parallel import SEQUENCE_PASS, ULYSSES_SDPA, SequenceParallel, check_models
@@ -201,22 +202,28 @@ class ForwardPass:
         return self._sequence_pass.gather_slots(*per_slot)
 
     def linear_head(self, model) -> torch.nn.Linear | None:
-        """The model's LM head when the pass may fuse it with the log-softmax, else None.
+        """The model's LM head when the pass may fuse it with the log-softmax (:meth:`apply_head`), else None.
 
-        Fused (``core.logprobs_and_entropy_from_hidden``), the head's logits become the softmax in
-        place, in a buffer of ``Rows.buffer_rows`` rows: one vocabulary-sized tensor per mini-batch
-        instead of two, of the same size in every mini-batch of a step. Asked every pass: the head
-        may be replaced (``resize_token_embeddings``) after the trainer is made.
+        Asked every pass: the head may be replaced (``resize_token_embeddings``) after the trainer is made.
         """
-        head = self.unwrapped(model).linear_lm_head()
-        if head is None and self.lm_head_chunk_size and not self._warned_no_chunks:
+        inner = self.unwrapped(model)
+        head = inner.linear_lm_head()
+        # ZeRO-3 is said whatever the chunk size: its passes hold (tokens x vocabulary) logits where the
+        # default would have taken chunks; another model's own head is the path it was built with.
+        output = inner.transformers_model.get_output_embeddings()
+        partitioned = head is None and hasattr(getattr(output, "weight", None), "ds_id")
+        if head is None and (self.lm_head_chunk_size or partitioned) and not self._warned_no_chunks:
             self._warned_no_chunks = True
-            warnings.warn(
-                f"lm_head_chunk_size={self.lm_head_chunk_size} does not apply to {type(self.unwrapped(model)).__name__}: "
-                "its LM head is not a plain nn.Linear the trainer may apply itself (an encoder-decoder, whose "
+            reason = (
+                "its LM head's weight is partitioned by DeepSpeed ZeRO-3 outside the model's forward" if partitioned
+                else "its LM head is not a plain nn.Linear the trainer may apply itself (an encoder-decoder, whose "
                 "head input the model rescales; logits the model post-processes, e.g. soft-capping; an adapter "
-                "or quantised head; a ZeRO-3 partitioned weight), so its passes take the model's own "
-                "(tokens x vocabulary) logits, as without chunks.",
+                "or quantised head)"
+            )  # fmt: skip
+            warnings.warn(
+                f"lm_head_chunk_size={self.lm_head_chunk_size} does not apply to {type(inner).__name__}: {reason}, so "
+                "its passes take the model's own (tokens x vocabulary) float32 logits, as without chunks "
+                "(memory/lm_head_chunk_size -1); bound them with max_tokens_per_minibatch.",
                 stacklevel=3,
             )
         return head
@@ -225,16 +232,41 @@ class ForwardPass:
         """Tokens per chunk of the fused ``head`` in passes of up to ``tokens`` token slots; 0: one buffer.
 
         ``PPOConfig.lm_head_chunk_size`` as given, or when None the automatic rule of
-        :func:`~trl_lite.core.lm_head_chunk_size` (one buffer while it is small on this device).
+        :func:`~trl_lite.core.lm_head_chunk_size` (one buffer while it is small on this device, and never
+        after an out-of-memory back-off).
         """
         weight = head.weight
-        return lm_head_chunk_size(tokens, weight.shape[0], weight.device.type, self.lm_head_chunk_size)
+        return lm_head_chunk_size(tokens, weight.shape[0], weight.device.type, self.lm_head_chunk_size,
+                                  self.memory.backed_off, weight.dtype)  # fmt: skip
 
     def step_chunk_size(self, rows: Rows, model) -> int:
-        """The head path ``model``'s passes over ``rows`` take: its chunk size, 0 for one buffer or the
-        model's own logits (the statistic ``memory/lm_head_chunk_size``)."""
+        """The head path ``model``'s passes over ``rows`` take (the statistic ``memory/lm_head_chunk_size``): its
+        tokens per chunk, 0 for one ``(N, V)`` buffer, -1 for the model's own logits (no head the trainer applies)."""
         head = self.unwrapped(model).linear_lm_head()
-        return 0 if head is None else self.head_chunk_size(self.buffer_rows(rows), head)
+        return OWN_LOGITS if head is None else self.head_chunk_size(self.buffer_rows(rows), head)
+
+    def apply_head(self, head: torch.nn.Linear | None, outputs: torch.Tensor, targets: torch.Tensor, tokens: int,
+                   rows: Rows | None = None, temperature: float | None = None):  # fmt: skip
+        """The LM head of every pass (rollout, training, PTX, the classic pass): log-probs of ``targets`` ``(N,)`` and,
+        when grad flows, the entropy ``(N,)`` (else None), under ``softmax(z / temperature)`` (default the config's).
+
+        ``outputs``: the head's inputs ``(N, H)`` when ``head`` is the model's linear head (:meth:`linear_head`),
+        applied here in one buffer or chunks by :meth:`head_chunk_size` for passes of up to ``tokens`` slots (one
+        buffer: at least ``tokens`` rows; with the step's ``rows``, the shared :meth:`logits_out`); else the model's
+        own logits ``(N, V)``.
+        """
+        temperature = self.temperature if temperature is None else temperature
+        if head is None:
+            if torch.is_grad_enabled() and outputs.requires_grad:
+                return logprobs_and_entropy_from_logits(outputs, targets, temperature)
+            return logprobs_from_logits(outputs, targets, temperature=temperature), None
+        chunk = self.head_chunk_size(tokens, head)
+        out = None if chunk or rows is None else self.logits_out(rows, head)  # chunks: no (N, V) buffer made
+        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (outputs, head.weight, head.bias))
+        with self.head_autocast():
+            if grad:
+                return linear_head(outputs, head.weight, head.bias, targets, chunk, temperature, tokens, out)
+            return linear_head_logprobs(outputs, head.weight, head.bias, targets, chunk, temperature, tokens, out), None
 
     def head_autocast(self):
         """The autocast state of the models' forward, for the LM head the passes apply outside the model.
@@ -337,16 +369,7 @@ class ForwardPass:
         outputs, targets, values, slots, width = self.head_inputs(
             model, rows, index, idx, lm_head_inputs=head is not None, return_values=return_values, critic=critic
         )
-        if head is None:
-            logprobs = logprobs_from_logits(outputs, targets, temperature=self.temperature)
-        else:
-            buffer_rows = self.buffer_rows(rows)
-            chunk = self.head_chunk_size(buffer_rows, head)
-            out = None if chunk else self.logits_out(rows, head)
-            with self.head_autocast():
-                logprobs = logprobs_from_hidden(
-                    outputs, head.weight, head.bias, targets, buffer_rows, out, chunk, self.temperature
-                )
+        logprobs, _ = self.apply_head(head, outputs, targets, self.buffer_rows(rows), rows)
         keep = return_logits or return_head_inputs
         logprobs, gathered = self.gather_slots(logprobs, outputs if keep and gather_outputs else None)
         logprobs = to_compact(logprobs, slots, len(index), width)
@@ -448,6 +471,10 @@ def reference_context(reference, policy, unwrapped_policy):
     else:
         with unwrapped_policy.pretrained_model.disable_adapter():
             yield policy
+
+
+# memory/lm_head_chunk_size of a model whose passes take its own (N, V) logits: not 0, which is one buffer.
+OWN_LOGITS = -1
 
 
 def pad_token_id(tokenizer, model_config) -> int:

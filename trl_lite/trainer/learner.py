@@ -19,8 +19,6 @@ import torch
 from ..core import (
     entropy_from_logits,
     importance_ratio,
-    logprobs_and_entropy_from_hidden,
-    logprobs_and_entropy_from_logits,
     masked_mean,
     masked_var,
     ppo_value_loss,
@@ -216,16 +214,7 @@ class Learner:
         outputs, targets, vpreds, slots, width = forward.head_inputs(
             self.model, rows, mb.index, mb.idx, head is not None, return_values=self.policy_values, critic=self.critic
         )
-        if head is None:
-            logprobs, entropy = logprobs_and_entropy_from_logits(outputs, targets, forward.temperature)
-        else:
-            buffer_rows = forward.buffer_rows(rows)
-            chunk = forward.head_chunk_size(buffer_rows, head)
-            out = None if chunk else forward.logits_out(rows, head)
-            with forward.head_autocast():
-                logprobs, entropy = logprobs_and_entropy_from_hidden(
-                    outputs, head.weight, head.bias, targets, buffer_rows, out, chunk, forward.temperature
-                )
+        logprobs, entropy = forward.apply_head(head, outputs, targets, forward.buffer_rows(rows), rows)
         del outputs  # the logits, when the head ran in the model: the saved softmax replaces them
         logprobs, entropy = forward.gather_slots(logprobs, entropy)
         logprobs = to_compact(logprobs, slots, len(mb.index), width)

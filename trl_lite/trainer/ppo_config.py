@@ -331,8 +331,9 @@ class PPOConfig:
             "the logits recomputed in the backward): no (tokens x vocabulary) tensor is kept, the largest is "
             "(chunk x vocabulary). None: automatic - one buffer while a pass's float32 (tokens x vocabulary) "
             "logits fit 256 MiB on CPU / 1 GiB on an accelerator (faster: no recomputation), else chunks of "
-            "32 MiB / 256 MiB of logits (see docs/memory.md). 0: always one buffer. A positive int: chunks of "
-            "that many tokens. Steps report the path taken as memory/lm_head_chunk_size (0: one buffer)."
+            "64 MiB / 256 MiB of logits, and chunks for good after an out-of-memory back-off (see docs/memory.md). "
+            "0: always one buffer. A positive int: chunks of that many tokens. Steps report the path taken as "
+            "memory/lm_head_chunk_size (tokens per chunk; 0: one buffer; -1: the model's own logits)."
         },
     )
     # Speed

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from ..core import logprobs_and_entropy_from_hidden, logprobs_and_entropy_from_logits
 from .forward import ForwardPass
 from .rows import to_device
 
@@ -32,11 +31,6 @@ def ptx_loss(forward: ForwardPass, model, seqs: list[torch.Tensor], denominator:
     targets = input_ids[row, position + 1]
     head = forward.linear_head(model)
     outputs, _, _ = model(**inputs, return_lm_head_inputs=head is not None, return_values=False)
-    if head is None:
-        logprobs, _ = logprobs_and_entropy_from_logits(outputs, targets)
-    else:
-        # Not the forward part's shared logits buffer: it holds the PPO pass's softmax until the backward.
-        chunk = forward.head_chunk_size(total, head)
-        with forward.head_autocast():
-            logprobs, _ = logprobs_and_entropy_from_hidden(outputs, head.weight, head.bias, targets, total, None, chunk)
+    # Not the forward part's shared logits buffer: it holds the PPO pass's softmax until the backward.
+    logprobs, _ = forward.apply_head(head, outputs, targets, total, temperature=1.0)
     return -logprobs.mean() if denominator is None else -logprobs.sum() / denominator

@@ -130,7 +130,7 @@ def make_rows(queries, responses, response_masks, *, device, is_encoder_decoder:
     mask = action_mask(response_lengths, padded_masks(response_masks, device), shift, device)
     sequences = None if is_encoder_decoder else [torch.cat((q, r)) for q, r in zip(queries, responses)]
     # Every mini-batch's LM-head buffer gets this many rows, so the memory freed by one mini-batch
-    # fits the next exactly (see core.logprobs._lm_head_logits).
+    # fits the next exactly (see core.lm_head._lm_head_logits).
     counts = sorted((max(len(r) - shift, 0) for r in responses), reverse=True)
     buffer_rows = sum(counts[:mini_batch_size])
     if max_tokens is not None:
