@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from tiny_models import make_gpt2
+from transformers import GgufConfig
+from transformers.quantizers.quantizer_gguf import GgufHfQuantizer
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 from trl_lite.core import logprobs_from_logits
@@ -160,3 +163,18 @@ def test_packed_logprobs_equal_padded_logprobs_on_the_real_weights(smollm2):
         n = len(responses[b])
         torch.testing.assert_close(passes[True][b, :n], passes[False][b, :n], rtol=0, atol=1e-5)
         torch.testing.assert_close(passes[True][b, :n], expected, rtol=0, atol=1e-5)
+
+
+def test_a_model_with_weights_still_packed_in_gguf_blocks_is_refused_before_wrapping():
+    """Loaded with transformers' GGUF kernels, some weights stay packed (integer blocks): they cannot train or be
+    saved as floats, so the wrapper refuses the model and leaves its quantizer as it was."""
+    model = make_gpt2()
+    model.hf_quantizer = GgufHfQuantizer(GgufConfig())
+    model.config.quantization_config = model.hf_quantizer.quantization_config
+    model.transformer.h[0].mlp.c_fc.blocks = torch.nn.Parameter(torch.zeros(8, dtype=torch.uint8), requires_grad=False)
+    with pytest.raises(ValueError, match=r"packed in GGUF blocks \(e.g. transformer.h.0.mlp.c_fc.blocks\).*dequantize=True"):
+        AutoModelForCausalLMWithValueHead.from_pretrained(model)
+    assert is_gguf_quantized(model) and "quantization_config" in model.config.to_dict()
+    # Unpacked (every weight a float), the same model is wrapped and loses the quantizer that refuses saving.
+    del model.transformer.h[0].mlp.c_fc.blocks
+    assert not is_gguf_quantized(AutoModelForCausalLMWithValueHead.from_pretrained(model).pretrained_model)
