@@ -8,7 +8,7 @@ movie reviews positively with PPO (classic TRL's gpt2-sentiment notebook on real
 - The reward: VADER's compound score (`vaderSentiment`, a lexicon and rules, in [-1, 1]) of the continuation
   alone, so the prompt's own sentiment does not count.
 
-    python examples/scripts/ppo_sentiment_smollm2.py          # `make demo-real`; about 15 minutes on 2 shared cores
+    python examples/scripts/ppo_sentiment_smollm2.py          # `make demo-real`; 26 minutes measured on 2 busy shared cores
     python examples/scripts/ppo_sentiment_smollm2.py --steps 2 --batch_size 4 --mini_batch_size 4   # a smoke test
 
 Every PPOConfig field is a flag too. Written to --output_dir: metrics.jsonl (one line per step),
