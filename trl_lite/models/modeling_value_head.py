@@ -1,5 +1,6 @@
 """Language models with a value head: one scalar value per token next to the next-token logits."""
 
+import dataclasses
 import functools
 import inspect
 
@@ -27,7 +28,10 @@ def _cache_keyword(forward) -> str:
 
 def _returned_cache(outputs):
     """The cache a transformers output holds, under either name; None when it holds none."""
-    return next((outputs[name] for name in _CACHE_NAMES if name in outputs), None)
+    # Read under the name the output's class declares: from 5.24 every look-up of the old name on an output
+    # (`in` included) logs a deprecation, and a forward without a cache holds no `cache` entry to find first.
+    declared = {field.name for field in dataclasses.fields(outputs)}
+    return next((getattr(outputs, name) for name in _CACHE_NAMES if name in declared), None)
 
 
 def _hidden_size(config) -> int:
