@@ -120,24 +120,32 @@ class ForwardPass:
     # ------------------------------------------------------------------------------------------
     # Rows and mini-batches
     # ------------------------------------------------------------------------------------------
-    def make_rows(self, queries, responses, response_masks=None) -> Rows:
+    def make_rows(self, queries, responses, response_masks=None, prompts: tuple | None = None) -> Rows:
         """One batch on the device with its compact action mask (see :func:`~.rows.make_rows`); under
-        sequence parallelism the LM-head buffers sized for one slice of a pass."""
+        sequence parallelism the LM-head buffers sized for one slice of a pass. ``prompts``: the rows'
+        :func:`~.prefix_sharing.prompt_ids`, found on the host before the batch's copy (None: found here)."""
         rows = make_rows(queries, responses, response_masks, device=self.device,
                          is_encoder_decoder=self.is_encoder_decoder, mini_batch_size=self.mini_batch_size,
                          max_tokens=self.max_tokens)  # fmt: skip
         if self.sequence is None:
-            return self.with_prompt_ids(rows)
+            return self.with_prompt_ids(rows, queries if prompts is None else prompts)
         tokens = [rows.tokens(i) for i in range(len(rows))]
         slice_rows = self.sequence.slice_buffer_rows(rows.buffer_rows, tokens, self.mini_batch_size, self.max_tokens)
         return dataclasses.replace(rows, buffer_rows=slice_rows)
 
-    def with_prompt_ids(self, rows: Rows) -> Rows:
-        """``rows`` with the rows that share prompts found, when this step's packed passes share them
-        (``prefix_sharing`` True, or None and :func:`~.prefix_sharing.automatic` finds it worth it)."""
-        if self.prefix_sharing is False or not self.pack or self.is_encoder_decoder or self.sequence is not None:
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether this trainer's packed passes may share prompts (``prefix_sharing`` not False, packed passes,
+        decoder-only, no sequence parallelism)."""
+        return self.prefix_sharing is not False and self.pack and not self.is_encoder_decoder and self.sequence is None
+
+    def with_prompt_ids(self, rows: Rows, prompts) -> Rows:
+        """``rows`` with the rows that share prompts found (``prompts``: their prompt ids, or the queries to
+        find them in), when this step's packed passes share them (``prefix_sharing`` True, or None and
+        :func:`~.prefix_sharing.automatic` finds it worth it)."""
+        if not self.shares_prompts:
             return rows
-        ids = prompt_ids(rows.queries)
+        ids = prompts if isinstance(prompts, tuple) else prompt_ids(prompts)
         if ids == tuple(range(len(rows))) or (self.prefix_sharing is None and not automatic(rows, ids)):
             return rows
         return dataclasses.replace(rows, prompt_ids=ids)

@@ -38,20 +38,17 @@ def check_sharing(prefix_sharing, pack: bool, sequence, policy, row_attention: d
 def prompt_ids(queries: list[torch.Tensor]) -> tuple:
     """Per row, the number of the first row whose query tokens equal its own (itself when none before it does).
 
-    Rows are compared within each length: one ``torch.unique`` (one device read) per length held by two rows
-    or more, none otherwise.
+    Call it on the host tensors of ``step()`` (before the batch's copy to the device): each row is compared
+    (``torch.equal``) with the distinct queries of its length seen before it, which on an accelerator
+    would wait for the device each time.
     """
-    by_length = {}
+    seen, ids = {}, []
     for i, query in enumerate(queries):
-        by_length.setdefault((len(query), query.device), []).append(i)
-    ids = list(range(len(queries)))
-    for members in by_length.values():
-        if len(members) < 2:
-            continue
-        _, inverse = torch.unique(torch.stack([queries[i] for i in members]), dim=0, return_inverse=True)
-        first = {}
-        for i, key in zip(members, inverse.tolist()):
-            ids[i] = first.setdefault(key, i)
+        same_length = seen.setdefault(len(query), [])
+        match = next((j for j in same_length if torch.equal(queries[j], query)), None)
+        if match is None:
+            same_length.append(i)
+        ids.append(i if match is None else match)
     return tuple(ids)
 
 
@@ -80,7 +77,7 @@ def shared_inputs(rows: Rows, ids: tuple, index: list[int], device):
     members = {}
     for j, i in enumerate(index):
         members.setdefault(ids[i], []).append(j)
-    pieces, positions_host, groups = [], [], []
+    pieces, positions_host, groups = [], [], []  # positions_host: host ints
     first, response_start = [0] * len(index), [0] * len(index)
     start = 0
     for group in members.values():
@@ -89,7 +86,7 @@ def shared_inputs(rows: Rows, ids: tuple, index: list[int], device):
             j = group[0]
             pieces.append(rows.sequences[index[j]])
             length = len(pieces[-1])
-            positions_host.append(torch.arange(length))
+            positions_host += range(length)
             first[j] = response_start[j] = start + len(query) - 1
             response_start[j] += 1
             groups.append((length, ()))
@@ -97,19 +94,19 @@ def shared_inputs(rows: Rows, ids: tuple, index: list[int], device):
             continue
         prompt = len(query)
         pieces.append(query)
-        positions_host.append(torch.arange(prompt))
+        positions_host += range(prompt)
         offset = start + prompt
         for j in group:
             response = rows.responses[index[j]]
             pieces.append(response)
-            positions_host.append(torch.arange(prompt, prompt + len(response)))
+            positions_host += range(prompt, prompt + len(response))
             first[j], response_start[j] = start + prompt - 1, offset
             offset += len(response)
         groups.append((prompt, tuple(len(rows.responses[index[j]]) for j in group)))
         start = offset
     total = start
     input_ids = torch.cat(pieces).unsqueeze(0)
-    position_ids = to_device(torch.cat(positions_host).tolist(), device).unsqueeze(0)
+    position_ids = to_device(positions_host, device).unsqueeze(0)
     width = rows.width(index)
     k = torch.arange(width, device=device)
     # Slot 0 reads the prompt's last token; slot k > 0 the response's token k - 1. Past the response the
