@@ -11,9 +11,10 @@ import pytest
 import torch
 from devices import assert_close
 from test_packing import _row_alone_reference
-from tiny_models import VOCAB_SIZE, make_gpt2, make_tokenizer
+from tiny_models import VOCAB_SIZE, make_gpt2, make_gpt2_critic, make_tokenizer
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+from trl_lite.core import LOSS_TYPES
 from trl_lite.trainer.prefix_sharing import prompt_ids
 
 COMPARED = ("objective/kl", "objective/entropy", "ppo/loss/policy", "ppo/loss/total", "ppo/policy/entropy",
@@ -37,15 +38,23 @@ def grouped_batch(seed: int, group: int = 4, prompts=(3, 11), response_len=(1, 9
     return queries, responses, scores
 
 
-def make_trainer(prefix_sharing, **config_kwargs):
+def lora_policy():
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, task_type="CAUSAL_LM")
+    return AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2(seed=2), peft_config=lora)
+
+
+def make_trainer(prefix_sharing, model_factory=None, critic=False, **config_kwargs):
     config_kwargs.setdefault("batch_size", 8)
     config_kwargs.setdefault("mini_batch_size", 8)
     config = PPOConfig(learning_rate=0.1, prefix_sharing=prefix_sharing, seed=3, **config_kwargs)
-    model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2(seed=2))
+    model = model_factory() if model_factory else AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2(seed=2))
+    trainer_kwargs = {"value_model": make_gpt2_critic(seed=3)} if critic else {}
     # SGD: the update is the gradient itself (Adam would turn gradients that are float32 noise - the key bias's,
     # zero in exact arithmetic - into full-size steps of either sign).
     optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate)
-    return PPOTrainer(config, model, tokenizer=make_tokenizer(), optimizer=optimizer)
+    return PPOTrainer(config, model, tokenizer=make_tokenizer(), optimizer=optimizer, **trainer_kwargs)
 
 
 def test_prompt_ids_find_equal_queries():
@@ -82,10 +91,18 @@ def _two_steps(prefix_sharing, **config_kwargs):
     return trainer, stats, {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
 
 
+GRPO = dict(advantage_estimator="grpo", num_samples_per_query=4)
 CASES = {
-    "grpo": dict(advantage_estimator="grpo", num_samples_per_query=4),
+    "grpo": GRPO,
     "rloo": dict(advantage_estimator="rloo", num_samples_per_query=4, ppo_epochs=2, mini_batch_size=4),
     "gae": dict(ppo_epochs=2),
+    **{f"grpo-{loss}": dict(GRPO, loss_type=loss, max_response_length=32, ppo_epochs=2, mini_batch_size=4) for loss in LOSS_TYPES},
+    "grpo-full-kl-in-loss-entropy": dict(GRPO, init_kl_coef=0.1, kl_penalty="full", entropy_coef=0.01),
+    "gae-chunked-head": dict(ppo_epochs=2, lm_head_chunk_size=5),
+    "gae-separate-critic": dict(critic=True, ppo_epochs=2),
+    "gae-lora": dict(model_factory=lora_policy, ppo_epochs=2),
+    "gae-gradient-checkpointing": dict(gradient_checkpointing=True, ppo_epochs=2, mini_batch_size=4),
+    "grpo-token-budget": dict(GRPO, max_tokens_per_minibatch=40, ppo_epochs=2),
 }
 
 
@@ -93,14 +110,53 @@ CASES = {
 def test_step_with_shared_prompts_equals_the_unshared_step(name):
     shared, shared_stats, shared_weights = _two_steps(True, **CASES[name])
     plain, plain_stats, plain_weights = _two_steps(False, **CASES[name])
-    for got, want in zip(shared_stats, plain_stats):
+    whole_batch_passes = shared.config.mini_batch_size == 8 and shared.config.max_tokens_per_minibatch is None
+    for seed, (got, want) in enumerate(zip(shared_stats, plain_stats)):
         assert got["prefix_sharing/tokens_saved_fraction"] > 0.1
+        if whole_batch_passes:  # every pass (rollout and training, critic included) ran each prompt once
+            queries, responses, _ = grouped_batch(seed)
+            total = sum(len(q) + len(r) for q, r in zip(queries, responses))
+            assert got["prefix_sharing/tokens_saved_fraction"] == pytest.approx(3 * (3 + 11) / total)
         assert want["prefix_sharing/tokens_saved_fraction"] == 0.0
         for key in COMPARED + (() if shared.config.critic_free else ("ppo/loss/value", "ppo/val/vpred", "ppo/returns/mean", "ppo/val/clipfrac")):
+            if key not in want:
+                continue
             np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
-    initial = {key: p.detach() for key, p in make_trainer(False).model.named_parameters()}
+    model_factory = CASES[name].get("model_factory")
+    initial = {key: p.detach() for key, p in make_trainer(False, model_factory).model.named_parameters()}
     largest = max((weight - initial[key]).abs().max() for key, weight in plain_weights.items())
     assert largest > 1e-3
     for key, weight in plain_weights.items():
         # The updates agree to float32 rounding, relative to the largest step.
         assert_close(shared_weights[key] - initial[key], weight - initial[key], rtol=1e-5, atol=1e-5 * largest)
+
+
+def test_prefix_sharing_is_checked():
+    with pytest.raises(TypeError, match="prefix_sharing must be None \\(automatic\\), True or False, got 'yes'"):
+        PPOConfig(batch_size=8, mini_batch_size=8, prefix_sharing="yes")
+    with pytest.raises(ValueError, match="prefix_sharing=True needs packed passes"):
+        make_trainer(True, padding_free=False)
+
+
+def test_sequence_parallelism_refuses_prefix_sharing():
+    from trl_lite.trainer.prefix_sharing import check_sharing
+
+    policy = object()
+    with pytest.raises(ValueError, match="prefix_sharing=True is not supported with sequence parallelism"):
+        check_sharing(True, True, object(), policy, {id(policy): None})
+    check_sharing(None, True, object(), policy, {})  # automatic: simply off there
+
+
+def test_the_automatic_rule_shares_where_it_saves_tokens():
+    trainer = make_trainer(None)
+    # Groups of 4 over prompts of 3 and 11 tokens and short responses: 3 of every 4 prompts are saved.
+    queries, responses, _ = grouped_batch(0)
+    assert trainer.forward.make_rows(queries, responses).prompt_ids is not None
+    # Pairs sharing 2-token prompts before 9-token responses: under a quarter of the tokens saved, so off.
+    queries, responses, _ = grouped_batch(0, group=2, prompts=(2, 2, 2, 2), response_len=(9, 9))
+    responses = [r[:9] for r in responses]
+    assert prompt_ids(queries) == (0, 0, 2, 2, 4, 4, 6, 6)
+    assert trainer.forward.make_rows(queries, responses).prompt_ids is None
+    # prefix_sharing=True shares them all the same; False never looks.
+    assert make_trainer(True).forward.make_rows(queries, responses).prompt_ids == (0, 0, 2, 2, 4, 4, 6, 6)
+    assert make_trainer(False).forward.make_rows(*grouped_batch(0)[:2]).prompt_ids is None
