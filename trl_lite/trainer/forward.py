@@ -20,7 +20,7 @@ from ..models.packed_attention import PACKED_SDPA, ROW_LENGTHS, attend_per_row, 
 from ..models.varlen_attention import packed_rows
 from ..parallel.sequence_parallel import SEQUENCE_PASS, ULYSSES_SDPA, SequenceParallel, check_models
 from .oom_backoff import MemoryBackoff
-from .prefix_sharing import automatic, check_sharing, prompt_ids, shared_inputs
+from .prefix_sharing import check_sharing, shared_inputs, with_prompt_ids
 from .rows import InputLayout, Rows, at_positions, make_rows, to_compact, to_device
 from .token_budget import split_by_tokens
 
@@ -128,7 +128,8 @@ class ForwardPass:
                          is_encoder_decoder=self.is_encoder_decoder, mini_batch_size=self.mini_batch_size,
                          max_tokens=self.max_tokens)  # fmt: skip
         if self.sequence is None:
-            return self.with_prompt_ids(rows, queries if prompts is None else prompts)
+            shared = self.shares_prompts
+            return with_prompt_ids(rows, prompts or queries, self.prefix_sharing) if shared else rows
         tokens = [rows.tokens(i) for i in range(len(rows))]
         slice_rows = self.sequence.slice_buffer_rows(rows.buffer_rows, tokens, self.mini_batch_size, self.max_tokens)
         return dataclasses.replace(rows, buffer_rows=slice_rows)
@@ -138,17 +139,6 @@ class ForwardPass:
         """Whether this trainer's packed passes may share prompts (``prefix_sharing`` not False, packed passes,
         decoder-only, no sequence parallelism)."""
         return self.prefix_sharing is not False and self.pack and not self.is_encoder_decoder and self.sequence is None
-
-    def with_prompt_ids(self, rows: Rows, prompts) -> Rows:
-        """``rows`` with the rows that share prompts found (``prompts``: their prompt ids, or the queries to
-        find them in), when this step's packed passes share them (``prefix_sharing`` True, or None and
-        :func:`~.prefix_sharing.automatic` finds it worth it)."""
-        if not self.shares_prompts:
-            return rows
-        ids = prompts if isinstance(prompts, tuple) else prompt_ids(prompts)
-        if ids == tuple(range(len(rows))) or (self.prefix_sharing is None and not automatic(rows, ids)):
-            return rows
-        return dataclasses.replace(rows, prompt_ids=ids)
 
     def take_prefix_saving(self) -> float:
         """The share of tokens the passes since the last call did not run thanks to shared prompts

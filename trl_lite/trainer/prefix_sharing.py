@@ -11,6 +11,8 @@ own row (docs/prefix_sharing.md).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..models.shared_prefix_attention import shared_rows
@@ -64,6 +66,15 @@ def automatic(rows: Rows, ids: tuple) -> bool:
     everything = list(range(len(rows)))
     total = sum(rows.tokens(i) for i in everything)
     return saved_tokens(rows, everything, ids) >= AUTOMATIC_SAVING * total
+
+
+def with_prompt_ids(rows: Rows, prompts, prefix_sharing: bool | None) -> Rows:
+    """``rows`` with their prompt ids (``prompts``: the ids, or the queries to find them in) when the step's
+    packed passes share prompts: ``prefix_sharing`` True, or None and :func:`automatic` finds it worth it."""
+    ids = prompts if isinstance(prompts, tuple) else prompt_ids(prompts)
+    if ids == tuple(range(len(rows))) or (prefix_sharing is None and not automatic(rows, ids)):
+        return rows
+    return dataclasses.replace(rows, prompt_ids=ids)
 
 
 def shared_inputs(rows: Rows, ids: tuple, index: list[int], device):
