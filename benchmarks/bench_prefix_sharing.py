@@ -3,7 +3,7 @@
 Workload `shared_prefix` (issue 52): 4 prompts of 512 tokens, G = 8 responses of 32-96 tokens each, GRPO,
 one pass per mini-batch of the whole batch (so every pass holds whole groups). Workload `short_pairs`: G = 2
 and 16-token prompts, where sharing saves little: the automatic choice (None) against False. Each setting
-runs in this process one after the other, each with a warm-up step; the tensor peak is that of the first
+(and for `short_pairs` also True) runs in this process one after the other, each with a warm-up step; the tensor peak is that of the first
 step after warm-up, counted by `bench_step.tensor_peak_mb` (CPU tensors).
 
 Usage:
@@ -26,7 +26,7 @@ from bench_step import tensor_peak_mb  # noqa: E402
 WORKLOADS = {
     # name: (prompts, prompt tokens, G, response token range, compared settings)
     "shared_prefix": (4, 512, 8, (32, 96), (True, False)),
-    "short_pairs": (16, 16, 2, (32, 96), (None, False)),
+    "short_pairs": (16, 16, 2, (32, 96), (None, True, False)),
 }
 
 
@@ -47,7 +47,7 @@ def make_trainer(batch_size: int, group: int, prefix_sharing, vocab: int):
     from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=vocab, n_positions=1024, n_embd=256, n_layer=4, n_head=4,
+    config = GPT2Config(vocab_size=vocab, n_positions=1024, n_embd=256, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0,
                         attn_implementation="sdpa")  # fmt: skip
     model = AutoModelForCausalLMWithValueHead.from_pretrained(GPT2LMHeadModel(config))
     ppo = PPOConfig(batch_size=batch_size, mini_batch_size=batch_size, ppo_epochs=2, advantage_estimator="grpo",
