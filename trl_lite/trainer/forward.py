@@ -128,8 +128,7 @@ class ForwardPass:
                          is_encoder_decoder=self.is_encoder_decoder, mini_batch_size=self.mini_batch_size,
                          max_tokens=self.max_tokens)  # fmt: skip
         if self.sequence is None:
-            shared = self.shares_prompts
-            return with_prompt_ids(rows, prompts or queries, self.prefix_sharing) if shared else rows
+            return with_prompt_ids(rows, prompts or queries, self.prefix_sharing) if self.shares_prompts else rows
         tokens = [rows.tokens(i) for i in range(len(rows))]
         slice_rows = self.sequence.slice_buffer_rows(rows.buffer_rows, tokens, self.mini_batch_size, self.max_tokens)
         return dataclasses.replace(rows, buffer_rows=slice_rows)
@@ -303,9 +302,7 @@ class ForwardPass:
         )
         self.prefix_tokens[1] += sum(rows.tokens(i) for i in index)
         if shared:
-            inputs, positions, slots, targets, width, attention_rows, saved = shared_inputs(
-                rows, rows.prompt_ids, index, self.device
-            )
+            inputs, positions, slots, targets, width, attention_rows, saved = shared_inputs(rows, index, self.device)
             self.prefix_tokens[0] += saved
         else:
             inputs, positions, slots, targets, width = self.layout.inputs(rows, index, idx, packed=packed)

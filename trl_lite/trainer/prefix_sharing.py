@@ -77,7 +77,7 @@ def with_prompt_ids(rows: Rows, prompts, prefix_sharing: bool | None) -> Rows:
     return dataclasses.replace(rows, prompt_ids=ids)
 
 
-def shared_inputs(rows: Rows, ids: tuple, index: list[int], device):
+def shared_inputs(rows: Rows, index: list[int], device):
     """:meth:`~.rows.InputLayout.packed` of rows ``index`` (decoder-only) with shared prompts, plus the
     :class:`~trl_lite.models.shared_prefix_attention.SharedRows` of the pass and the prompt tokens saved.
 
@@ -85,7 +85,7 @@ def shared_inputs(rows: Rows, ids: tuple, index: list[int], device):
     ``input_ids``/``position_ids`` ``(1, N_total)`` and ``logits_positions``. Segments follow the first
     appearance of each prompt in ``index``; the compact rows stay in the order of ``index``.
     """
-    members = {}
+    ids, members = rows.prompt_ids, {}
     for j, i in enumerate(index):
         members.setdefault(ids[i], []).append(j)
     pieces, positions_host, groups = [], [], []  # positions_host: host ints
