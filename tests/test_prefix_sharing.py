@@ -75,7 +75,8 @@ def test_shared_pass_gives_each_row_its_own_logprobs_and_values():
     hook.remove()
     # Each prompt once per pass: 3 + 11 prompt tokens plus every response.
     assert seen and all(shape == torch.Size([1, 3 + 11 + sum(len(r) for r in responses)]) for shape in seen)
-    assert trainer.forward.take_prefix_saving() == pytest.approx(3 * (3 + 11) / sum(len(q) + len(r) for q, r in zip(queries, responses)))
+    total = sum(len(q) + len(r) for q, r in zip(queries, responses))
+    assert trainer.forward.take_prefix_saving() == pytest.approx(3 * (3 + 11) / total)
     for b, (query, response) in enumerate(zip(queries, responses)):
         expected_lp, expected_values = _row_alone_reference(trainer.model, query, response)
         n = len(response)
@@ -91,12 +92,16 @@ def _two_steps(prefix_sharing, **config_kwargs):
     return trainer, stats, {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
 
 
+VALUE_KEYS = ("ppo/loss/value", "ppo/val/vpred", "ppo/returns/mean", "ppo/val/clipfrac")
 GRPO = dict(advantage_estimator="grpo", num_samples_per_query=4)
 CASES = {
     "grpo": GRPO,
     "rloo": dict(advantage_estimator="rloo", num_samples_per_query=4, ppo_epochs=2, mini_batch_size=4),
     "gae": dict(ppo_epochs=2),
-    **{f"grpo-{loss}": dict(GRPO, loss_type=loss, max_response_length=32, ppo_epochs=2, mini_batch_size=4) for loss in LOSS_TYPES},
+    **{
+        f"grpo-{loss}": dict(GRPO, loss_type=loss, max_response_length=32, ppo_epochs=2, mini_batch_size=4)
+        for loss in LOSS_TYPES
+    },
     "grpo-full-kl-in-loss-entropy": dict(GRPO, init_kl_coef=0.1, kl_penalty="full", entropy_coef=0.01),
     "gae-chunked-head": dict(ppo_epochs=2, lm_head_chunk_size=5),
     "gae-separate-critic": dict(critic=True, ppo_epochs=2),
@@ -118,7 +123,8 @@ def test_step_with_shared_prompts_equals_the_unshared_step(name):
             total = sum(len(q) + len(r) for q, r in zip(queries, responses))
             assert got["prefix_sharing/tokens_saved_fraction"] == pytest.approx(3 * (3 + 11) / total)
         assert want["prefix_sharing/tokens_saved_fraction"] == 0.0
-        for key in COMPARED + (() if shared.config.critic_free else ("ppo/loss/value", "ppo/val/vpred", "ppo/returns/mean", "ppo/val/clipfrac")):
+        value_keys = () if shared.config.critic_free else VALUE_KEYS
+        for key in COMPARED + value_keys:
             if key not in want:
                 continue
             np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
