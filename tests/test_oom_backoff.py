@@ -24,7 +24,7 @@ from trl_lite.core import masked_mean, masked_var
 from trl_lite.trainer.pass_plan import combine_pass_stats
 
 # Statistics that describe the passes themselves (their count and size) or the back-off: they differ by design.
-PASS_STATS = ("ppo/minibatches", "ppo/tokens_per_minibatch/mean", "ppo/tokens_per_minibatch/max", "memory/")
+PASS_STATS = ("ppo/minibatches", "ppo/tokens_per_minibatch/mean", "ppo/tokens_per_minibatch/max", "memory/", "prefix_sharing/")
 
 CASES = {
     "gae_token_mean_accumulation": dict(gradient_accumulation_steps=2),

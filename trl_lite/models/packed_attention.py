@@ -38,6 +38,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import varlen_attention
+from .shared_prefix_attention import SharedRows, shared_sdpa
 from .varlen_attention import PackedRows, announce, varlen_unsupported
 
 PACKED_SDPA = "trl_lite_packed_sdpa"
@@ -96,6 +97,9 @@ def packed_sdpa_attention_forward(module, query, key, value, attention_mask, **k
     announce("per-row" if reason else "varlen", reason, query.device.type)
     if reason is None:
         return varlen_attention.varlen_attention(query, key, value, rows, kwargs.get("scaling")), None
+    if isinstance(rows, SharedRows):  # rows sharing prompts (see shared_prefix_attention)
+        with without_cudnn(query.device):
+            return shared_sdpa(module, query, key, value, rows, lambda n, w: _window_mask(n, w, query.device), **kwargs), None
     kwargs["is_causal"] = True
     window = kwargs.pop("sliding_window", None)
     lengths = list(rows.lengths)

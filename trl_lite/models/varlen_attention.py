@@ -75,6 +75,10 @@ class PackedRows:
     def total(self) -> int:
         return sum(self.lengths)
 
+    def kernel_offsets(self) -> tuple:
+        """``(cu_seqlens_q, cu_seqlens_k, max_q, max_k)`` of the varlen call: the same offsets for queries and keys."""
+        return self.cu_seqlens, self.cu_seqlens, self.max_length, self.max_length
+
 
 def packed_rows(lengths, device) -> PackedRows:
     """:class:`PackedRows` of rows of ``lengths`` tokens for a pass on ``device``.
@@ -172,7 +176,10 @@ def varlen_attention(query, key, value, rows: PackedRows, scaling: float | None)
             options["scale"] = scaling
         else:
             q = q * (scaling * math.sqrt(q.shape[-1]))  # the kernel's own scale is 1 / sqrt(D)
-    args = (rows.cu_seqlens, rows.cu_seqlens, rows.max_length, rows.max_length)
+    args = rows.kernel_offsets()
+    key_index = getattr(rows, "key_index", None)
+    if key_index is not None:  # shared prompts: each key row is its prompt's keys then its own (SharedRows)
+        k, v = k[key_index], v[key_index]
     groups = q.shape[1] // k.shape[1]
     if groups > 1 and "enable_gqa" in keywords:
         options["enable_gqa"] = True

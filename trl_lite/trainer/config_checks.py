@@ -53,6 +53,8 @@ def validate_config(config) -> None:
         raise ValueError(f"max_tokens_per_minibatch must be None or a positive int, got {budget}.")
     if config.padding_free not in (None, True, False):
         raise TypeError(f"padding_free must be None, True or False, got {config.padding_free!r}.")
+    if not (config.prefix_sharing is None or isinstance(config.prefix_sharing, bool)):
+        raise TypeError(f"prefix_sharing must be None (automatic), True or False, got {config.prefix_sharing!r}.")
     if config.mini_batch_size > config.batch_size:
         raise ValueError(
             f"mini_batch_size ({config.mini_batch_size}) must not exceed batch_size ({config.batch_size})."

@@ -27,6 +27,7 @@ from ..core import (
 from ..parallel import sequence_parallel_size
 from .experience import Experience, StepBatch
 from .forward import ForwardPass
+from .prefix_sharing import prompt_ids
 from .rollout_plan import EVERY_PASS, RolloutPlan
 from .rows import actions_per_row, to_device
 from .step_inputs import scores_tensor
@@ -87,6 +88,7 @@ class ExperienceMaker:
         actions = batch.actions
         if actions is None:  # a batch that skipped step()'s checks: counted here, on the host before the copy
             actions = actions_per_row(batch.responses, batch.response_masks, 1 if self.forward.is_encoder_decoder else 0)
+        prompts = prompt_ids(batch.queries) if self.forward.shares_prompts else None  # on the host, before the copy
         # The batch's tensors reach the device in one copy (see transfer.py for every sync of a step).
         batch, ends_with_eos = batch_to_device(batch, self.device, ends_with_eos)
         if self.forward.sequence is not None:  # a group trains one batch: checked before its first exchange
@@ -97,7 +99,7 @@ class ExperienceMaker:
 
         # Section 3: forward passes without grad, and section 15: the gap to the generating engine
         t = self.clock.mark()
-        rows = self.forward.make_rows(batch.queries, batch.responses, batch.response_masks)
+        rows = self.forward.make_rows(batch.queries, batch.responses, batch.response_masks, prompts)
         mask = rows.action_mask
         logprobs, ref_logprobs, values, full_kl = self.passes(rows)
         generation = self.generation_columns(batch.generation_logprobs, mask, rows.shift)

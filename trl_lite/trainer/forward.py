@@ -21,6 +21,7 @@ from ..models.packed_attention import PACKED_SDPA, ROW_LENGTHS, attend_per_row, 
 from ..models.varlen_attention import packed_rows
 from ..parallel.sequence_parallel import SEQUENCE_PASS, ULYSSES_SDPA, SequenceParallel, check_models
 from .oom_backoff import MemoryBackoff
+from .prefix_sharing import check_sharing, shared_inputs, with_prompt_ids
 from .rows import InputLayout, Rows, at_positions, make_rows, to_compact, to_device
 from .token_budget import split_by_tokens
 
@@ -49,13 +50,14 @@ class ForwardPass:
         sequence: the sequence-parallel group packed passes are cut over, or None (see :meth:`gather_slots`).
         lm_head_chunk_size: ``PPOConfig.lm_head_chunk_size`` (None: automatic; see :meth:`head_chunk_size`).
         temperature: ``PPOConfig.temperature``: log-probs and full KL under ``logits / temperature`` (section 20).
+        prefix_sharing: ``PPOConfig.prefix_sharing`` (None: automatic; see :mod:`.prefix_sharing`).
     """
 
     def __init__(self, accelerator, models: list[tuple], layout: InputLayout, *, is_encoder_decoder: bool,
                  mini_batch_size: int, pack: bool = False, row_attention: dict | None = None,
                  reuse_logits_buffer: bool = False, max_tokens: int | None = None, oom_backoff: bool = False,
                  sequence: SequenceParallel | None = None, lm_head_chunk_size: int | None = None,
-                 temperature: float = 1.0):  # fmt: skip
+                 temperature: float = 1.0, prefix_sharing: bool | None = False):  # fmt: skip
         self.accelerator = accelerator
         self.device = accelerator.device
         self.models = models
@@ -73,6 +75,8 @@ class ForwardPass:
         self.lm_head_chunk_size = lm_head_chunk_size
         self._warned_no_chunks = False
         self.temperature = temperature
+        self.prefix_sharing = prefix_sharing
+        self.prefix_tokens = [0, 0]  # prompt tokens saved, tokens without sharing: since the last step's statistics
 
     @classmethod
     def build(cls, accelerator, policy, reference, critic, tokenizer, config, pack: bool) -> ForwardPass:
@@ -97,11 +101,13 @@ class ForwardPass:
         if sequence is not None:
             modules = [m for m in (policy, reference, critic) if m is not None]
             check_models(sequence.size, pack, modules, row_attention)
+        check_sharing(config.prefix_sharing, pack, sequence, policy, row_attention)
         return cls(accelerator, models, layout, is_encoder_decoder=unwrapped.is_encoder_decoder,
                    mini_batch_size=config.mini_batch_size, pack=pack, row_attention=row_attention,
                    reuse_logits_buffer=reuse, max_tokens=config.max_tokens_per_minibatch,
                    oom_backoff=config.oom_backoff, sequence=sequence,
-                   lm_head_chunk_size=config.lm_head_chunk_size, temperature=config.temperature)  # fmt: skip
+                   lm_head_chunk_size=config.lm_head_chunk_size, temperature=config.temperature,
+                   prefix_sharing=config.prefix_sharing)  # fmt: skip
 
     @property
     def max_tokens(self) -> int | None:
@@ -115,17 +121,31 @@ class ForwardPass:
     # ------------------------------------------------------------------------------------------
     # Rows and mini-batches
     # ------------------------------------------------------------------------------------------
-    def make_rows(self, queries, responses, response_masks=None) -> Rows:
+    def make_rows(self, queries, responses, response_masks=None, prompts: tuple | None = None) -> Rows:
         """One batch on the device with its compact action mask (see :func:`~.rows.make_rows`); under
-        sequence parallelism the LM-head buffers sized for one slice of a pass."""
+        sequence parallelism the LM-head buffers sized for one slice of a pass. ``prompts``: the rows'
+        :func:`~.prefix_sharing.prompt_ids`, found on the host before the batch's copy (None: found here)."""
         rows = make_rows(queries, responses, response_masks, device=self.device,
                          is_encoder_decoder=self.is_encoder_decoder, mini_batch_size=self.mini_batch_size,
                          max_tokens=self.max_tokens)  # fmt: skip
         if self.sequence is None:
-            return rows
+            return with_prompt_ids(rows, prompts or queries, self.prefix_sharing) if self.shares_prompts else rows
         tokens = [rows.tokens(i) for i in range(len(rows))]
         slice_rows = self.sequence.slice_buffer_rows(rows.buffer_rows, tokens, self.mini_batch_size, self.max_tokens)
         return dataclasses.replace(rows, buffer_rows=slice_rows)
+
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether this trainer's packed passes may share prompts (``prefix_sharing`` not False, packed passes,
+        decoder-only, no sequence parallelism)."""
+        return self.prefix_sharing is not False and self.pack and not self.is_encoder_decoder and self.sequence is None
+
+    def take_prefix_saving(self) -> float:
+        """The share of tokens the passes since the last call did not run thanks to shared prompts
+        (``prefix_sharing/tokens_saved_fraction``); the count starts again."""
+        saved, total = self.prefix_tokens
+        self.prefix_tokens = [0, 0]
+        return saved / total if total else 0.0
 
     def minibatches(self, rows: Rows, agree: bool = True):
         """The no-grad passes over every row of ``rows``: ``(index, idx)``, a host list and the same on the device.
@@ -311,7 +331,15 @@ class ForwardPass:
         same mini-batch inputs, read at the same positions; the policy's value head does not run.
         """
         packed = self.packs(model)
-        inputs, positions, slots, targets, width = self.layout.inputs(rows, index, idx, packed=packed)
+        shared = packed and rows.prompt_ids is not None and all(
+            id(m) in self.row_attention for m in (model, critic) if m is not None
+        )
+        self.prefix_tokens[1] += sum(rows.tokens(i) for i in index)
+        if shared:
+            inputs, positions, slots, targets, width, attention_rows, saved = shared_inputs(rows, index, self.device)
+            self.prefix_tokens[0] += saved
+        else:
+            inputs, positions, slots, targets, width = self.layout.inputs(rows, index, idx, packed=packed)
         piece = self._sequence_pass = None
         if packed and self.sequence is not None:
             inputs, piece = self.cut(inputs, rows, index)
@@ -326,7 +354,8 @@ class ForwardPass:
             # packed-row detection its host read (see models.packed_attention.rows_mask).
             # A slice's layers get its SequencePass, which holds the whole stream's rows.
             if piece is None:
-                attention_rows = packed_rows((len(rows.sequences[i]) for i in index), self.device)
+                if not shared:
+                    attention_rows = packed_rows((len(rows.sequences[i]) for i in index), self.device)
                 mask, keywords = rows_mask(attention_rows, self.device), {ROW_LENGTHS: attention_rows}
             else:
                 mask, keywords = None, {SEQUENCE_PASS: piece}

@@ -347,6 +347,17 @@ class PPOConfig:
             "True: packed, and an error at construction when a model cannot pack; False: padded."
         },
     )
+    prefix_sharing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Shared-prefix packed passes: rows whose query tokens are identical (GRPO/RLOO groups, equal "
+            "queries in a GAE batch) run their prompt once per pass, each response attending to it; same results "
+            "as without (docs/prefix_sharing.md). None: automatic - on for a step whose shared prompts save at "
+            "least 25% of its tokens; True: always where rows share a prompt (an error at construction when the "
+            "passes cannot share: padded passes, sequence parallelism); False: off. Steps report "
+            "prefix_sharing/tokens_saved_fraction."
+        },
+    )
     # Set by the trainer
     is_encoder_decoder: bool | None = field(default=None, metadata={"help": "Set by the trainer."})
     is_peft_model: bool | None = field(default=None, metadata={"help": "Set by the trainer."})

@@ -86,7 +86,8 @@ class Rows:
     else None); ``query_len``/``response_len``: ``(B,)`` on the device; ``action_mask``: ``(B, L)``
     float; ``shift``: 1 for encoder-decoders (column k predicts decoder token k + 1), else 0;
     ``buffer_rows``: the most token slots any mini-batch (or pass under a token budget) of these rows
-    can have (the LM-head buffers of the step are sized to it).
+    can have (the LM-head buffers of the step are sized to it); ``prompt_ids``: per row the first row with
+    its query tokens when packed passes share prompts (:mod:`.prefix_sharing`), else None.
     """
 
     queries: list
@@ -97,6 +98,7 @@ class Rows:
     action_mask: torch.Tensor
     shift: int
     buffer_rows: int
+    prompt_ids: tuple | None = None
 
     def __len__(self) -> int:
         return len(self.queries)

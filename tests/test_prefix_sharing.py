@@ -1,0 +1,168 @@
+"""Prefix sharing: packed passes that run a prompt once for the rows that share it.
+
+The shared layout must give what the unshared packed pass gives: each row's log-probs and values against
+a float64 reference that runs the row alone, and the whole step's statistics and updated weights against
+``prefix_sharing=False`` (float32, relative 1e-5), for GRPO, RLOO and GAE, with prompts of different
+lengths in one batch and a group whose responses have very different lengths.
+"""
+
+import numpy as np
+import pytest
+import torch
+from devices import assert_close
+from test_packing import _row_alone_reference
+from tiny_models import VOCAB_SIZE, make_gpt2, make_gpt2_critic, make_tokenizer
+
+from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+from trl_lite.core import LOSS_TYPES
+from trl_lite.trainer.prefix_sharing import prompt_ids
+
+COMPARED = ("objective/kl", "objective/entropy", "ppo/loss/policy", "ppo/loss/total", "ppo/policy/entropy",
+            "ppo/policy/approxkl", "ppo/policy/policykl", "ppo/policy/clipfrac", "ppo/policy/advantages_mean")  # fmt: skip
+
+
+def grouped_batch(seed: int, group: int = 4, prompts=(3, 11), response_len=(1, 9)):
+    """Two groups of ``group`` rows (prompt lengths ``prompts``), each sharing a query, plus one row of its own;
+    the last row of the first group has a 1-token response and the one before it a long one."""
+    g = torch.Generator().manual_seed(seed)
+    queries, responses = [], []
+    for prompt in prompts:
+        query = torch.randint(3, VOCAB_SIZE, (prompt,), generator=g)
+        for _ in range(group):
+            queries.append(query.clone())
+            n = int(torch.randint(response_len[0], response_len[1] + 1, (1,), generator=g))
+            responses.append(torch.randint(3, VOCAB_SIZE, (n,), generator=g))
+    responses[group - 2] = torch.randint(3, VOCAB_SIZE, (23,), generator=g)
+    responses[group - 1] = responses[group - 1][:1]
+    scores = [torch.randn((), generator=g) for _ in queries]
+    return queries, responses, scores
+
+
+def lora_policy():
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, task_type="CAUSAL_LM")
+    return AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2(seed=2), peft_config=lora)
+
+
+def make_trainer(prefix_sharing, model_factory=None, critic=False, **config_kwargs):
+    config_kwargs.setdefault("batch_size", 8)
+    config_kwargs.setdefault("mini_batch_size", 8)
+    config = PPOConfig(learning_rate=0.1, prefix_sharing=prefix_sharing, seed=3, **config_kwargs)
+    model = model_factory() if model_factory else AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2(seed=2))
+    trainer_kwargs = {"value_model": make_gpt2_critic(seed=3)} if critic else {}
+    # SGD: the update is the gradient itself (Adam would turn gradients that are float32 noise - the key bias's,
+    # zero in exact arithmetic - into full-size steps of either sign).
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate)
+    return PPOTrainer(config, model, tokenizer=make_tokenizer(), optimizer=optimizer, **trainer_kwargs)
+
+
+def test_prompt_ids_find_equal_queries():
+    q = [torch.tensor([1, 2]), torch.tensor([1, 2, 3]), torch.tensor([1, 2]), torch.tensor([1, 3]), torch.tensor([1, 2, 3])]
+    assert prompt_ids(q) == (0, 1, 0, 3, 1)
+
+
+def test_shared_pass_gives_each_row_its_own_logprobs_and_values():
+    trainer = make_trainer(True)
+    queries, responses, _ = grouped_batch(0)
+    rows = trainer.forward.make_rows(queries, responses, None)
+    assert rows.prompt_ids == (0, 0, 0, 0, 4, 4, 4, 4)
+    seen = []
+    hook = trainer.model.pretrained_model.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
+    logprobs, ref_logprobs, values, _ = trainer.experience_maker.passes(rows)
+    hook.remove()
+    # Each prompt once per pass: 3 + 11 prompt tokens plus every response.
+    assert seen and all(shape == torch.Size([1, 3 + 11 + sum(len(r) for r in responses)]) for shape in seen)
+    total = sum(len(q) + len(r) for q, r in zip(queries, responses))
+    assert trainer.forward.take_prefix_saving() == pytest.approx(3 * (3 + 11) / total)
+    for b, (query, response) in enumerate(zip(queries, responses)):
+        expected_lp, expected_values = _row_alone_reference(trainer.model, query, response)
+        n = len(response)
+        assert_close(logprobs[b, :n].double(), expected_lp, rtol=0, atol=2e-5)
+        assert_close(ref_logprobs[b, :n].double(), expected_lp, rtol=0, atol=2e-5)
+        assert_close(values[b, :n].double(), expected_values, rtol=0, atol=2e-5)
+        assert not logprobs[b, n:].any()
+
+
+def _two_steps(prefix_sharing, **config_kwargs):
+    trainer = make_trainer(prefix_sharing, **config_kwargs)
+    stats = [trainer.step(*grouped_batch(seed)) for seed in range(2)]
+    return trainer, stats, {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+
+
+VALUE_KEYS = ("ppo/loss/value", "ppo/val/vpred", "ppo/returns/mean", "ppo/val/clipfrac")
+GRPO = dict(advantage_estimator="grpo", num_samples_per_query=4)
+CASES = {
+    "grpo": GRPO,
+    "rloo": dict(advantage_estimator="rloo", num_samples_per_query=4, ppo_epochs=2, mini_batch_size=4),
+    "gae": dict(ppo_epochs=2),
+    **{
+        f"grpo-{loss}": dict(GRPO, loss_type=loss, max_response_length=32, ppo_epochs=2, mini_batch_size=4)
+        for loss in LOSS_TYPES
+    },
+    "grpo-full-kl-in-loss-entropy": dict(GRPO, init_kl_coef=0.1, kl_penalty="full", entropy_coef=0.01),
+    "gae-chunked-head": dict(ppo_epochs=2, lm_head_chunk_size=5),
+    "gae-separate-critic": dict(critic=True, ppo_epochs=2),
+    "gae-lora": dict(model_factory=lora_policy, ppo_epochs=2),
+    "gae-gradient-checkpointing": dict(gradient_checkpointing=True, ppo_epochs=2, mini_batch_size=4),
+    "grpo-token-budget": dict(GRPO, max_tokens_per_minibatch=40, ppo_epochs=2),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_step_with_shared_prompts_equals_the_unshared_step(name):
+    shared, shared_stats, shared_weights = _two_steps(True, **CASES[name])
+    plain, plain_stats, plain_weights = _two_steps(False, **CASES[name])
+    whole_batch_passes = shared.config.mini_batch_size == 8 and shared.config.max_tokens_per_minibatch is None
+    for seed, (got, want) in enumerate(zip(shared_stats, plain_stats)):
+        assert got["prefix_sharing/tokens_saved_fraction"] > 0.1
+        if whole_batch_passes:  # every pass (rollout and training, critic included) ran each prompt once
+            queries, responses, _ = grouped_batch(seed)
+            total = sum(len(q) + len(r) for q, r in zip(queries, responses))
+            assert got["prefix_sharing/tokens_saved_fraction"] == pytest.approx(3 * (3 + 11) / total)
+        assert want["prefix_sharing/tokens_saved_fraction"] == 0.0
+        value_keys = () if shared.config.critic_free else VALUE_KEYS
+        for key in COMPARED + value_keys:
+            if key not in want:
+                continue
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    model_factory = CASES[name].get("model_factory")
+    initial = {key: p.detach() for key, p in make_trainer(False, model_factory).model.named_parameters()}
+    largest = max((weight - initial[key]).abs().max() for key, weight in plain_weights.items())
+    assert largest > 1e-3
+    for key, weight in plain_weights.items():
+        # The updates agree to float32 rounding, relative to the largest step.
+        assert_close(shared_weights[key] - initial[key], weight - initial[key], rtol=1e-5, atol=1e-5 * largest)
+
+
+def test_prefix_sharing_is_checked():
+    with pytest.raises(TypeError, match="prefix_sharing must be None \\(automatic\\), True or False, got 'yes'"):
+        PPOConfig(batch_size=8, mini_batch_size=8, prefix_sharing="yes")
+    with pytest.raises(ValueError, match="prefix_sharing=True needs packed passes"):
+        make_trainer(True, padding_free=False)
+
+
+def test_sequence_parallelism_refuses_prefix_sharing():
+    from trl_lite.trainer.prefix_sharing import check_sharing
+
+    policy = object()
+    with pytest.raises(ValueError, match="prefix_sharing=True is not supported with sequence parallelism"):
+        check_sharing(True, True, object(), policy, {id(policy): None})
+    check_sharing(None, True, object(), policy, {})  # automatic: simply off there
+
+
+def test_the_automatic_rule_shares_where_it_saves_tokens():
+    trainer = make_trainer(None)
+    # Groups of 4 over prompts of 3 and 11 tokens and short responses: 3 of every 4 prompts are saved.
+    queries, responses, _ = grouped_batch(0)
+    assert trainer.forward.make_rows(queries, responses).prompt_ids is not None
+    # Pairs sharing 2-token prompts before 9-token responses: under a quarter of the tokens saved, so off.
+    queries, responses, _ = grouped_batch(0, group=2, prompts=(2, 2, 2, 2), response_len=(9, 9))
+    responses = [r[:9] for r in responses]
+    assert prompt_ids(queries) == (0, 0, 2, 2, 4, 4, 6, 6)
+    assert trainer.forward.make_rows(queries, responses).prompt_ids is None
+    # prefix_sharing=True shares them all the same; False never looks.
+    assert make_trainer(True).forward.make_rows(queries, responses).prompt_ids == (0, 0, 2, 2, 4, 4, 6, 6)
+    assert make_trainer(False).forward.make_rows(*grouped_batch(0)[:2]).prompt_ids is None

@@ -1,0 +1,137 @@
+"""Prefix sharing: the packed layout that runs a prompt once for all the rows of a pass that share it.
+
+Rows with identical query tokens (the groups of ``num_samples_per_query`` / ``group_ids``, equal queries
+in a GAE batch) are found once per ``step()`` (:func:`prompt_ids`); each packed pass then lays out every
+such group as ``prompt + response_1 + ... + response_g`` (:func:`shared_inputs`), attended as
+:mod:`trl_lite.models.shared_prefix_attention` describes. The compact slot ``(j, 0)`` of every row of a
+group reads the prompt's last token (the shared logits of each response's first token, and the shared
+value); slot ``(j, k)`` reads response ``j``'s token ``k - 1``. Exact: every slot sees what it sees in its
+own row (docs/prefix_sharing.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..models.shared_prefix_attention import shared_rows
+from .rows import Rows, to_device, token_slots
+
+#: The automatic rule's threshold: sharing is on for a step when it saves at least this share of its tokens.
+AUTOMATIC_SAVING = 0.25
+
+
+def check_sharing(prefix_sharing, pack: bool, sequence, policy, row_attention: dict) -> None:
+    """``prefix_sharing=True`` needs packed passes whose policy attends per row, without sequence parallelism."""
+    if prefix_sharing is not True:
+        return
+    if not pack:
+        raise ValueError("prefix_sharing=True needs packed passes, but this trainer's passes are padded "
+                         "(padding_free=False, or a model that cannot pack). Use prefix_sharing=None or False.")
+    if sequence is not None:
+        raise ValueError("prefix_sharing=True is not supported with sequence parallelism (sequence_parallel_size > 1) "
+                         "yet. Use prefix_sharing=None or False.")
+    if id(policy) not in row_attention:
+        raise ValueError("prefix_sharing=True needs a policy whose packed passes attend per row (an sdpa "
+                         "transformers model whose forward passes extra keywords on). Use prefix_sharing=None or False.")
+
+
+def prompt_ids(queries: list[torch.Tensor]) -> tuple:
+    """Per row, the number of the first row whose query tokens equal its own (itself when none before it does).
+
+    Call it on the host tensors of ``step()`` (before the batch's copy to the device): each row is compared
+    (``torch.equal``) with the distinct queries of its length seen before it, which on an accelerator
+    would wait for the device each time.
+    """
+    seen, ids = {}, []
+    for i, query in enumerate(queries):
+        same_length = seen.setdefault(len(query), [])
+        match = next((j for j in same_length if torch.equal(queries[j], query)), None)
+        if match is None:
+            same_length.append(i)
+        ids.append(i if match is None else match)
+    return tuple(ids)
+
+
+def saved_tokens(rows: Rows, index: list[int], ids: tuple) -> int:
+    """Prompt tokens a pass over rows ``index`` does not run again with the shared layout (host ints)."""
+    return sum(len(rows.queries[i]) for n, i in enumerate(index) if any(ids[j] == ids[i] for j in index[:n]))
+
+
+def automatic(rows: Rows, ids: tuple) -> bool:
+    """The automatic rule (``prefix_sharing=None``): share when the step's groups would save at least
+    :data:`AUTOMATIC_SAVING` of its tokens. Below that the extra attention calls of the shared layout
+    (a prompt and each response apart) cost about what the repeated prompt tokens cost."""
+    everything = list(range(len(rows)))
+    total = sum(rows.tokens(i) for i in everything)
+    return saved_tokens(rows, everything, ids) >= AUTOMATIC_SAVING * total
+
+
+def with_prompt_ids(rows: Rows, prompts, prefix_sharing: bool | None) -> Rows:
+    """``rows`` with their prompt ids (``prompts``: the ids, or the queries to find them in) when the step's
+    packed passes share prompts: ``prefix_sharing`` True, or None and :func:`automatic` finds it worth it."""
+    ids = prompts if isinstance(prompts, tuple) else prompt_ids(prompts)
+    if ids == tuple(range(len(rows))) or (prefix_sharing is None and not automatic(rows, ids)):
+        return rows
+    return dataclasses.replace(rows, prompt_ids=ids)
+
+
+def shared_inputs(rows: Rows, index: list[int], device):
+    """:meth:`~.rows.InputLayout.packed` of rows ``index`` (decoder-only) with shared prompts, plus the
+    :class:`~trl_lite.models.shared_prefix_attention.SharedRows` of the pass and the prompt tokens saved.
+
+    Returns ``(inputs, positions (b, L_mb), slots, targets (N,), L_mb, attention_rows, saved)``: ``inputs`` holds
+    ``input_ids``/``position_ids`` ``(1, N_total)`` and ``logits_positions``. Segments follow the first
+    appearance of each prompt in ``index``; the compact rows stay in the order of ``index``.
+    """
+    ids, members = rows.prompt_ids, {}
+    for j, i in enumerate(index):
+        members.setdefault(ids[i], []).append(j)
+    pieces, positions_host, groups = [], [], []  # positions_host: host ints
+    first, response_start = [0] * len(index), [0] * len(index)
+    start = 0
+    for group in members.values():
+        query = rows.queries[index[group[0]]]
+        if len(group) == 1:  # a row of its own: its whole sequence is one causal segment
+            j = group[0]
+            pieces.append(rows.sequences[index[j]])
+            length = len(pieces[-1])
+            positions_host += range(length)
+            first[j] = response_start[j] = start + len(query) - 1
+            response_start[j] += 1
+            groups.append((length, ()))
+            start += length
+            continue
+        prompt = len(query)
+        pieces.append(query)
+        positions_host += range(prompt)
+        offset = start + prompt
+        for j in group:
+            response = rows.responses[index[j]]
+            pieces.append(response)
+            positions_host += range(prompt, prompt + len(response))
+            first[j], response_start[j] = start + prompt - 1, offset
+            offset += len(response)
+        groups.append((prompt, tuple(len(rows.responses[index[j]]) for j in group)))
+        start = offset
+    total = start
+    input_ids = torch.cat(pieces).unsqueeze(0)
+    position_ids = to_device(positions_host, device).unsqueeze(0)
+    width = rows.width(index)
+    k = torch.arange(width, device=device)
+    # Slot 0 reads the prompt's last token; slot k > 0 the response's token k - 1. Past the response the
+    # compact layout is padding (masked): any position in range does.
+    later = to_device([s - 1 for s in response_start], device).unsqueeze(1) + k
+    positions = torch.where(k == 0, to_device(first, device).unsqueeze(1), later).clamp(max=total - 1)
+    slots = token_slots(rows, index, width, device)
+    token_positions = positions[slots]
+    targets = torch.cat([rows.responses[i][: min(rows.slot_count(i), width)] for i in index])
+    inputs = {
+        "input_ids": input_ids,
+        "position_ids": position_ids,
+        "logits_positions": (torch.zeros_like(token_positions), token_positions),
+    }
+    saved = sum(rows.tokens(i) for i in index) - total
+    return inputs, positions, slots, targets, width, shared_rows(groups, device), saved
+
