@@ -13,7 +13,6 @@ from test_distributed import SCRIPTS, deepspeed_cpu_collectives, launch  # noqa:
 
 pytestmark = pytest.mark.xdist_group("distributed")
 
-CHUNK = 3  # tokens per chunk the default rule takes in both runs (equivalence_step.py --head_chunk_tokens)
 
 
 def _zero3_config_partitioning_everything(tmp_path):
@@ -33,21 +32,23 @@ def _zero3_config_partitioning_everything(tmp_path):
     return config_file
 
 
-def test_zero3_takes_chunks_with_the_default_and_the_step_of_one_process(tmp_path):
+# The default rule's path in both runs: chunks of 3 tokens (equivalence_step.py --head_chunk_tokens), or one buffer.
+@pytest.mark.parametrize("chunk", [3, 0])
+def test_zero3_takes_the_default_head_path_and_the_step_of_one_process(chunk, tmp_path):
     """ZeRO-3 (2 processes x 4 rows, every weight partitioned) and 1 process x 8 rows, both with the default
-    ``lm_head_chunk_size=None`` whose rule takes chunks of 3 tokens: ZeRO-3 reports those chunks (it took the
-    model's own logits, -1, before) and takes the same SGD step with the same statistics (float32)."""
+    ``lm_head_chunk_size=None``: ZeRO-3 reports the path one process takes (chunks of 3 tokens, or one buffer;
+    it took the model's own logits, -1, before) and takes the same SGD step with the same statistics (float32)."""
     two, one = tmp_path / "two", tmp_path / "one"
     two.mkdir()
     one.mkdir()
-    chunks = ("--head_chunk_tokens", str(CHUNK))
+    chunks = ("--head_chunk_tokens", str(chunk)) if chunk else ()
     zero3 = _zero3_config_partitioning_everything(tmp_path)
     launch(zero3, SCRIPTS / "equivalence_step.py", "--output_dir", str(two), *chunks)
     launch("single_gpu", SCRIPTS / "equivalence_step.py", "--output_dir", str(one), *chunks, num_processes=1)
     a, b = torch.load(two / "result.pt"), torch.load(one / "result.pt")
 
     assert a["head_partitioned"] and not b["head_partitioned"]
-    assert a["lm_head_chunk_size"] == b["lm_head_chunk_size"] == CHUNK
+    assert a["lm_head_chunk_size"] == b["lm_head_chunk_size"] == chunk
     weights_a, weights_b = a["named_parameters"], b["named_parameters"]
     assert sorted(weights_a) == sorted(weights_b)
     max_diff = max((weights_a[k] - weights_b[k]).abs().max().item() for k in weights_a)
