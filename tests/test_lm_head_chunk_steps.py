@@ -245,24 +245,6 @@ def test_a_model_without_a_linear_head_says_why_once_and_keeps_its_logits():
     assert stats["memory/lm_head_chunk_size"] == -1 and np.isfinite(stats["ppo/loss/total"])  # -1: its own logits
 
 
-def test_a_zero3_partitioned_head_says_so_with_the_default_chunk_size():
-    """Issue 50: under ZeRO-3 (a head weight DeepSpeed partitions, marked by its ``ds_id``) the default
-    ``lm_head_chunk_size=None`` kept full logits without a word; now it warns once and the statistic says -1."""
-    _reset_accelerate_state()
-    model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2())
-    model.transformers_model.get_output_embeddings().weight.ds_id = 0  # the mark of a ZeRO-3 parameter
-    assert model.linear_lm_head() is None
-    reference = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2())
-    trainer = PPOTrainer(PPOConfig(batch_size=4, mini_batch_size=2, ppo_epochs=1), model, reference, tokenizer=make_tokenizer())
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(2):
-            stats = trainer.step(*random_batch(4, seed=2))
-    said = [str(w.message) for w in caught if "does not apply" in str(w.message)]
-    assert len(said) == 1 and "lm_head_chunk_size=None" in said[0] and "ZeRO-3" in said[0]
-    assert stats["memory/lm_head_chunk_size"] == -1 and np.isfinite(stats["ppo/loss/total"])
-
-
 @pytest.mark.parametrize(
     "value, error, match",
     [

@@ -294,3 +294,28 @@ def test_chunked_backward_holds_no_weight_sized_temporary(dtype):
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-5, atol=2e-2)
     torch.testing.assert_close(chunk_grad.double(), want, **tol)
     torch.testing.assert_close(one_grad.double(), want, **tol)
+
+
+def test_call_head_runs_the_pass_inside_the_module_call_and_puts_its_forward_back():
+    """What ZeRO-3 relies on (``lm_head_module.call_head``): the module's forward pre/post hooks run around the
+    pass, whose outputs the post hook sees (it wraps them for the backward's gather), and the module's forward
+    (its class's, or an instance forward set before) is the same afterwards."""
+    head = torch.nn.Linear(4, 6)
+    seen = []
+    head.register_forward_pre_hook(lambda module, args: seen.append(("pre", module.weight.shape)))
+    head.register_forward_hook(lambda module, args, output: seen.append(("post", output)))
+    hidden, targets = torch.randn(5, 4), torch.tensor([0, 5, 2, 2, 1])
+
+    def head_pass(x):
+        seen.append(("pass", x))
+        return core.logprobs_from_logits(x @ head.weight.t() + head.bias, targets), None
+
+    logprobs, _ = lm_head_module.call_head(head, head_pass, hidden)
+    assert [what for what, _ in seen] == ["pre", "pass", "post"] and seen[1][1] is hidden
+    assert seen[2][1][0] is logprobs
+    want = torch.log_softmax(hidden.double() @ head.weight.double().t() + head.bias.double(), -1)[range(5), targets]
+    torch.testing.assert_close(logprobs.double(), want, rtol=0, atol=1e-6)
+    assert "forward" not in head.__dict__ and torch.equal(head(hidden), hidden @ head.weight.t() + head.bias)
+    own = head.forward = lambda x: x  # an instance forward (accelerate's hooks set one) comes back too
+    lm_head_module.call_head(head, head_pass, hidden)
+    assert head.__dict__["forward"] is own

@@ -16,6 +16,9 @@ The optimizer is SGD, whose update is linear in the gradient, so the weight diff
 gradient difference; Adam's first step divides by |gradient| and turns float noise in near-zero
 gradients into differences of up to 0.2 * learning rate. Rank 0 writes OUT/result.pt: its full
 weights after the step, the KL coefficient and the step's scalar statistics.
+
+``--head_chunk_tokens C``: the default head rule (``lm_head_chunk_size=None``) takes chunks of C tokens of the
+tiny vocabulary, as it does for a real one: its CPU one-buffer limit is set to 0 and its chunk bytes to C rows.
 """
 
 import argparse
@@ -25,7 +28,8 @@ import torch
 from common import finish, full_named_parameters
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer, set_seed
-from tiny_models import make_gpt2, make_tokenizer, random_batch
+from trl_lite.core import lm_head
+from tiny_models import VOCAB_SIZE, make_gpt2, make_tokenizer, random_batch
 
 GLOBAL_BATCH = 8
 
@@ -33,7 +37,11 @@ GLOBAL_BATCH = 8
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--head_chunk_tokens", type=int, default=None)
     args = parser.parse_args()
+    if args.head_chunk_tokens is not None:
+        lm_head._ONE_BUFFER_BYTES["cpu"] = 0
+        lm_head._CHUNK_BYTES["cpu"] = args.head_chunk_tokens * 4 * VOCAB_SIZE  # float32 rows of the vocabulary
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -60,6 +68,7 @@ def main() -> None:
     rows = slice(rank * per_process, (rank + 1) * per_process)
     stats = trainer.step(queries[rows], responses[rows], scores[rows])
 
+    head_numel = trainer.accelerator.unwrap_model(trainer.model).transformers_model.get_output_embeddings().weight.numel()
     named = full_named_parameters(trainer)
     if rank == 0:
         torch.save(
@@ -67,6 +76,8 @@ def main() -> None:
                 "named_parameters": named,
                 "kl_coef": trainer.kl_ctl.value,
                 "stats": {k: v for k, v in stats.items() if isinstance(v, float) and not k.startswith("time/")},
+                "lm_head_chunk_size": stats["memory/lm_head_chunk_size"],
+                "head_partitioned": head_numel == 0,  # ZeRO-3 outside the head's forward: an empty shard
             },
             os.path.join(args.output_dir, "result.pt"),
         )

@@ -325,6 +325,24 @@ def linear_head_logprobs(hidden, weight, bias, labels, chunk_size: int = 0, temp
     return _head_pass(hidden, weight, bias, labels, chunk_size, temperature, buffer_rows, out, with_entropy=False)[0]
 
 
+def call_head(head: torch.nn.Module, head_pass, hidden: torch.Tensor):
+    """``head_pass(hidden)`` run as ``head``'s forward, through the module's call: DeepSpeed ZeRO-3's hooks on it
+    gather its partitioned weight for the pass, release it after, and gather it again for the backward (from the
+    outputs' gradients) - as for the model's own ``head(hidden)``, whose ``(N, V)`` logits the pass replaces.
+
+    ``hidden``: ``(N, H)``; returns what ``head_pass`` returns.
+    """
+    own = head.__dict__.get("forward")  # an instance forward set before (accelerate's hooks): put back after
+    head.forward = head_pass
+    try:
+        return head(hidden)
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
+
+
 @torch.no_grad()
 def full_kl_from_hidden(hidden, weight, bias, ref_hidden, ref_weight, ref_bias, chunk_size: int,
                         temperature: float = 1.0) -> torch.Tensor:  # fmt: skip

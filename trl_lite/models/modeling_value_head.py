@@ -177,8 +177,10 @@ class _ValueHeadModel(PreTrainedModelWrapper):
         With it, `forward(..., logits_positions=..., return_lm_head_inputs=True)` returns the head's
         inputs, and the caller can fuse the head with what it computes from the logits (see
         `trl_lite.core.logprobs_and_entropy_from_hidden`). None for encoder-decoders, heads of
-        another type (PEFT adapters, quantised layers), parameters partitioned by DeepSpeed ZeRO-3,
-        and whenever `logits_positions` alone would run the full forward.
+        another type (PEFT adapters, quantised layers), and whenever `logits_positions` alone would run
+        the full forward. A head partitioned by DeepSpeed ZeRO-3 holds only a shard of its weight (full
+        shape `weight.ds_shape`) outside its own forward: a caller runs its computation inside the
+        module's call (see `trl_lite.core.lm_head.call_head`).
         """
         return None
 
@@ -281,8 +283,9 @@ class AutoModelForCausalLMWithValueHead(_ValueHeadModel):
         parts = self._backbone_and_lm_head({})
         head = parts[1] if parts is not None else None
         # Exactly nn.Linear: subclasses (quantised layers) and adapters compute something else from
-        # their weight; ZeRO-3 keeps only a shard of it outside the module's own forward.
-        if type(head) is not nn.Linear or hasattr(head.weight, "ds_id"):
+        # their weight. A ZeRO-3 head (its weight a shard outside the module's forward) is returned too: the
+        # trainer calls the module itself, so DeepSpeed's hooks gather the weight (ForwardPass.apply_head).
+        if type(head) is not nn.Linear:
             return None
         return head
 

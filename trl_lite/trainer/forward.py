@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 
 from ..core import full_kl_from_hidden, full_kl_from_logits, logprobs_and_entropy_from_logits, logprobs_from_logits
-from ..core.lm_head import linear_head, linear_head_logprobs, lm_head_chunk_size
+from ..core.lm_head import call_head, linear_head, linear_head_logprobs, lm_head_chunk_size
 from ..models.packed_attention import PACKED_SDPA, ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths, without_cudnn
 from ..models.varlen_attention import packed_rows
 from ..parallel.sequence_parallel import SEQUENCE_PASS, ULYSSES_SDPA, SequenceParallel, check_models
@@ -228,15 +228,12 @@ class ForwardPass:
         """
         inner = self.unwrapped(model)
         head = inner.linear_lm_head()
-        # ZeRO-3 is said whatever the chunk size: its passes hold (tokens x vocabulary) logits where the
-        # default would have taken chunks; another model's own head is the path it was built with.
-        output = inner.transformers_model.get_output_embeddings()
-        partitioned = head is None and hasattr(getattr(output, "weight", None), "ds_id")
-        if head is None and (self.lm_head_chunk_size or partitioned) and not self._warned_no_chunks:
+        # A head partitioned by ZeRO-3 is applied too (:func:`call_head` gathers it); another model's own head
+        # is the path it was built with.
+        if head is None and self.lm_head_chunk_size and not self._warned_no_chunks:
             self._warned_no_chunks = True
             reason = (
-                "its LM head's weight is partitioned by DeepSpeed ZeRO-3 outside the model's forward" if partitioned
-                else "its LM head is not a plain nn.Linear the trainer may apply itself (an encoder-decoder, whose "
+                "its LM head is not a plain nn.Linear the trainer may apply itself (an encoder-decoder, whose "
                 "head input the model rescales; logits the model post-processes, e.g. soft-capping; an adapter "
                 "or quantised head)"
             )  # fmt: skip
@@ -256,7 +253,8 @@ class ForwardPass:
         after an out-of-memory back-off).
         """
         weight = head.weight
-        return lm_head_chunk_size(tokens, weight.shape[0], weight.device.type, self.lm_head_chunk_size,
+        vocab = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3: the full head, not this process's shard
+        return lm_head_chunk_size(tokens, vocab, weight.device.type, self.lm_head_chunk_size,
                                   self.memory.backed_off, weight.dtype)  # fmt: skip
 
     def step_chunk_size(self, rows: Rows, model) -> int:
@@ -281,12 +279,17 @@ class ForwardPass:
                 return logprobs_and_entropy_from_logits(outputs, targets, temperature)
             return logprobs_from_logits(outputs, targets, temperature=temperature), None
         chunk = self.head_chunk_size(tokens, head)
-        out = None if chunk or rows is None else self.logits_out(rows, head)  # chunks: no (N, V) buffer made
+        partitioned = hasattr(head.weight, "ds_id")  # ZeRO-3: the weight has its shape only inside the call
+        out = None if chunk or rows is None or partitioned else self.logits_out(rows, head)  # chunks: no (N, V) buffer
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (outputs, head.weight, head.bias))
-        with self.head_autocast():
-            if grad:
-                return linear_head(outputs, head.weight, head.bias, targets, chunk, temperature, tokens, out)
-            return linear_head_logprobs(outputs, head.weight, head.bias, targets, chunk, temperature, tokens, out), None
+
+        def head_pass(hidden):
+            with self.head_autocast():
+                if grad:
+                    return linear_head(hidden, head.weight, head.bias, targets, chunk, temperature, tokens, out)
+                return linear_head_logprobs(hidden, head.weight, head.bias, targets, chunk, temperature, tokens, out), None
+
+        return call_head(head, head_pass, outputs) if partitioned else head_pass(outputs)
 
     def head_autocast(self):
         """The autocast state of the models' forward, for the LM head the passes apply outside the model.
@@ -411,8 +414,8 @@ class ForwardPass:
         with reference() as ref:
             ref_head = self.linear_head(ref)
         head = self.linear_head(policy)
-        if head is None or ref_head is None:
-            return 0
+        if head is None or ref_head is None or any(hasattr(h.weight, "ds_id") for h in (head, ref_head)):
+            return 0  # ZeRO-3 heads: the models' own logits (the chunked KL reads both weights, outside their calls)
         return self.head_chunk_size(self.buffer_rows(rows), head)
 
     @torch.no_grad()
