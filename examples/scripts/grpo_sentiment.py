@@ -79,6 +79,8 @@ class ScriptArguments:
 OFFLINE_GRPO_DEFAULTS = {
     "steps": 100, "learning_rate": 1e-4, "batch_size": 32, "mini_batch_size": 8,
     "advantage_estimator": "grpo", "num_samples_per_query": 4,
+    # PPOConfig's hub names default to classic TRL's; a name not given here means the offline models.
+    "model_name": None, "reward_model": None, "query_dataset": None,
 }  # fmt: skip
 
 

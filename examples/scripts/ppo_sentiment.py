@@ -114,7 +114,12 @@ class ScriptArguments:
 
 
 # PPOConfig defaults that suit the offline default; the classic values are in the module docstring.
-OFFLINE_PPO_DEFAULTS = {"steps": 100, "learning_rate": 1e-4, "batch_size": 32, "mini_batch_size": 8}
+# PPOConfig's hub names default to classic TRL's (gpt2, its IMDb classifier and dataset); here a name that is
+# not given means the offline models, so the demo runs with no network.
+OFFLINE_PPO_DEFAULTS = {
+    "steps": 100, "learning_rate": 1e-4, "batch_size": 32, "mini_batch_size": 8,
+    "model_name": None, "reward_model": None, "query_dataset": None,
+}  # fmt: skip
 
 
 def is_main_process() -> bool:
