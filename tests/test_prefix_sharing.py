@@ -76,7 +76,7 @@ def test_shared_pass_gives_each_row_its_own_logprobs_and_values():
     # Each prompt once per pass: 3 + 11 prompt tokens plus every response.
     assert seen and all(shape == torch.Size([1, 3 + 11 + sum(len(r) for r in responses)]) for shape in seen)
     total = sum(len(q) + len(r) for q, r in zip(queries, responses))
-    assert trainer.forward.take_prefix_saving() == pytest.approx(3 * (3 + 11) / total)
+    assert trainer.forward.prefix.take_saving() == pytest.approx(3 * (3 + 11) / total)
     for b, (query, response) in enumerate(zip(queries, responses)):
         expected_lp, expected_values = _row_alone_reference(trainer.model, query, response)
         n = len(response)

@@ -77,6 +77,43 @@ def with_prompt_ids(rows: Rows, prompts, prefix_sharing: bool | None) -> Rows:
     return dataclasses.replace(rows, prompt_ids=ids)
 
 
+class PrefixSharing:
+    """The prefix sharing of a :class:`~.forward.ForwardPass`: which steps' passes share prompts, their
+    layout, and the count of the tokens that saved (``prefix_sharing/tokens_saved_fraction``).
+
+    Args:
+        setting: ``PPOConfig.prefix_sharing`` (None: automatic, see :func:`automatic`).
+        possible: whether the trainer's passes can share prompts: packed, decoder-only, no sequence parallelism.
+    """
+
+    def __init__(self, setting: bool | None, possible: bool):
+        self.setting = setting
+        self.shares_prompts = setting is not False and possible
+        self.tokens = [0, 0]  # prompt tokens saved, tokens without sharing: since the last take_saving()
+
+    def rows(self, rows: Rows, prompts) -> Rows:
+        """``rows`` with their prompt ids when this step shares prompts (see :func:`with_prompt_ids`)."""
+        return with_prompt_ids(rows, prompts, self.setting) if self.shares_prompts else rows
+
+    def inputs(self, rows: Rows, index: list[int], attends: bool, device):
+        """The shared layout of the pass over rows ``index`` (:func:`shared_inputs` less ``saved``), or None: the
+        pass takes its own layout. ``attends``: the pass is packed and its models attend per row. Counts the
+        pass's tokens either way."""
+        self.tokens[1] += sum(rows.tokens(i) for i in index)
+        if not attends or rows.prompt_ids is None:
+            return None
+        *inputs, saved = shared_inputs(rows, index, device)
+        self.tokens[0] += saved
+        return inputs
+
+    def take_saving(self) -> float:
+        """The share of tokens the passes since the last call did not run thanks to shared prompts
+        (``prefix_sharing/tokens_saved_fraction``); the count starts again."""
+        saved, total = self.tokens
+        self.tokens = [0, 0]
+        return saved / total if total else 0.0
+
+
 def shared_inputs(rows: Rows, index: list[int], device):
     """:meth:`~.rows.InputLayout.packed` of rows ``index`` (decoder-only) with shared prompts, plus the
     :class:`~trl_lite.models.shared_prefix_attention.SharedRows` of the pass and the prompt tokens saved.
