@@ -166,3 +166,22 @@ def test_the_automatic_rule_shares_where_it_saves_tokens():
     # prefix_sharing=True shares them all the same; False never looks.
     assert make_trainer(True).forward.make_rows(queries, responses).prompt_ids == (0, 0, 2, 2, 4, 4, 6, 6)
     assert make_trainer(False).forward.make_rows(*grouped_batch(0)[:2]).prompt_ids is None
+
+
+def test_a_token_budget_counts_each_prompt_once_per_pass():
+    # Exactness under the budget against prefix_sharing=False: the "grpo-token-budget" case above.
+    widths = {}
+    for sharing in (True, False):
+        trainer = make_trainer(sharing, **GRPO, max_tokens_per_minibatch=40, ppo_epochs=2)
+        seen = widths[sharing] = []
+        trainer.model.pretrained_model.transformer.register_forward_pre_hook(
+            lambda module, args, kwargs, seen=seen: seen.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+        )
+        trainer.step(*grouped_batch(0))
+    # No row is over the budget (at most 3 + 23 tokens), so every pass runs at most 40 tokens, and with each
+    # prompt counted once a pass holds more rows: fewer passes than the rows' prompt + response tokens allow.
+    assert max(widths[True]) <= 40 and max(widths[False]) <= 40
+    assert len(widths[True]) < len(widths[False])
+    # The budget is what the passes run: every policy pass of the shared step (rollout and 2 epochs) is full
+    # enough that no two of them would fit in one.
+    assert min(a + b for a, b in zip(widths[True], widths[True][1:])) > 40

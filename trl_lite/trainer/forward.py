@@ -21,7 +21,7 @@ from ..models.packed_attention import PACKED_SDPA, ROW_LENGTHS, attend_per_row, 
 from ..models.varlen_attention import packed_rows
 from ..parallel.sequence_parallel import SEQUENCE_PASS, ULYSSES_SDPA, SequenceParallel, check_models
 from .oom_backoff import MemoryBackoff
-from .prefix_sharing import PrefixSharing, check_sharing
+from .prefix_sharing import PrefixSharing, check_sharing, units_passes
 from .rows import InputLayout, Rows, at_positions, make_rows, pad_token_id, to_compact, to_device
 from .token_budget import split_by_tokens
 
@@ -101,12 +101,14 @@ class ForwardPass:
             modules = [m for m in (policy, reference, critic) if m is not None]
             check_models(sequence.size, pack, modules, row_attention)
         check_sharing(config.prefix_sharing, pack, sequence, policy, row_attention)
-        return cls(accelerator, models, layout, is_encoder_decoder=unwrapped.is_encoder_decoder,
-                   mini_batch_size=config.mini_batch_size, pack=pack, row_attention=row_attention,
-                   reuse_logits_buffer=reuse, max_tokens=config.max_tokens_per_minibatch,
-                   oom_backoff=config.oom_backoff, sequence=sequence,
-                   lm_head_chunk_size=config.lm_head_chunk_size, temperature=config.temperature,
-                   prefix_sharing=config.prefix_sharing)  # fmt: skip
+        forward = cls(accelerator, models, layout, is_encoder_decoder=unwrapped.is_encoder_decoder,
+                      mini_batch_size=config.mini_batch_size, pack=pack, row_attention=row_attention,
+                      reuse_logits_buffer=reuse, max_tokens=config.max_tokens_per_minibatch,
+                      oom_backoff=config.oom_backoff, sequence=sequence,
+                      lm_head_chunk_size=config.lm_head_chunk_size, temperature=config.temperature,
+                      prefix_sharing=config.prefix_sharing)  # fmt: skip
+        forward.prefix.in_budget = all(id(m) in row_attention for m in (policy, reference, critic) if m is not None)
+        return forward
 
     @property
     def max_tokens(self) -> int | None:
@@ -145,12 +147,13 @@ class ForwardPass:
                 stop = min(start + self.mini_batch_size, len(rows))
                 yield list(range(start, stop)), torch.arange(start, stop, device=self.device)
             return
-        for index in self.split([list(range(len(rows)))], [rows.tokens(i) for i in range(len(rows))], agree)[0]:
+        for index in self.split([list(range(len(rows)))], [rows.tokens(i) for i in range(len(rows))], agree, rows)[0]:
             yield index, to_device(index, self.device)
 
-    def split(self, groups: list[list[int]], costs, agree: bool = True) -> list[list[list[int]]]:
+    def split(self, groups: list[list[int]], costs, agree: bool = True, rows: Rows | None = None) -> list:
         """Each group of row numbers split into passes of at most ``max_tokens`` tokens (docs/algorithm.md
         section 18): per group, a list of passes, each a list of row numbers. ``costs[i]``: row ``i``'s tokens.
+        ``rows``: their passes may count a shared prompt once (:meth:`~.prefix_sharing.PrefixSharing.units`).
 
         Under several processes every process makes, for each group, the largest number of passes any
         of them needs (one collective): each pass runs collectives (ZeRO-3 gathers parameters in the
@@ -159,14 +162,14 @@ class ForwardPass:
         holds as many rows, so the larger count can always be met. ``agree=False``: no collective, each
         process its own split.
         """
-        splits = [split_by_tokens([costs[i] for i in group], self.max_tokens) for group in groups]
+        units = [self.prefix.units(group, costs, rows, self.max_tokens) for group in groups]
+        splits = [split_by_tokens(unit_costs, self.max_tokens) for _, unit_costs in units]
         if agree and self.accelerator.num_processes > 1 and splits:
             counts = torch.tensor([len(s) for s in splits], device=self.device)
             counts = self.accelerator.reduce(counts, reduction="max").tolist()
-            splits = [
-                s if len(s) == count else split_by_tokens([costs[i] for i in group], self.max_tokens, count)
-                for s, count, group in zip(splits, counts, groups)
-            ]  # fmt: skip
+            units = [self.prefix.units(group, costs, rows, self.max_tokens, n) for group, n in zip(groups, counts)]
+            again = zip(splits, counts, units)
+            splits = [s if len(s) == n else split_by_tokens(c, self.max_tokens, n) for s, n, (_, c) in again]
         longest = max((costs[i] for group in groups for i in group), default=0)
         if longest > self.max_tokens and not self._warned_long_row:
             self._warned_long_row = True
@@ -175,7 +178,7 @@ class ForwardPass:
                 "it gets a forward/backward pass of its own, larger than the budget.",
                 stacklevel=3,
             )
-        return [[[group[j] for j in part] for part in s] for s, group in zip(splits, groups)]
+        return [units_passes(s, u, group) for s, (u, _), group in zip(splits, units, groups)]
 
     def unwrapped(self, model):
         return next((inner for known, inner in self.models if model is known), None) or self.accelerator.unwrap_model(model)
