@@ -185,3 +185,17 @@ def test_a_token_budget_counts_each_prompt_once_per_pass():
     # The budget is what the passes run: every policy pass of the shared step (rollout and 2 epochs) is full
     # enough that no two of them would fit in one.
     assert min(a + b for a, b in zip(widths[True], widths[True][1:])) > 40
+
+
+def test_budget_units_hold_a_prompts_rows_in_runs_that_fit():
+    trainer = make_trainer(True, max_tokens_per_minibatch=40)
+    queries, responses, _ = grouped_batch(0)
+    rows = trainer.forward.make_rows(queries, responses)
+    costs = [len(q) + len(r) for q, r in zip(queries, responses)]
+    units, unit_costs = trainer.forward.prefix.units(list(range(8)), costs, rows, 40)
+    assert sorted(i for unit in units for i in unit) == list(range(8)) and len(units) < 8
+    for unit, cost in zip(units, unit_costs):
+        assert len({len(queries[i]) for i in unit}) == 1 and all(torch.equal(queries[i], queries[unit[0]]) for i in unit)
+        assert cost == len(queries[unit[0]]) + sum(len(responses[i]) for i in unit) <= 40
+    # A process that must make more passes than it has runs (another process needs them): its rows one by one.
+    assert trainer.forward.prefix.units(list(range(8)), costs, rows, 40, len(units) + 1) == ([[i] for i in range(8)], costs)
