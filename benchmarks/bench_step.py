@@ -47,6 +47,9 @@ METHODS = ("step", "step-padded", "floor")
 # "step-one-buffer" (the value-head workloads) is "step" with lm_head_chunk_size=0, the LM head's path before
 # issue 42: one (tokens x vocabulary) buffer per pass, whatever its size.
 EXTRA_METHODS = ("step-every-pass", "step-one-buffer")
+# The critic-free workloads (`shared_prefix`) stepped with PPOConfig.prefix_sharing True, False and None (automatic):
+# docs/prefix_sharing.md. They report the share of the step's tokens the passes ran (`tokens run`).
+PREFIX_METHODS = {"step-prefix-on": True, "step-prefix-off": False, "step-prefix-auto": None}
 # The floor over packed mini-batches with the trainer's packed attention (one varlen kernel call per
 # layer on CUDA): "step vs floor-packed" compares the same attention on both sides. Default on CUDA.
 PACKED_FLOOR = "floor-packed"
@@ -608,6 +611,8 @@ def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtyp
         return make_grpo_beta0_step_fn(method, workload, device, dtype)
     if method == "step-every-pass":
         raise ValueError(f"method {method!r} applies to the grpo-beta0 workload, not {workload.name!r}")
+    if method in PREFIX_METHODS and getattr(workload, "advantage_estimator", "gae") == "gae":
+        raise ValueError(f"method {method!r} applies to the critic-free workloads (shared_prefix), not {workload.name!r}")
     one_buffer_unsupported = isinstance(workload, CriticFreeWorkload) or workload.name in CRITIC_WORKLOADS
     if method == "step-one-buffer" and one_buffer_unsupported:
         raise ValueError(f"method {method!r} exists for the value-head workloads, not {workload.name!r}")
@@ -747,8 +752,30 @@ def make_critic_free_step_fn(method: str, workload: CriticFreeWorkload, device: 
         num_samples_per_query=workload.num_samples_per_query,
         seed=workload.seed,
         padding_free=False if method == "step-padded" else None,
+        **({"prefix_sharing": PREFIX_METHODS[method]} if method in PREFIX_METHODS else {}),
     )
-    return quiet_trainer(config, lm, copy.deepcopy(lm), tokenizer=None).step
+    trainer = quiet_trainer(config, lm, copy.deepcopy(lm), tokenizer=None)
+    if method not in PREFIX_METHODS:
+        return trainer.step
+    last = {}
+
+    def step(queries, responses, scores):
+        last.update(trainer.step(queries, responses, scores))
+
+    # The share of the prompt + response tokens of the last step's passes that ran (1: no prompt shared).
+    step.extras = lambda: {"tokens_run": 1 - float(last["prefix_sharing/tokens_saved_fraction"])}
+    return step
+
+
+# Prefix sharing (issue 52): 4 prompts of 512 tokens, G = 8 responses of 32-96, one pass per mini-batch of the whole
+# batch (every pass holds whole groups). `short-pairs`: G = 2 and 16-token prompts, where sharing saves about 10%
+# of the tokens, under the automatic rule's 25% (`step-prefix-auto` takes the unshared path; it must cost <= 1.05x).
+SHARED_PREFIX = CriticFreeWorkload(
+    "shared-prefix", n_layer=4, n_embd=256, n_head=4, batch_size=32, mini_batch_size=32, ppo_epochs=2,
+    query_len=(512, 512), response_len=(32, 96), vocab_size=8192, num_samples_per_query=8,
+)  # fmt: skip
+SHORT_PAIRS = dataclasses.replace(SHARED_PREFIX, name="short-pairs", query_len=(16, 16), num_samples_per_query=2)
+WORKLOAD_GROUPS["shared_prefix"] = lambda: [SHARED_PREFIX, SHORT_PAIRS]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1114,6 +1141,7 @@ TABLE_COLUMNS = (
     ("tensor_peak_mb", "tensor peak MB", ".1f", True),
     ("rollout_passes", "passes w/o grad per step", ".1f", False),
     ("reference_mb", "reference copy MB", ".1f", False),
+    ("tokens_run", "tokens run (x all)", ".2f", False),
 )
 
 
@@ -1128,6 +1156,10 @@ def format_table(results: list) -> str:
         aligns += ["---:", "---:"] if with_ratio else ["---:"]
     if packed_floors:
         titles, aligns = titles + ["median x floor-packed"], aligns + ["---:"]
+    # With prefix sharing off measured: time and tensor peak over it (docs/prefix_sharing.md).
+    unshared = {r["workload"]: r for r in results if r["method"] == "step-prefix-off"}
+    if unshared:
+        titles, aligns = titles + ["median x prefix-off", "tensor peak x prefix-off"], aligns + ["---:", "---:"]
     lines = ["| " + " | ".join(titles) + " |", "| " + " | ".join(aligns) + " |"]
     for r in results:
         floor = floors.get(r["workload"])
@@ -1139,6 +1171,9 @@ def format_table(results: list) -> str:
         if packed_floors:
             packed = packed_floors.get(r["workload"])
             cells.append(f"{r['median_s'] / packed['median_s']:.2f}" if packed else "-")
+        if unshared:
+            off = unshared.get(r["workload"])
+            cells += [f"{r[k] / off[k]:.2f}" if off and off.get(k) and k in r else "-" for k in ("median_s", "tensor_peak_mb")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -1208,7 +1243,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", nargs="+", default=["w1", "w2", "sweep"], choices=sorted(WORKLOAD_GROUPS))
     parser.add_argument(
-        "--methods", nargs="+", default=None, choices=(*METHODS, PACKED_FLOOR, *EXTRA_METHODS),
+        "--methods", nargs="+", default=None, choices=(*METHODS, PACKED_FLOOR, *EXTRA_METHODS, *PREFIX_METHODS),
         help=f"default: {' '.join(METHODS)}, and {PACKED_FLOOR} on cuda",
     )  # fmt: skip
     parser.add_argument("--steps", type=_int_at_least(1), default=3, help="timed steps (median reported)")

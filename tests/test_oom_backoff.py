@@ -33,8 +33,11 @@ CASES = {
     "gae_global_token_mean": dict(loss_type="global_token_mean", gradient_accumulation_steps=2),
     "grpo_seq_mean_token_sum_norm": dict(advantage_estimator="grpo", num_samples_per_query=4,
                                          loss_type="seq_mean_token_sum_norm", max_response_length=12),
+    # Passes planned from each row's prompt + response (no shared prompts): the split whose last pass of several
+    # rows is near the end (the "last" case). grpo_seq_mean_token_sum_norm backs off into a budget with them shared.
     "grpo_token_mean_budget": dict(advantage_estimator="grpo", num_samples_per_query=4, max_tokens_per_minibatch=32,
-                                   gradient_accumulation_steps=2, init_kl_coef=0.05, kl_in_reward=False),
+                                   gradient_accumulation_steps=2, init_kl_coef=0.05, kl_in_reward=False,
+                                   prefix_sharing=False),
 }  # fmt: skip
 
 

@@ -76,7 +76,7 @@ def test_shared_pass_gives_each_row_its_own_logprobs_and_values():
     # Each prompt once per pass: 3 + 11 prompt tokens plus every response.
     assert seen and all(shape == torch.Size([1, 3 + 11 + sum(len(r) for r in responses)]) for shape in seen)
     total = sum(len(q) + len(r) for q, r in zip(queries, responses))
-    assert trainer.forward.take_prefix_saving() == pytest.approx(3 * (3 + 11) / total)
+    assert trainer.forward.prefix.take_saving() == pytest.approx(3 * (3 + 11) / total)
     for b, (query, response) in enumerate(zip(queries, responses)):
         expected_lp, expected_values = _row_alone_reference(trainer.model, query, response)
         n = len(response)
@@ -166,3 +166,36 @@ def test_the_automatic_rule_shares_where_it_saves_tokens():
     # prefix_sharing=True shares them all the same; False never looks.
     assert make_trainer(True).forward.make_rows(queries, responses).prompt_ids == (0, 0, 2, 2, 4, 4, 6, 6)
     assert make_trainer(False).forward.make_rows(*grouped_batch(0)[:2]).prompt_ids is None
+
+
+def test_a_token_budget_counts_each_prompt_once_per_pass():
+    # Exactness under the budget against prefix_sharing=False: the "grpo-token-budget" case above.
+    widths = {}
+    for sharing in (True, False):
+        trainer = make_trainer(sharing, **GRPO, max_tokens_per_minibatch=40, ppo_epochs=2)
+        seen = widths[sharing] = []
+        trainer.model.pretrained_model.transformer.register_forward_pre_hook(
+            lambda module, args, kwargs, seen=seen: seen.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+        )
+        trainer.step(*grouped_batch(0))
+    # No row is over the budget (at most 3 + 23 tokens), so every pass runs at most 40 tokens, and with each
+    # prompt counted once a pass holds more rows: fewer passes than the rows' prompt + response tokens allow.
+    assert max(widths[True]) <= 40 and max(widths[False]) <= 40
+    assert len(widths[True]) < len(widths[False])
+    # The budget is what the passes run: every policy pass of the shared step (rollout and 2 epochs) is full
+    # enough that no two of them would fit in one.
+    assert min(a + b for a, b in zip(widths[True], widths[True][1:])) > 40
+
+
+def test_budget_units_hold_a_prompts_rows_in_runs_that_fit():
+    trainer = make_trainer(True, max_tokens_per_minibatch=40)
+    queries, responses, _ = grouped_batch(0)
+    rows = trainer.forward.make_rows(queries, responses)
+    costs = [len(q) + len(r) for q, r in zip(queries, responses)]
+    units, unit_costs = trainer.forward.prefix.units(list(range(8)), costs, rows, 40)
+    assert sorted(i for unit in units for i in unit) == list(range(8)) and len(units) < 8
+    for unit, cost in zip(units, unit_costs):
+        assert len({len(queries[i]) for i in unit}) == 1 and all(torch.equal(queries[i], queries[unit[0]]) for i in unit)
+        assert cost == len(queries[unit[0]]) + sum(len(responses[i]) for i in unit) <= 40
+    # A process that must make more passes than it has runs (another process needs them): its rows one by one.
+    assert trainer.forward.prefix.units(list(range(8)), costs, rows, 40, len(units) + 1) == ([[i] for i in range(8)], costs)

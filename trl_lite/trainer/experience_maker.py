@@ -88,7 +88,7 @@ class ExperienceMaker:
         actions = batch.actions
         if actions is None:  # a batch that skipped step()'s checks: counted here, on the host before the copy
             actions = actions_per_row(batch.responses, batch.response_masks, 1 if self.forward.is_encoder_decoder else 0)
-        prompts = prompt_ids(batch.queries) if self.forward.shares_prompts else None  # on the host, before the copy
+        prompts = prompt_ids(batch.queries) if self.forward.prefix.shares_prompts else None  # on the host, before the copy
         # The batch's tensors reach the device in one copy (see transfer.py for every sync of a step).
         batch, ends_with_eos = batch_to_device(batch, self.device, ends_with_eos)
         if self.forward.sequence is not None:  # a group trains one batch: checked before its first exchange

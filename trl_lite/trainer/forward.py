@@ -21,8 +21,8 @@ from ..models.packed_attention import PACKED_SDPA, ROW_LENGTHS, attend_per_row, 
 from ..models.varlen_attention import packed_rows
 from ..parallel.sequence_parallel import SEQUENCE_PASS, ULYSSES_SDPA, SequenceParallel, check_models
 from .oom_backoff import MemoryBackoff
-from .prefix_sharing import check_sharing, shared_inputs, with_prompt_ids
-from .rows import InputLayout, Rows, at_positions, make_rows, to_compact, to_device
+from .prefix_sharing import PrefixSharing, check_sharing, units_passes
+from .rows import InputLayout, Rows, at_positions, make_rows, pad_token_id, to_compact, to_device
 from .token_budget import split_by_tokens
 
 
@@ -75,8 +75,7 @@ class ForwardPass:
         self.lm_head_chunk_size = lm_head_chunk_size
         self._warned_no_chunks = False
         self.temperature = temperature
-        self.prefix_sharing = prefix_sharing
-        self.prefix_tokens = [0, 0]  # prompt tokens saved, tokens without sharing: since the last step's statistics
+        self.prefix = PrefixSharing(prefix_sharing, pack and not is_encoder_decoder and sequence is None)
 
     @classmethod
     def build(cls, accelerator, policy, reference, critic, tokenizer, config, pack: bool) -> ForwardPass:
@@ -102,12 +101,14 @@ class ForwardPass:
             modules = [m for m in (policy, reference, critic) if m is not None]
             check_models(sequence.size, pack, modules, row_attention)
         check_sharing(config.prefix_sharing, pack, sequence, policy, row_attention)
-        return cls(accelerator, models, layout, is_encoder_decoder=unwrapped.is_encoder_decoder,
-                   mini_batch_size=config.mini_batch_size, pack=pack, row_attention=row_attention,
-                   reuse_logits_buffer=reuse, max_tokens=config.max_tokens_per_minibatch,
-                   oom_backoff=config.oom_backoff, sequence=sequence,
-                   lm_head_chunk_size=config.lm_head_chunk_size, temperature=config.temperature,
-                   prefix_sharing=config.prefix_sharing)  # fmt: skip
+        forward = cls(accelerator, models, layout, is_encoder_decoder=unwrapped.is_encoder_decoder,
+                      mini_batch_size=config.mini_batch_size, pack=pack, row_attention=row_attention,
+                      reuse_logits_buffer=reuse, max_tokens=config.max_tokens_per_minibatch,
+                      oom_backoff=config.oom_backoff, sequence=sequence,
+                      lm_head_chunk_size=config.lm_head_chunk_size, temperature=config.temperature,
+                      prefix_sharing=config.prefix_sharing)  # fmt: skip
+        forward.prefix.in_budget = all(id(m) in row_attention for m in (policy, reference, critic) if m is not None)
+        return forward
 
     @property
     def max_tokens(self) -> int | None:
@@ -129,23 +130,10 @@ class ForwardPass:
                          is_encoder_decoder=self.is_encoder_decoder, mini_batch_size=self.mini_batch_size,
                          max_tokens=self.max_tokens)  # fmt: skip
         if self.sequence is None:
-            return with_prompt_ids(rows, prompts or queries, self.prefix_sharing) if self.shares_prompts else rows
+            return self.prefix.rows(rows, prompts or queries)
         tokens = [rows.tokens(i) for i in range(len(rows))]
         slice_rows = self.sequence.slice_buffer_rows(rows.buffer_rows, tokens, self.mini_batch_size, self.max_tokens)
         return dataclasses.replace(rows, buffer_rows=slice_rows)
-
-    @property
-    def shares_prompts(self) -> bool:
-        """Whether this trainer's packed passes may share prompts (``prefix_sharing`` not False, packed passes,
-        decoder-only, no sequence parallelism)."""
-        return self.prefix_sharing is not False and self.pack and not self.is_encoder_decoder and self.sequence is None
-
-    def take_prefix_saving(self) -> float:
-        """The share of tokens the passes since the last call did not run thanks to shared prompts
-        (``prefix_sharing/tokens_saved_fraction``); the count starts again."""
-        saved, total = self.prefix_tokens
-        self.prefix_tokens = [0, 0]
-        return saved / total if total else 0.0
 
     def minibatches(self, rows: Rows, agree: bool = True):
         """The no-grad passes over every row of ``rows``: ``(index, idx)``, a host list and the same on the device.
@@ -159,12 +147,13 @@ class ForwardPass:
                 stop = min(start + self.mini_batch_size, len(rows))
                 yield list(range(start, stop)), torch.arange(start, stop, device=self.device)
             return
-        for index in self.split([list(range(len(rows)))], [rows.tokens(i) for i in range(len(rows))], agree)[0]:
+        for index in self.split([list(range(len(rows)))], [rows.tokens(i) for i in range(len(rows))], agree, rows)[0]:
             yield index, to_device(index, self.device)
 
-    def split(self, groups: list[list[int]], costs, agree: bool = True) -> list[list[list[int]]]:
+    def split(self, groups: list[list[int]], costs, agree: bool = True, rows: Rows | None = None) -> list:
         """Each group of row numbers split into passes of at most ``max_tokens`` tokens (docs/algorithm.md
         section 18): per group, a list of passes, each a list of row numbers. ``costs[i]``: row ``i``'s tokens.
+        ``rows``: their passes may count a shared prompt once (:meth:`~.prefix_sharing.PrefixSharing.units`).
 
         Under several processes every process makes, for each group, the largest number of passes any
         of them needs (one collective): each pass runs collectives (ZeRO-3 gathers parameters in the
@@ -173,14 +162,14 @@ class ForwardPass:
         holds as many rows, so the larger count can always be met. ``agree=False``: no collective, each
         process its own split.
         """
-        splits = [split_by_tokens([costs[i] for i in group], self.max_tokens) for group in groups]
+        units = [self.prefix.units(group, costs, rows, self.max_tokens) for group in groups]
+        splits = [split_by_tokens(unit_costs, self.max_tokens) for _, unit_costs in units]
         if agree and self.accelerator.num_processes > 1 and splits:
             counts = torch.tensor([len(s) for s in splits], device=self.device)
             counts = self.accelerator.reduce(counts, reduction="max").tolist()
-            splits = [
-                s if len(s) == count else split_by_tokens([costs[i] for i in group], self.max_tokens, count)
-                for s, count, group in zip(splits, counts, groups)
-            ]  # fmt: skip
+            units = [self.prefix.units(group, costs, rows, self.max_tokens, n) for group, n in zip(groups, counts)]
+            again = zip(splits, counts, units)
+            splits = [s if len(s) == n else split_by_tokens(c, self.max_tokens, n) for s, n, (_, c) in again]
         longest = max((costs[i] for group in groups for i in group), default=0)
         if longest > self.max_tokens and not self._warned_long_row:
             self._warned_long_row = True
@@ -189,7 +178,7 @@ class ForwardPass:
                 "it gets a forward/backward pass of its own, larger than the budget.",
                 stacklevel=3,
             )
-        return [[[group[j] for j in part] for part in s] for s, group in zip(splits, groups)]
+        return [units_passes(s, u, group) for s, (u, _), group in zip(splits, units, groups)]
 
     def unwrapped(self, model):
         return next((inner for known, inner in self.models if model is known), None) or self.accelerator.unwrap_model(model)
@@ -334,15 +323,12 @@ class ForwardPass:
         same mini-batch inputs, read at the same positions; the policy's value head does not run.
         """
         packed = self.packs(model)
-        shared = packed and rows.prompt_ids is not None and all(
-            id(m) in self.row_attention for m in (model, critic) if m is not None
-        )
-        self.prefix_tokens[1] += sum(rows.tokens(i) for i in index)
-        if shared:
-            inputs, positions, slots, targets, width, attention_rows, saved = shared_inputs(rows, index, self.device)
-            self.prefix_tokens[0] += saved
-        else:
+        attends = packed and all(id(m) in self.row_attention for m in (model, critic) if m is not None)
+        shared = self.prefix.inputs(rows, index, attends, self.device)  # None: the pass's own layout
+        if shared is None:
             inputs, positions, slots, targets, width = self.layout.inputs(rows, index, idx, packed=packed)
+        else:
+            inputs, positions, slots, targets, width, attention_rows = shared
         piece = self._sequence_pass = None
         if packed and self.sequence is not None:
             inputs, piece = self.cut(inputs, rows, index)
@@ -357,7 +343,7 @@ class ForwardPass:
             # packed-row detection its host read (see models.packed_attention.rows_mask).
             # A slice's layers get its SequencePass, which holds the whole stream's rows.
             if piece is None:
-                if not shared:
+                if shared is None:
                     attention_rows = packed_rows((len(rows.sequences[i]) for i in index), self.device)
                 mask, keywords = rows_mask(attention_rows, self.device), {ROW_LENGTHS: attention_rows}
             else:
@@ -507,21 +493,6 @@ def reference_context(reference, policy, unwrapped_policy):
 
 # memory/lm_head_chunk_size of a model whose passes take its own (N, V) logits: not 0, which is one buffer.
 OWN_LOGITS = -1
-
-
-def pad_token_id(tokenizer, model_config) -> int:
-    """The pad id of model inputs: the tokenizer's or the model's pad id, else its EOS id, else 0."""
-    for source in (tokenizer, model_config):
-        pad = getattr(source, "pad_token_id", None)
-        if pad is not None:
-            return int(pad)
-    for source in (tokenizer, model_config):
-        eos = getattr(source, "eos_token_id", None)
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        if eos is not None:
-            return int(eos)
-    return 0
 
 
 def _fitting(buffer: torch.Tensor | None, head: torch.nn.Linear) -> torch.Tensor | None:

@@ -105,7 +105,7 @@ def plan_epoch(config, accelerator, forward, objective, experience, order: list[
     denominators = backward_batch_denominators(config, accelerator, objective, experience, groups, actions)
     return [
         PassPlan(passes, [sum(costs[i] for i in p) for p in passes], None, d, [sum(actions[i] for i in p) for p in passes])
-        for passes, d in zip(forward.split(groups, costs), denominators)
+        for passes, d in zip(forward.split(groups, costs, rows=experience.rows), denominators)
     ]  # fmt: skip
 
 
@@ -164,7 +164,7 @@ def minibatch_pieces(config, accelerator, forward, objective, experience, order,
     ``global_token_mean`` keeps its count of :func:`classic_tokens_per_minibatch`."""
     step, costs = config.mini_batch_size, row_costs(experience)
     minibatches = [[group[start : start + step] for start in range(0, len(group), step)] for group in groups]
-    pieces = iter(forward.split([mb for mbs in minibatches for mb in mbs], costs))
+    pieces = iter(forward.split([mb for mbs in minibatches for mb in mbs], costs, rows=experience.rows))
     per_minibatch = classic_tokens_per_minibatch(config, accelerator, objective, experience, order)
     counts = [1.0] * len(groups) if per_minibatch is None else per_minibatch.tolist()
     plans = []

@@ -77,6 +77,67 @@ def with_prompt_ids(rows: Rows, prompts, prefix_sharing: bool | None) -> Rows:
     return dataclasses.replace(rows, prompt_ids=ids)
 
 
+class PrefixSharing:
+    """The prefix sharing of a :class:`~.forward.ForwardPass`: which steps' passes share prompts, their
+    layout, and the count of the tokens that saved (``prefix_sharing/tokens_saved_fraction``).
+
+    Args:
+        setting: ``PPOConfig.prefix_sharing`` (None: automatic, see :func:`automatic`).
+        possible: whether the trainer's passes can share prompts: packed, decoder-only, no sequence parallelism.
+    """
+
+    def __init__(self, setting: bool | None, possible: bool):
+        self.setting = setting
+        self.shares_prompts = setting is not False and possible
+        self.tokens = [0, 0]  # prompt tokens saved, tokens without sharing: since the last take_saving()
+        # Whether every model's packed passes attend per row, so every pass shares (set by ForwardPass.build):
+        # only then may a token budget count a prompt once (:meth:`units`).
+        self.in_budget = False
+
+    def rows(self, rows: Rows, prompts) -> Rows:
+        """``rows`` with their prompt ids when this step shares prompts (see :func:`with_prompt_ids`)."""
+        return with_prompt_ids(rows, prompts, self.setting) if self.shares_prompts else rows
+
+    def inputs(self, rows: Rows, index: list[int], attends: bool, device):
+        """The shared layout of the pass over rows ``index`` (:func:`shared_inputs` less ``saved``), or None: the
+        pass takes its own layout. ``attends``: the pass is packed and its models attend per row. Counts the
+        pass's tokens either way."""
+        self.tokens[1] += sum(rows.tokens(i) for i in index)
+        if not attends or rows.prompt_ids is None:
+            return None
+        *inputs, saved = shared_inputs(rows, index, device)
+        self.tokens[0] += saved
+        return inputs
+
+    def units(self, group: list[int], costs: list[int], rows: Rows | None, budget: int, passes: int = 1) -> tuple:
+        """Rows ``group`` in the units a token-budget split keeps in one pass, and their costs: the rows of one
+        prompt in runs whose cost with the prompt counted once fits ``budget`` (what the shared layout runs),
+        every other row alone at ``costs[i]`` (its prompt + response tokens, PTX included). Each row alone
+        when the passes of ``rows`` do not share prompts, or when that gives fewer units than ``passes`` (the
+        pass count another process needs, see :meth:`~.forward.ForwardPass.split`: rows one by one always do)."""
+        alone = [[i] for i in group], [costs[i] for i in group]
+        if rows is None or rows.prompt_ids is None or not self.in_budget:
+            return alone
+        units, unit_costs, last = [], [], {}  # last: per prompt, its newest unit
+        for i in group:
+            u, extra = last.get(rows.prompt_ids[i]), costs[i] - len(rows.queries[i])
+            if u is not None and unit_costs[u] + extra <= budget:
+                units[u].append(i)
+                unit_costs[u] += extra
+            else:
+                last[rows.prompt_ids[i]] = len(units)
+                units.append([i])
+                unit_costs.append(costs[i])
+        return (units, unit_costs) if len(units) >= passes else alone
+
+    def take_saving(self) -> float:
+        """The share of tokens the passes since the last call did not run thanks to shared prompts
+        (``prefix_sharing/tokens_saved_fraction``); the count starts again."""
+        saved, total = self.tokens
+        self.tokens = [0, 0]
+        return saved / total if total else 0.0
+
+
 def shared_inputs(rows: Rows, index: list[int], device):
     """:meth:`~.rows.InputLayout.packed` of rows ``index`` (decoder-only) with shared prompts, plus the
     :class:`~trl_lite.models.shared_prefix_attention.SharedRows` of the pass and the prompt tokens saved.
@@ -135,3 +196,10 @@ def shared_inputs(rows: Rows, index: list[int], device):
     saved = sum(rows.tokens(i) for i in index) - total
     return inputs, positions, slots, targets, width, shared_rows(groups, device), saved
 
+
+
+def units_passes(split: list[list[int]], units: list[list[int]], group: list[int]) -> list[list[int]]:
+    """The passes of :func:`~.token_budget.split_by_tokens` over ``units`` (of :meth:`PrefixSharing.units`) as row
+    numbers, each pass's rows in their order in ``group``."""
+    order = {i: n for n, i in enumerate(group)}
+    return [sorted((i for u in part for i in units[u]), key=order.get) for part in split]

@@ -155,6 +155,21 @@ def token_slots(rows: Rows, index: list[int], width: int, device) -> tuple[torch
     return row, k
 
 
+def pad_token_id(tokenizer, model_config) -> int:
+    """The pad id of :class:`InputLayout`: the tokenizer's or the model's pad id, else its EOS id, else 0."""
+    for source in (tokenizer, model_config):
+        pad = getattr(source, "pad_token_id", None)
+        if pad is not None:
+            return int(pad)
+    for source in (tokenizer, model_config):
+        eos = getattr(source, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        if eos is not None:
+            return int(eos)
+    return 0
+
+
 @dataclass(frozen=True)
 class InputLayout:
     """How a mini-batch's rows are laid out for one model call.

@@ -1,0 +1,45 @@
+"""Keeps the `shared_prefix` block of `benchmarks/bench_step.py` working: its workloads' groups, a 1-step
+run of the three prefix-sharing methods on a tiny grouped workload, and the share of tokens each reports."""
+
+import dataclasses
+
+import pytest
+import torch
+from test_bench_floor import TINY, bench
+
+TINY_SHARED = dataclasses.replace(
+    bench.SHARED_PREFIX, name="tiny-shared", n_layer=2, n_embd=32, n_head=2, batch_size=8, mini_batch_size=8,
+    ppo_epochs=1, query_len=(12, 12), response_len=(2, 5), vocab_size=57, num_samples_per_query=4,
+)  # fmt: skip
+
+
+def test_shared_prefix_workloads_hold_groups_of_equal_prompts():
+    for workload, group, prompt in ((bench.SHARED_PREFIX, 8, 512), (bench.SHORT_PAIRS, 2, 16)):
+        queries, responses, _ = bench.make_batch(workload)
+        assert len(queries) == 32 and {len(q) for q in queries} == {prompt}
+        assert all(32 <= len(r) <= 96 for r in responses)
+        for i in range(len(queries)):
+            assert torch.equal(queries[i], queries[i - i % group])
+        assert not torch.equal(queries[0], queries[group])
+
+
+def test_prefix_methods_report_the_tokens_their_passes_ran():
+    methods = list(bench.PREFIX_METHODS)
+    results = bench.run_benchmark([TINY_SHARED], methods, steps=1, warmup=0, tensor_peak=False)
+    assert [r["method"] for r in results] == methods
+    queries, responses, _ = bench.make_batch(TINY_SHARED)
+    total = sum(len(q) + len(r) for q, r in zip(queries, responses))
+    # Every pass holds the whole batch (mini_batch_size = batch_size): each group's prompt runs once.
+    shared = 12 * 8 // 4 + sum(len(r) for r in responses)
+    run = {r["method"]: r["tokens_run"] for r in results}
+    # The automatic rule shares too: the groups save 72 of about 124 tokens, over its 25%.
+    assert run == pytest.approx({"step-prefix-on": shared / total, "step-prefix-off": 1.0, "step-prefix-auto": shared / total})
+    table = bench.format_table(results)
+    assert "median x prefix-off" in table
+    off_row = next(line for line in table.splitlines() if "| step-prefix-off |" in line)
+    assert off_row.endswith("| 1.00 | - |")  # its own time over itself; no tensor peak measured
+
+
+def test_prefix_methods_refuse_a_workload_without_groups():
+    with pytest.raises(ValueError, match="step-prefix-on"):
+        bench.make_step_fn("step-prefix-on", TINY, "cpu", torch.float32)
