@@ -2,6 +2,7 @@
 ``create_reference_model``)."""
 
 import re
+from contextlib import contextmanager
 from copy import deepcopy
 
 from torch import nn
@@ -82,3 +83,13 @@ def create_reference_model(model: nn.Module, num_shared_layers: int | None = Non
     for param in ref_model.parameters():
         param.requires_grad_(False)
     return ref_model.eval()
+
+
+@contextmanager
+def reference_context(reference, policy, unwrapped_policy):
+    """Yield the module that computes reference log-probs: ``reference``, or the PEFT ``policy`` with its adapter off."""
+    if reference is not None:
+        yield reference
+    else:
+        with unwrapped_policy.pretrained_model.disable_adapter():
+            yield policy

@@ -481,16 +481,6 @@ class ForwardPass:
             )
 
 
-@contextmanager
-def reference_context(reference, policy, unwrapped_policy):
-    """Yield the module that computes reference log-probs: ``reference``, or the PEFT ``policy`` with its adapter off."""
-    if reference is not None:
-        yield reference
-    else:
-        with unwrapped_policy.pretrained_model.disable_adapter():
-            yield policy
-
-
 # memory/lm_head_chunk_size of a model whose passes take its own (N, V) logits: not 0, which is one buffer.
 OWN_LOGITS = -1
 

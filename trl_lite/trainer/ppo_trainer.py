@@ -32,6 +32,7 @@ from .. import core
 from ..core import flatten_dict
 from ..models import PreTrainedModelWrapper, as_value_model, create_reference_model
 from ..models.dropout import disable_dropout_in_model
+from ..models.reference import reference_context
 from ..parallel import sequence_parallel_size
 from ..parallel.sequence_parallel import groups_built_once
 from .accelerate_setup import (
@@ -48,7 +49,7 @@ from .cpu_memory import keep_freed_cpu_memory
 from .ema import PolicyEMA
 from .experience import StepBatch
 from .experience_maker import ExperienceMaker
-from .forward import ForwardPass, reference_context
+from .forward import ForwardPass
 from ..engines.generation import build_generation
 from .kl_controllers import AdaptiveKLController, FixedKLController, update_kl_controller
 from .learner import Learner
