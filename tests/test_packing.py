@@ -40,6 +40,18 @@ def _row_alone_reference(wrapper, query, response):
     return on_cpu((logp[actions, ids[0, actions + 1]], values[actions]))
 
 
+def assert_rows_equal_rows_alone(wrapper, queries, responses, logprobs, ref_logprobs, values):
+    """Each row's log-probs, reference log-probs (the policy's own: a copy) and values ``(B, T)`` equal the row
+    run alone in float64, and are zero past its response."""
+    for b, (query, response) in enumerate(zip(queries, responses)):
+        expected_lp, expected_values = _row_alone_reference(wrapper, query, response)
+        n = len(response)
+        assert_close(logprobs[b, :n].double(), expected_lp, rtol=0, atol=2e-5)
+        assert_close(ref_logprobs[b, :n].double(), expected_lp, rtol=0, atol=2e-5)
+        assert_close(values[b, :n].double(), expected_values, rtol=0, atol=2e-5)
+        assert not logprobs[b, n:].any() and not values[b, n:].any()
+
+
 @pytest.mark.parametrize("padding_side", ["left", "right"])
 def test_packed_rows_give_each_row_its_own_logprobs_and_values(padding_side):
     trainer = make_trainer(None, padding_side)
@@ -55,13 +67,7 @@ def test_packed_rows_give_each_row_its_own_logprobs_and_values(padding_side):
     # One row per pass of the policy, holding exactly the tokens of its rows: no padding token is computed.
     lengths = [len(q) + len(r) for q, r in zip(queries, responses)]
     assert seen == [torch.Size([1, sum(lengths[:4])]), torch.Size([1, sum(lengths[4:])])]
-    for b, (query, response) in enumerate(zip(queries, responses)):
-        expected_lp, expected_values = _row_alone_reference(trainer.model, query, response)
-        n = len(response)
-        assert_close(logprobs[b, :n].double(), expected_lp, rtol=0, atol=2e-5)
-        assert_close(ref_logprobs[b, :n].double(), expected_lp, rtol=0, atol=2e-5)
-        assert_close(values[b, :n].double(), expected_values, rtol=0, atol=2e-5)
-        assert not logprobs[b, n:].any() and not values[b, n:].any()
+    assert_rows_equal_rows_alone(trainer.model, queries, responses, logprobs, ref_logprobs, values)
 
 
 def _steps(padding_free, padding_side="right", model_factory=None, steps=2, with_masks=False, **config_kwargs):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from devices import assert_close
-from test_packing import _row_alone_reference
+from test_packing import assert_rows_equal_rows_alone
 from tiny_models import VOCAB_SIZE, make_gpt2, make_gpt2_critic, make_tokenizer
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
@@ -77,13 +77,7 @@ def test_shared_pass_gives_each_row_its_own_logprobs_and_values():
     assert seen and all(shape == torch.Size([1, 3 + 11 + sum(len(r) for r in responses)]) for shape in seen)
     total = sum(len(q) + len(r) for q, r in zip(queries, responses))
     assert trainer.forward.prefix.take_saving() == pytest.approx(3 * (3 + 11) / total)
-    for b, (query, response) in enumerate(zip(queries, responses)):
-        expected_lp, expected_values = _row_alone_reference(trainer.model, query, response)
-        n = len(response)
-        assert_close(logprobs[b, :n].double(), expected_lp, rtol=0, atol=2e-5)
-        assert_close(ref_logprobs[b, :n].double(), expected_lp, rtol=0, atol=2e-5)
-        assert_close(values[b, :n].double(), expected_values, rtol=0, atol=2e-5)
-        assert not logprobs[b, n:].any()
+    assert_rows_equal_rows_alone(trainer.model, queries, responses, logprobs, ref_logprobs, values)
 
 
 def _two_steps(prefix_sharing, **config_kwargs):
