@@ -71,6 +71,18 @@ def test_chunked_head_matches_float64_autograd_of_the_plain_log_softmax(dtype, c
     torch.testing.assert_close(no_grad.double(), ref_lp.detach(), rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("chunk", [0, 1, 64])
+def test_a_pass_of_no_tokens_gives_empty_outputs_and_zero_gradients(chunk):
+    # A slice of a pass cut over more processes than its row has tokens holds no token at all.
+    hidden, weight, b, labels = _inputs(torch.float32, bias=True, seed=3)
+    hidden = hidden[:0].detach().requires_grad_()
+    lp, entropy = core.logprobs_and_entropy_from_hidden(hidden, weight, b, labels[:0], chunk_size=chunk)
+    assert lp.shape == entropy.shape == (0,)
+    grads = torch.autograd.grad((lp.sum() + entropy.sum()), [hidden, weight, b], allow_unused=True)
+    assert grads[0].shape == (0, weight.shape[1])
+    assert all(g is None or not g.any() for g in grads[1:])
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_one_buffer_head_and_logits_functions_take_the_temperature(temperature):
     hidden, weight, b, labels = _inputs(torch.float64, seed=3)

@@ -143,7 +143,8 @@ def _work_buffer(n: int, chunk_size: int, weight: torch.Tensor) -> torch.Tensor:
 
 def _scratch(block: torch.Tensor) -> torch.Tensor:
     """One cache-sized ``(S, V)`` buffer for the vocabulary work over ``block`` ``(R, V)``."""
-    return block.new_empty((min(cache_rows(block), block.shape[0]), block.shape[1]))
+    # At least one row: a slice of a cut pass can hold no token, and a loop's step must not be 0.
+    return block.new_empty((max(1, min(cache_rows(block), block.shape[0])), block.shape[1]))
 
 
 def _softmax_stats(z, labels, logprobs, entropy, log_sum_exp, scratch) -> None:
@@ -249,7 +250,7 @@ class _LinearHead(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, bias, labels, saved, entropy = ctx.saved_tensors
         temperature, n = ctx.temperature, hidden.shape[0]
-        step = ctx.chunk_size or n
+        step = ctx.chunk_size or max(n, 1)
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         want_bias = bias is not None and ctx.needs_input_grad[2]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None

@@ -353,7 +353,7 @@ class PPOConfig:
             "help": "Shared-prefix packed passes: rows whose query tokens are identical (GRPO/RLOO groups, equal "
             "queries in a GAE batch) run their prompt once per pass, each response attending to it; same results "
             "as without (docs/prefix_sharing.md). None: automatic - on for a step whose shared prompts save at "
-            "least 25% of its tokens; True: always where rows share a prompt (an error at construction when the "
+            "least a quarter of its tokens; True: always where rows share a prompt (an error at construction when the "
             "passes cannot share: padded passes, sequence parallelism); False: off. Steps report "
             "prefix_sharing/tokens_saved_fraction."
         },

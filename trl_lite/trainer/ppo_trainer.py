@@ -301,7 +301,7 @@ class PPOTrainer(ClassicHelpersMixin):
         stats = self.statistics.step_stats(experience, train_stats)
         spans["time/ppo/calc_stats"] = (t, clock.mark())
         stats["ppo/learning_rate"] = self.optimizer.param_groups[0]["lr"]
-        stats["prefix_sharing/tokens_saved_fraction"] = self.forward.prefix.take_saving()
+        stats["prefix_sharing/tokens_saved_fraction"] = self.forward.prefix.take_saving(self.accelerator)
 
         # Section 7: the KL controller and the scheduler
         if self.rollout_plan.reference:  # else the coefficient is 0 and stays 0, and the KL is not measured

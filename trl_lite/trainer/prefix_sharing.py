@@ -130,11 +130,15 @@ class PrefixSharing:
                 unit_costs.append(costs[i])
         return (units, unit_costs) if len(units) >= passes else alone
 
-    def take_saving(self) -> float:
+    def take_saving(self, accelerator=None) -> float:
         """The share of tokens the passes since the last call did not run thanks to shared prompts
-        (``prefix_sharing/tokens_saved_fraction``); the count starts again."""
+        (``prefix_sharing/tokens_saved_fraction``), over every process of ``accelerator`` when given (each
+        counts its own rows; the statistic is the run's, the same on all); the count starts again."""
         saved, total = self.tokens
         self.tokens = [0, 0]
+        if accelerator is not None and accelerator.num_processes > 1:
+            counts = torch.tensor([saved, total], dtype=torch.float64, device=accelerator.device)
+            saved, total = accelerator.reduce(counts, reduction="sum").tolist()
         return saved / total if total else 0.0
 
 
