@@ -43,3 +43,22 @@ def test_prefix_methods_report_the_tokens_their_passes_ran():
 def test_prefix_methods_refuse_a_workload_without_groups():
     with pytest.raises(ValueError, match="step-prefix-on"):
         bench.make_step_fn("step-prefix-on", TINY, "cpu", torch.float32)
+
+
+def test_shuffle_by_prompt_bench_counts_the_training_passes_saving():
+    import importlib.util
+
+    from test_bench_floor import BENCH_PATH
+
+    spec = importlib.util.spec_from_file_location("bench_shuffle_by_prompt", BENCH_PATH.parent / "bench_shuffle_by_prompt.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    workload = dataclasses.replace(TINY_SHARED, mini_batch_size=4, ppo_epochs=2)
+    queries, responses, _ = bench.make_batch(workload)
+    total = sum(len(q) + len(r) for q, r in zip(queries, responses))
+    torch.manual_seed(0)
+    by_rows, _ = script.measure(workload, False, steps=1)
+    by_prompt, _ = script.measure(workload, True, steps=1)
+    assert by_prompt == pytest.approx(12 * 6 / total)  # every training pass: one group of 4, its prompt once
+    assert by_rows < by_prompt

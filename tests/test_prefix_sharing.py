@@ -15,7 +15,7 @@ from tiny_models import VOCAB_SIZE, make_gpt2, make_gpt2_critic, make_tokenizer
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 from trl_lite.core import LOSS_TYPES
-from trl_lite.trainer.prefix_sharing import prompt_ids
+from trl_lite.trainer.prefix_sharing import epoch_order, prompt_ids
 
 COMPARED = ("objective/kl", "objective/entropy", "ppo/loss/policy", "ppo/loss/total", "ppo/policy/entropy",
             "ppo/policy/approxkl", "ppo/policy/policykl", "ppo/policy/clipfrac", "ppo/policy/advantages_mean")  # fmt: skip
@@ -102,6 +102,7 @@ CASES = {
     "gae-lora": dict(model_factory=lora_policy, ppo_epochs=2),
     "gae-gradient-checkpointing": dict(gradient_checkpointing=True, ppo_epochs=2, mini_batch_size=4),
     "grpo-token-budget": dict(GRPO, max_tokens_per_minibatch=40, ppo_epochs=2),
+    "grpo-shuffle-by-prompt": dict(GRPO, shuffle_by_prompt=True, ppo_epochs=2, mini_batch_size=4),
 }
 
 
@@ -109,10 +110,12 @@ CASES = {
 def test_step_with_shared_prompts_equals_the_unshared_step(name):
     shared, shared_stats, shared_weights = _two_steps(True, **CASES[name])
     plain, plain_stats, plain_weights = _two_steps(False, **CASES[name])
-    whole_batch_passes = shared.config.mini_batch_size == 8 and shared.config.max_tokens_per_minibatch is None
+    # With shuffle_by_prompt, mini-batches of 4 hold whole groups of 4.
+    whole_groups = shared.config.mini_batch_size == 8 or shared.config.shuffle_by_prompt
+    whole_batch_passes = whole_groups and shared.config.max_tokens_per_minibatch is None
     for seed, (got, want) in enumerate(zip(shared_stats, plain_stats)):
         assert got["prefix_sharing/tokens_saved_fraction"] > 0.1
-        if whole_batch_passes:  # every pass (rollout and training, critic included) ran each prompt once
+        if whole_batch_passes:  # every pass (rollout and training, critic included) ran each prompt once per group
             queries, responses, _ = grouped_batch(seed)
             total = sum(len(q) + len(r) for q, r in zip(queries, responses))
             assert got["prefix_sharing/tokens_saved_fraction"] == pytest.approx(3 * (3 + 11) / total)
@@ -193,3 +196,47 @@ def test_budget_units_hold_a_prompts_rows_in_runs_that_fit():
         assert cost == len(queries[unit[0]]) + sum(len(responses[i]) for i in unit) <= 40
     # A process that must make more passes than it has runs (another process needs them): its rows one by one.
     assert trainer.forward.prefix.units(list(range(8)), costs, rows, 40, len(units) + 1) == ([[i] for i in range(8)], costs)
+
+
+def test_an_epoch_shuffle_by_prompt_permutes_whole_groups():
+    prompts = (0, 0, 2, 3, 0, 2, 6, 3)  # prompt_ids: rows of one prompt need not be adjacent in the batch
+    orders = []
+    for seed in range(20):
+        torch.manual_seed(seed)
+        order = epoch_order(8, prompts)
+        assert sorted(order) == list(range(8))
+        for rows in ([0, 1, 4], [2, 5], [3, 7], [6]):  # each prompt's rows follow one another, in batch order
+            at = order.index(rows[0])
+            assert order[at : at + len(rows)] == rows
+        orders.append(tuple(order))
+    assert len(set(orders)) > 10  # the groups' order is drawn: 4! = 24 orders
+    # Without it (the default), the row shuffle the learner always drew: the same random stream, so a resumed
+    # run takes the same orders as before this option existed.
+    torch.manual_seed(5)
+    want = torch.randperm(8).tolist()
+    torch.manual_seed(5)
+    assert epoch_order(8, None) == want
+
+
+def test_shuffle_by_prompt_keeps_each_group_in_one_training_pass():
+    # Mini-batches of 4 over two groups of 4: a row shuffle splits the groups over the passes, the prompt
+    # shuffle keeps each group in one, so every training pass runs its prompt once.
+    saved = {}
+    for by_prompt in (False, True):
+        trainer = make_trainer(True, **GRPO, mini_batch_size=4, ppo_epochs=4, shuffle_by_prompt=by_prompt)
+        passes = saved[by_prompt] = []
+        train = trainer.learner.train
+
+        def count(experience, train=train, passes=passes, prefix=trainer.forward.prefix):
+            prefix.take_saving()  # the rollout passes' count
+            result = train(experience)
+            passes.append(prefix.take_saving())
+            return result
+
+        trainer.learner.train = count
+        torch.manual_seed(0)
+        trainer.step(*grouped_batch(0))
+    queries, responses, _ = grouped_batch(0)
+    total = sum(len(q) + len(r) for q, r in zip(queries, responses))
+    assert saved[True] == [pytest.approx(3 * (3 + 11) / total)]
+    assert saved[False][0] < saved[True][0] - 0.05

@@ -57,7 +57,9 @@ class Experience:
     as in :class:`StepBatch`;
     ``gap_stats``: the ``rollout/*`` log-prob gap statistics; ``timings``: each phase's ``(start, end)`` marks
     (:class:`~.timing.StepClock`);
-    ``num_groups`` and ``actions``: as in :class:`StepBatch` (host numbers: read without a device sync).
+    ``num_groups`` and ``actions``: as in :class:`StepBatch` (host numbers: read without a device sync);
+    ``prompts``: with ``shuffle_by_prompt``, the rows' :func:`~.prefix_sharing.prompt_ids` (host ints) whose
+    groups the learner's epoch shuffle keeps together (:func:`~.prefix_sharing.epoch_order`), else None.
     """
 
     rows: Rows
@@ -82,6 +84,7 @@ class Experience:
     timings: dict = field(default_factory=dict)
     num_groups: int | None = None
     actions: tuple | None = None
+    prompts: tuple | None = None
 
     def __len__(self) -> int:
         return len(self.rows)

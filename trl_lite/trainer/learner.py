@@ -28,6 +28,7 @@ from .experience import Experience, Minibatch
 from .forward import ForwardPass
 from .oom_backoff import PassOutOfMemory, drop_gradients
 from .pass_plan import PassPlan, combine_pass_stats, plan_epoch
+from .prefix_sharing import epoch_order
 from .ptx import ptx_loss
 from .rows import to_compact
 from .transfer import Selected
@@ -104,7 +105,7 @@ class Learner:
                 # Drawn on the host from torch's global generator, once per epoch (a backward batch redone after an
                 # out-of-memory error draws nothing). A sequence-parallel group trains in its first process's order:
                 # the others' generators may differ (seeded per process, or used by a sampler of their own).
-                order = torch.randperm(len(experience)).tolist()
+                order = epoch_order(len(experience), experience.prompts)  # a permutation of the rows or prompts
                 if self.forward.sequence is not None:
                     order = self.forward.sequence.share(order)
                 epoch_policykl = []

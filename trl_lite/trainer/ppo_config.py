@@ -358,6 +358,16 @@ class PPOConfig:
             "prefix_sharing/tokens_saved_fraction."
         },
     )
+    shuffle_by_prompt: bool = field(
+        default=False,
+        metadata={
+            "help": "The epoch shuffle of step()'s learner permutes prompts, not rows: the rows with identical "
+            "query tokens (a GRPO/RLOO group) stay together in the order of the batch, so with mini_batch_size a "
+            "multiple of the group size each group trains in one mini-batch and its training passes can run the "
+            "prompt once (prefix_sharing). False: a shuffle of the rows, as classic TRL. The same order with "
+            "prefix_sharing on or off (docs/prefix_sharing.md)."
+        },
+    )
     # Set by the trainer
     is_encoder_decoder: bool | None = field(default=None, metadata={"help": "Set by the trainer."})
     is_peft_model: bool | None = field(default=None, metadata={"help": "Set by the trainer."})

@@ -54,6 +54,23 @@ def prompt_ids(queries: list[torch.Tensor]) -> tuple:
     return tuple(ids)
 
 
+def epoch_order(rows: int, prompts: tuple | None) -> list[int]:
+    """One epoch's order of ``rows`` rows (``PPOConfig.shuffle_by_prompt``), drawn from torch's global generator.
+
+    ``prompts``: None, a shuffle of the rows (``torch.randperm(rows)``, what the learner always drew); else the
+    rows' :func:`prompt_ids`, and the shuffle permutes prompts: the rows of each prompt follow one another in
+    their order in the batch. It depends on the query tokens alone, never on ``prefix_sharing``, so the
+    mini-batches are the same with sharing on and off.
+    """
+    if prompts is None:
+        return torch.randperm(rows).tolist()
+    members = {}
+    for i, prompt in enumerate(prompts):
+        members.setdefault(prompt, []).append(i)
+    groups = list(members.values())
+    return [i for g in torch.randperm(len(groups)).tolist() for i in groups[g]]
+
+
 def saved_tokens(rows: Rows, index: list[int], ids: tuple) -> int:
     """Prompt tokens a pass over rows ``index`` does not run again with the shared layout (host ints)."""
     return sum(len(rows.queries[i]) for n, i in enumerate(index) if any(ids[j] == ids[i] for j in index[:n]))
