@@ -40,17 +40,13 @@ def check_sharing(prefix_sharing, pack: bool, sequence, policy, row_attention: d
 def prompt_ids(queries: list[torch.Tensor]) -> tuple:
     """Per row, the number of the first row whose query tokens equal its own (itself when none before it does).
 
-    Call it on the host tensors of ``step()`` (before the batch's copy to the device): each row is compared
-    (``torch.equal``) with the distinct queries of its length seen before it, which on an accelerator
-    would wait for the device each time.
+    Call it on the host tensors of ``step()`` (before the batch's copy to the device): each query is read
+    as a tuple of ints, which on an accelerator would wait for the device each time. One dictionary look-up
+    per row, so the automatic rule's look costs O(tokens), not a comparison with every earlier query.
     """
-    seen, ids = {}, []
+    first, ids = {}, []
     for i, query in enumerate(queries):
-        same_length = seen.setdefault(len(query), [])
-        match = next((j for j in same_length if torch.equal(queries[j], query)), None)
-        if match is None:
-            same_length.append(i)
-        ids.append(i if match is None else match)
+        ids.append(first.setdefault(tuple(query.tolist()), i))
     return tuple(ids)
 
 
@@ -73,7 +69,12 @@ def epoch_order(rows: int, prompts: tuple | None) -> list[int]:
 
 def saved_tokens(rows: Rows, index: list[int], ids: tuple) -> int:
     """Prompt tokens a pass over rows ``index`` does not run again with the shared layout (host ints)."""
-    return sum(len(rows.queries[i]) for n, i in enumerate(index) if any(ids[j] == ids[i] for j in index[:n]))
+    seen, saved = set(), 0
+    for i in index:
+        if ids[i] in seen:
+            saved += len(rows.queries[i])
+        seen.add(ids[i])
+    return saved
 
 
 def automatic(rows: Rows, ids: tuple) -> bool:
@@ -153,6 +154,8 @@ class PrefixSharing:
         counts its own rows; the statistic is the run's, the same on all); the count starts again."""
         saved, total = self.tokens
         self.tokens = [0, 0]
+        if not self.shares_prompts:  # the same setting on every process: nothing saved anywhere, no collective
+            return 0.0
         if accelerator is not None and accelerator.num_processes > 1:
             counts = torch.tensor([saved, total], dtype=torch.float64, device=accelerator.device)
             saved, total = accelerator.reduce(counts, reduction="sum").tolist()
