@@ -62,3 +62,14 @@ def test_shuffle_by_prompt_bench_counts_the_training_passes_saving():
     by_prompt, _ = script.measure(workload, True, steps=1)
     assert by_prompt == pytest.approx(12 * 6 / total)  # every training pass: one group of 4, its prompt once
     assert by_rows < by_prompt
+
+
+def test_the_automatic_rule_shares_shared_prefix_and_not_short_pairs():
+    # The rule on the benchmark's own batches, through a trainer with prefix_sharing=None (no pass runs).
+    from test_prefix_sharing import make_trainer
+
+    trainer = make_trainer(None, batch_size=32, mini_batch_size=32)
+    for workload, shares in ((bench.SHARED_PREFIX, True), (bench.SHORT_PAIRS, False)):
+        queries, responses, _ = bench.make_batch(workload)
+        rows = trainer.forward.make_rows(queries, responses)
+        assert (rows.prompt_ids is not None) == shares, workload.name
