@@ -263,8 +263,9 @@ class SequenceParallel:
         """This process's slice of a packed pass's model ``inputs`` (:meth:`~trl_lite.trainer.rows.InputLayout.packed`).
 
         ``lengths``: the rows' tokens; ``firsts``: the stream position of each row's first slot; ``counts``:
-        each row's slots (host ints); ``pad_id``: the token id of the padding row. Returns the inputs of the slice - ``input_ids``, ``position_ids``
-        ``(1, chunk)`` and ``logits_positions`` of its slots, relative to the slice - and its :class:`SequencePass`.
+        each row's slots (host ints); ``pad_id``: the token id of the padding row. Returns the inputs of the
+        slice - ``input_ids``, ``position_ids`` ``(1, chunk)`` and ``logits_positions`` of its slots, relative to
+        the slice - and its :class:`SequencePass`.
         """
         total = sum(lengths)
         chunk = math.ceil(total / self.size)

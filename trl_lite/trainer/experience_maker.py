@@ -24,7 +24,6 @@ from ..core import (
     sequence_to_tokens,
     truncated_importance_weights,
 )
-from ..parallel import NoSequenceParallel
 from .experience import Experience, StepBatch
 from .forward import ForwardPass
 from .prefix_sharing import prompt_ids
@@ -49,14 +48,13 @@ class ExperienceMaker:
         eos_ids: the EOS ids of section 14 (empty when none is known).
         policy_values: whether the policy's value head gives the values (GAE without a separate critic).
         plan: the passes without grad that run (:class:`~.rollout_plan.RolloutPlan`; default both).
-        sequence: the trainer's sequence-parallel part (:class:`~trl_lite.parallel.SequenceParallel`): its group's
-            rows are checked equal, and counted once in whitening; default none
-            (:class:`~trl_lite.parallel.NoSequenceParallel`).
+        sequence: the trainer's sequence-parallel part (:class:`~trl_lite.parallel.SequenceParallel`, whose group's
+            rows are checked equal and counted once in whitening, or :class:`~trl_lite.parallel.NoSequenceParallel`).
     """
 
     def __init__(self, config, accelerator, forward: ForwardPass, policy, reference, critic, kl_ctl, running,
-                 eos_ids: tuple[int, ...], policy_values: bool, plan: RolloutPlan = EVERY_PASS,
-                 sequence=None):  # fmt: skip
+                 eos_ids: tuple[int, ...], policy_values: bool, plan: RolloutPlan = EVERY_PASS, *,
+                 sequence):  # fmt: skip
         self.config = config
         self.accelerator = accelerator
         self.forward = forward
@@ -68,7 +66,7 @@ class ExperienceMaker:
         self.eos_ids = eos_ids
         self.policy_values = policy_values
         self.plan = plan
-        self.sequence = NoSequenceParallel() if sequence is None else sequence
+        self.sequence = sequence
         self.device = accelerator.device
         self.clock = StepClock(self.device)
 

@@ -20,7 +20,6 @@ from ..core import full_kl_from_hidden, full_kl_from_logits, logprobs_and_entrop
 from ..core.lm_head import call_head, linear_head, linear_head_logprobs, lm_head_chunk_size
 from ..models.packed_attention import ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths, without_cudnn
 from ..models.varlen_attention import packed_rows
-from ..parallel import NoSequenceParallel, SequenceParallel
 from .oom_backoff import MemoryBackoff
 from .prefix_sharing import PrefixSharing, check_sharing, units_passes
 from .rows import InputLayout, Rows, at_positions, make_rows, pad_token_id, to_compact, to_device
@@ -46,18 +45,17 @@ class ForwardPass:
             transformers' block-diagonal mask, to the same result.
         reuse_logits_buffer: whether the fused LM head writes into one buffer kept between passes
             (CPU with ``keep_freed_cpu_memory``, see :meth:`logits_out`).
-        sequence: the trainer's sequence-parallel part: the group packed passes are cut over (see
-            :meth:`gather_slots`), or a :class:`~trl_lite.parallel.NoSequenceParallel` (the default).
+        sequence: the trainer's sequence-parallel part: the :class:`~trl_lite.parallel.SequenceParallel` group
+            packed passes are cut over (see :meth:`gather_slots`), or a :class:`~trl_lite.parallel.NoSequenceParallel`.
         lm_head_chunk_size: ``PPOConfig.lm_head_chunk_size`` (None: automatic; see :meth:`head_chunk_size`).
         temperature: ``PPOConfig.temperature``: log-probs and full KL under ``logits / temperature`` (section 20).
         prefix_sharing: ``PPOConfig.prefix_sharing`` (None: automatic; see :mod:`.prefix_sharing`).
     """
 
     def __init__(self, accelerator, models: list[tuple], layout: InputLayout, *, is_encoder_decoder: bool,
-                 mini_batch_size: int, memory: MemoryBackoff, pack: bool = False, row_attention: dict | None = None,
-                 reuse_logits_buffer: bool = False, sequence: SequenceParallel | NoSequenceParallel | None = None,
-                 lm_head_chunk_size: int | None = None,
-                 temperature: float = 1.0, prefix_sharing: bool | None = False):  # fmt: skip
+                 mini_batch_size: int, memory: MemoryBackoff, sequence, pack: bool = False,
+                 row_attention: dict | None = None, reuse_logits_buffer: bool = False,
+                 lm_head_chunk_size: int | None = None, temperature: float = 1.0, prefix_sharing: bool | None = False):  # fmt: skip
         self.accelerator = accelerator
         self.device = accelerator.device
         self.models = models
@@ -70,7 +68,7 @@ class ForwardPass:
         self.memory = memory
         self._logits_buffer = None
         self._warned_long_row = False
-        self.sequence = NoSequenceParallel() if sequence is None else sequence
+        self.sequence = sequence
         self._sequence_pass = None  # this process's slice of the last packed pass (sequence parallelism)
         self.lm_head_chunk_size = lm_head_chunk_size
         self._warned_no_chunks = False
@@ -79,7 +77,7 @@ class ForwardPass:
 
     @classmethod
     def build(cls, accelerator, policy, reference, critic, tokenizer, config, pack: bool, memory: MemoryBackoff,
-              sequence: SequenceParallel | NoSequenceParallel) -> ForwardPass:  # fmt: skip
+              sequence) -> ForwardPass:  # fmt: skip
         """The forward part of a trainer: ``policy``, ``reference`` (or None) and ``critic`` (or None) prepared;
         ``memory`` and ``sequence``: the trainer's back-off and sequence-parallel part."""
         unwrapped = accelerator.unwrap_model(policy)
@@ -101,8 +99,8 @@ class ForwardPass:
         sequence.check_models(pack, [m for m in (policy, reference, critic) if m is not None], row_attention)
         check_sharing(config.prefix_sharing, pack, sequence.cuts, policy, row_attention)
         forward = cls(accelerator, models, layout, is_encoder_decoder=unwrapped.is_encoder_decoder,
-                      mini_batch_size=config.mini_batch_size, memory=memory, pack=pack, row_attention=row_attention,
-                      reuse_logits_buffer=reuse, sequence=sequence,
+                      mini_batch_size=config.mini_batch_size, memory=memory, sequence=sequence, pack=pack,
+                      row_attention=row_attention, reuse_logits_buffer=reuse,
                       lm_head_chunk_size=config.lm_head_chunk_size, temperature=config.temperature,
                       prefix_sharing=config.prefix_sharing)  # fmt: skip
         forward.prefix.in_budget = all(id(m) in row_attention for m in (policy, reference, critic) if m is not None)

@@ -229,7 +229,7 @@ class PPOTrainer(ClassicHelpersMixin):
         self._ema = PolicyEMA(unwrapped, config.ema_decay) if config.ema_decay is not None else None
         self.experience_maker = ExperienceMaker(
             config, accelerator, self.forward, self.model, self._reference, self.critic, self.kl_ctl, self.running,
-            self._eos_ids, self._uses_value_head, self.rollout_plan, self.sequence,
+            self._eos_ids, self._uses_value_head, self.rollout_plan, sequence=self.sequence,
         )  # fmt: skip
         self.learner = Learner(
             config, accelerator, self.forward, self.model, self.optimizer, PolicyObjective.from_config(config),

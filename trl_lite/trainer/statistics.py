@@ -9,7 +9,6 @@ import torch
 from accelerate.utils import gather_object
 
 from ..core import groups_with_equal_scores, masked_mean, stats_to_np
-from ..parallel import NoSequenceParallel
 from .transfer import Selected, stack_scalars, to_host_together
 
 # Statistics that are distributions (1-D arrays): concatenated over processes instead of averaged.
@@ -53,14 +52,14 @@ class StepStatistics:
     Args:
         config: the trainer's :class:`PPOConfig`.
         accelerator: the run's accelerator (reductions, gathers, trackers).
-        sequence: the trainer's sequence-parallel part (:class:`~trl_lite.parallel.SequenceParallel`), whose
-            group's processes hold the same rows; default none (:class:`~trl_lite.parallel.NoSequenceParallel`).
+        sequence: the trainer's sequence-parallel part (:class:`~trl_lite.parallel.SequenceParallel`, whose
+            group's processes hold the same rows, or :class:`~trl_lite.parallel.NoSequenceParallel`).
     """
 
-    def __init__(self, config, accelerator, sequence=None):
+    def __init__(self, config, accelerator, sequence):
         self.config = config
         self.accelerator = accelerator
-        self.sequence = NoSequenceParallel() if sequence is None else sequence
+        self.sequence = sequence
         self.device = accelerator.device
 
     def step_stats(self, experience, train_stats: dict) -> dict:
