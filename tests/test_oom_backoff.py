@@ -238,6 +238,52 @@ def test_checkpoint_and_resume_after_a_back_off(tmp_path):
     _assert_same_step(got, want, resumed, trainer)
 
 
+def test_the_trainer_owns_the_one_back_off_its_parts_share(tmp_path):
+    """PPOTrainer builds one MemoryBackoff and hands it to the forward part and the learner: a failure in a training
+    pass (the learner's) sets the budget the forward part's passes then take; the checkpointer saves and restores
+    that back-off through its state_dict, into the resumed trainer's own, which its parts share again."""
+    trainer = _trainer()
+    memory = trainer.memory
+    assert trainer.forward.memory is memory and trainer.learner.memory is memory
+    assert trainer.checkpointer.parts == {"memory": memory}
+    _step(trainer, calls=(2,))  # a training forward: the learner backs off
+    assert memory.backed_off and memory.retries == 1 and trainer.forward.max_tokens == memory.budget > 0
+    saved = memory.state_dict()
+    trainer.save_checkpoint(str(tmp_path / "checkpoint"))
+
+    resumed = _trainer()
+    assert resumed.memory is not memory and resumed.memory.state_dict() == {"budget": None, "backed_off": False, "retries": 0}
+    resumed.load_checkpoint(str(tmp_path / "checkpoint"))
+    assert resumed.memory.state_dict() == saved
+    assert resumed.forward.memory is resumed.memory and resumed.learner.memory is resumed.memory
+    assert resumed.forward.max_tokens == memory.budget
+
+
+def test_the_checkpointer_saves_each_part_through_its_state_dict(tmp_path):
+    """Checkpointer(accelerator, parts): each part's state_dict() is saved under its name and given back to its
+    load_state_dict(); a checkpoint without the part's name (written before it existed) leaves the part as it is."""
+    from accelerate import Accelerator
+
+    from trl_lite.trainer.checkpointing import Checkpointer
+    from trl_lite.trainer.oom_backoff import MemoryBackoff, PassOutOfMemory
+
+    accelerator = Accelerator(cpu=True)
+    memory = MemoryBackoff(accelerator, None, enabled=True)
+    with pytest.raises(PassOutOfMemory), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        memory.back_off(40, single_row=False)
+    Checkpointer(accelerator, {"memory": memory}).save(str(tmp_path / "with"), {"step": 3})
+    Checkpointer(accelerator).save(str(tmp_path / "without"), {"step": 3})
+
+    restored = MemoryBackoff(accelerator, None, enabled=True)
+    state, tensors = Checkpointer(accelerator, {"memory": restored}).load(str(tmp_path / "with"))
+    assert state["memory"] == {"budget": 20, "backed_off": True, "retries": 1} and state["step"] == 3 and tensors == {}
+    assert (restored.budget, restored.backed_off, restored.retries) == (20, True, 1)
+    untouched = MemoryBackoff(accelerator, 64, enabled=True)
+    Checkpointer(accelerator, {"memory": untouched}).load(str(tmp_path / "without"))
+    assert (untouched.budget, untouched.backed_off, untouched.retries) == (64, False, 0)
+
+
 def test_combined_pass_statistics_are_the_backward_batch_statistics():
     """Means weighted by action tokens, variances pooled: the statistics of the whole backward batch, whatever
     the split (float64 reference on the rows together)."""

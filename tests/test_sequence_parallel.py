@@ -26,8 +26,10 @@ import pytest
 import torch
 from test_distributed import REPO, SCRIPTS, _free_port, deepspeed_cpu_collectives, launch  # noqa: F401 (fixture)
 
-from tiny_models import make_gpt2, make_gpt2_critic
+from tiny_models import make_gpt2, make_gpt2_critic, make_tokenizer
+from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 from trl_lite.models.packed_attention import takes_row_lengths
+from trl_lite.parallel import NoSequenceParallel
 from trl_lite.parallel.sequence_parallel import (
     SequenceParallel,
     check_before_prepare,
@@ -215,3 +217,40 @@ def test_checks_name_what_sequence_parallelism_needs():
     check_before_prepare(model, critic)
     assert model.config.num_key_value_heads == model.config.num_attention_heads == 2
     assert critic.config.num_key_value_heads == 2
+
+
+def _group(rank: int, size: int) -> SequenceParallel:
+    group = SequenceParallel.__new__(SequenceParallel)  # no process group: only rank and size are read
+    group.rank, group.size = rank, size
+    return group
+
+
+def test_a_group_keeps_one_copy_of_its_rows_and_counts_each_row_once():
+    """one_per_group and row_share against brute force, for groups of 1 (the no-op part), 2 and 4: of every
+    process's gathered piece, those of each group's first process; a sum over processes weighted by row_share
+    adds each group's rows once."""
+    for size, processes in ((1, 3), (2, 2), (2, 6), (4, 8)):
+        pieces = [torch.arange(3, dtype=torch.float64) + 10 * (p // size) for p in range(processes)]  # a group's alike
+        gathered = torch.cat(pieces)
+        part = NoSequenceParallel() if size == 1 else _group(0, size)
+        want = torch.cat([pieces[p] for p in range(processes) if p % size == 0])
+        assert torch.equal(part.one_per_group(gathered, processes), want)
+        assert sum(part.row_share * piece.sum() for piece in pieces) == want.sum()
+
+
+def test_without_sequence_parallelism_every_part_gets_the_trainers_no_op_part():
+    """One process: the trainer's sequence-parallel part is a NoSequenceParallel, the one its parts hold; it
+    shares and generates as a lone process does (the same objects back, ``generate`` called as asked, no check)."""
+    config = PPOConfig(batch_size=2, mini_batch_size=2, seed=0)
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2())
+    trainer = PPOTrainer(config, model, tokenizer=make_tokenizer())
+    sequence = trainer.sequence
+    assert isinstance(sequence, NoSequenceParallel) and (sequence.size, sequence.cuts) == (1, False)
+    parts = (trainer.forward, trainer.learner, trainer.experience_maker, trainer.statistics, trainer.generation)
+    assert all(part.sequence is sequence for part in parts)
+    order = [2, 0, 1]
+    assert sequence.share(order) is order
+    calls = []
+    assert sequence.generate(lambda queries: calls.append(queries) or "out", order, check=calls.append) == "out"
+    assert calls == [order]
+    assert trainer.memory.forwards_synchronise is False

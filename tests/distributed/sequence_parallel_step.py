@@ -97,7 +97,10 @@ def main() -> None:
     trainer = PPOTrainer(config, model, tokenizer=make_tokenizer("left"), optimizer=optimizer, value_model=critic,
                          critic_optimizer=critic_optimizer)  # fmt: skip
     sp_size = sequence_parallel_size(trainer.accelerator)
-    assert (trainer.forward.sequence is not None) == (sp_size > 1)
+    # One sequence-parallel part, the trainer's, in every part that cuts, shares or counts the group's rows.
+    parts = (trainer.forward, trainer.learner, trainer.experience_maker, trainer.statistics, trainer.generation)
+    assert all(part.sequence is trainer.sequence for part in parts) and trainer.sequence.size == sp_size
+    assert trainer.sequence.cuts == (sp_size > 1)
     group = trainer.accelerator.process_index // sp_size
 
     # Every process samples from a seed of its own; generate() gives the processes of a group the group's

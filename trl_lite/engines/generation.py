@@ -56,7 +56,7 @@ class RolloutGeneration:
         self._held_version = None
         self.last_push_bytes = 0
         self._awake_depth = 0  # nesting of awake()
-        # Under sequence parallelism: the group whose processes return the same generations (see build_generation).
+        # The trainer's sequence-parallel part, whose group's processes return the same generations (see build_generation).
         self.sequence = None
         if engine.sleeps:
             # It holds nothing worth keeping yet: the first generate wakes it and pushes the weights.
@@ -139,9 +139,7 @@ class RolloutGeneration:
 
         if self.sequence is None:
             return generate(query_tensor)
-        if isinstance(query_tensor, (list, tuple)):
-            _check_queries(query_tensor)  # on every process, before the group splits them
-        return self.sequence.generate(generate, query_tensor)
+        return self.sequence.generate(generate, query_tensor, check=_check_queries)
 
     def _generate(self, query_tensor, length_sampler, batch_size, return_prompt, generate_ref_response, remove_padding,
                   return_logprobs, **generation_kwargs):  # fmt: skip
@@ -194,8 +192,9 @@ def build_generation(config, *, model, unwrapped, accelerator, tokenizer, pad_to
 
     ``model``: the prepared policy; ``unwrapped``: its value-head wrapper; ``reference_context``: a
     context manager factory yielding the reference module; ``sequence``: the run's
-    :class:`~trl_lite.parallel.SequenceParallel` group (its processes then each generate a share of a list
-    of queries and all return the group's responses: :meth:`~trl_lite.parallel.SequenceParallel.generate`), or None.
+    sequence-parallel part (:class:`~trl_lite.parallel.SequenceParallel`: its group's processes each generate a
+    share of a list of queries and all return the group's responses, :meth:`~trl_lite.parallel.SequenceParallel.generate`;
+    a :class:`~trl_lite.parallel.NoSequenceParallel` generates as it is asked), or None (the same).
     """
     generation = _build_generation(config, model, unwrapped, accelerator, tokenizer, pad_token_id, is_encoder_decoder,
                                    is_zero3, reference_context, optimizer, timer)  # fmt: skip

@@ -18,8 +18,6 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
 
-from ..parallel import data_parallel_size, sequence_parallel_size
-from ..parallel.sequence_parallel import check_before_prepare
 from .ppo_config import PPOConfig
 
 
@@ -124,20 +122,8 @@ def build_accelerator(config, sync_with_dataloader: bool = False, **defaults) ->
     return accelerator
 
 
-def fill_deepspeed_config(accelerator: Accelerator, config: PPOConfig, model=None, critic=None) -> None:
-    """Set what DeepSpeed needs before ``prepare`` from a ``PPOConfig`` (see :func:`fill_deepspeed_batch_config`),
-    and under sequence parallelism check ``model`` and ``critic`` (or None) first (see
-    :func:`~trl_lite.parallel.sequence_parallel.check_before_prepare`)."""
-    if model is not None and sequence_parallel_size(accelerator) > 1:
-        check_before_prepare(model, critic)
-        # accelerate sizes DeepSpeed's global batch by the parallelism config's data-parallel size, which it
-        # leaves at 1 under DeepSpeed's sequence parallelism: the groups are the data-parallel replicas.
-        accelerator.parallelism_config.dp_replicate_size = data_parallel_size(accelerator)
-        zero = accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("zero_optimization", {})
-        if zero.get("stage") == 3:
-            # ZeRO-3's reduce-scatter path averages gradients over every process, its all-reduce path (and
-            # ZeRO-1/2) over the groups (world / sp_size), which is the mean the slices' gradients need.
-            zero["reduce_scatter"] = False
+def fill_deepspeed_config(accelerator: Accelerator, config: PPOConfig) -> None:
+    """Set what DeepSpeed needs before ``prepare`` from a ``PPOConfig`` (see :func:`fill_deepspeed_batch_config`)."""
     fill_deepspeed_batch_config(
         accelerator, config.mini_batch_size, config.gradient_accumulation_steps, config.max_grad_norm
     )

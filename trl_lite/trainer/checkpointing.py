@@ -20,14 +20,16 @@ class Checkpointer:
     Everything ``accelerator.prepare`` saw (models, optimizers, schedulers, registered objects) and
     every process's RNG states go through ``accelerator.save_state``; the trainer hands over its own
     JSON-serialisable counters (written by the main process) and each process's own tensors (the
-    policy's EMA), and gets them back from :meth:`load`. ``memory``: the trainer's
-    :class:`~.oom_backoff.MemoryBackoff`, whose backed-off token budget is saved and restored with them, so
-    a resumed run starts with the budget its out-of-memory failures left (None: nothing of the kind).
+    policy's EMA), and gets them back from :meth:`load`. ``parts``: the trainer's parts that keep state of
+    their own, by name - each offers ``state_dict()`` (JSON-serialisable, the same on every process) and
+    ``load_state_dict(state)``, and is saved beside the counters under its name and restored by :meth:`load`
+    (``{"memory": MemoryBackoff}`` for ``PPOTrainer``: a resumed run starts with the token budget its
+    out-of-memory failures left).
     """
 
-    def __init__(self, accelerator, memory=None):
+    def __init__(self, accelerator, parts: dict | None = None):
         self.accelerator = accelerator
-        self.memory = memory
+        self.parts = dict(parts or {})
 
     def save(self, path: str, state: dict, tensors: dict | None = None) -> None:
         """Save what accelerate holds, the trainer's ``state`` (JSON) and this process's ``tensors``.
@@ -50,8 +52,8 @@ class Checkpointer:
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             state = {**state, "num_processes": accelerator.num_processes}
-            if self.memory is not None:
-                state["memory"] = self.memory.state_dict()
+            for name, part in self.parts.items():
+                state[name] = part.state_dict()
             with open(os.path.join(tmp, _TRAINER_STATE), "w") as f:
                 json.dump(state, f)
             old = f"{path}.old"
@@ -84,7 +86,8 @@ class Checkpointer:
                 f"this run has {self.accelerator.num_processes}. Resume with the same number of processes."
             )
         self.accelerator.load_state(path)
-        if self.memory is not None and "memory" in state:  # checkpoints from before the back-off have none
-            self.memory.load_state_dict(state["memory"])
+        for name, part in self.parts.items():
+            if name in state:  # a checkpoint from before the part existed (the back-off's) has none
+                part.load_state_dict(state[name])
         tensors_file = os.path.join(path, _TRAINER_TENSORS.format(rank=self.accelerator.process_index))
         return state, (load_file(tensors_file) if os.path.exists(tensors_file) else {})

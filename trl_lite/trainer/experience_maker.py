@@ -24,7 +24,6 @@ from ..core import (
     sequence_to_tokens,
     truncated_importance_weights,
 )
-from ..parallel import sequence_parallel_size
 from .experience import Experience, StepBatch
 from .forward import ForwardPass
 from .prefix_sharing import prompt_ids
@@ -49,10 +48,13 @@ class ExperienceMaker:
         eos_ids: the EOS ids of section 14 (empty when none is known).
         policy_values: whether the policy's value head gives the values (GAE without a separate critic).
         plan: the passes without grad that run (:class:`~.rollout_plan.RolloutPlan`; default both).
+        sequence: the trainer's sequence-parallel part (:class:`~trl_lite.parallel.SequenceParallel`, whose group's
+            rows are checked equal and counted once in whitening, or :class:`~trl_lite.parallel.NoSequenceParallel`).
     """
 
     def __init__(self, config, accelerator, forward: ForwardPass, policy, reference, critic, kl_ctl, running,
-                 eos_ids: tuple[int, ...], policy_values: bool, plan: RolloutPlan = EVERY_PASS):  # fmt: skip
+                 eos_ids: tuple[int, ...], policy_values: bool, plan: RolloutPlan = EVERY_PASS, *,
+                 sequence):  # fmt: skip
         self.config = config
         self.accelerator = accelerator
         self.forward = forward
@@ -64,6 +66,7 @@ class ExperienceMaker:
         self.eos_ids = eos_ids
         self.policy_values = policy_values
         self.plan = plan
+        self.sequence = sequence
         self.device = accelerator.device
         self.clock = StepClock(self.device)
 
@@ -93,10 +96,8 @@ class ExperienceMaker:
         prompts = prompt_ids(batch.queries) if find_prompts else None
         # The batch's tensors reach the device in one copy (see transfer.py for every sync of a step).
         batch, ends_with_eos = batch_to_device(batch, self.device, ends_with_eos)
-        if self.forward.sequence is not None:  # a group trains one batch: checked before its first exchange
-            self.forward.sequence.check_same_rows(
-                batch.queries, batch.responses, batch.response_masks, batch.ptx_inputs, batch.scores
-            )
+        # A sequence-parallel group trains one batch: checked before its first exchange.
+        self.sequence.check_same_rows(batch.queries, batch.responses, batch.response_masks, batch.ptx_inputs, batch.scores)
         scores = self.shape_scores(scores_tensor(batch.scores, self.device), lengths, ends_with_eos)
 
         # Section 3: forward passes without grad, and section 15: the gap to the generating engine
@@ -250,9 +251,8 @@ class ExperienceMaker:
         accelerator = self.accelerator
         if accelerator.num_processes == 1:
             return masked_whiten(values, mask, shift_mean)
-        # The processes of a sequence-parallel group hold the same rows: each adds its share (exact for
-        # powers of two), so every row counts once.
-        share = 1 / sequence_parallel_size(accelerator)
+        # The processes of a sequence-parallel group hold the same rows: each adds its share, so every row counts once.
+        share = self.sequence.row_share
         sums = accelerator.reduce(torch.stack([(values * mask).sum(), mask.sum()]) * share, reduction="sum")
         mean, count = sums[0] / sums[1], sums[1]
         squares = accelerator.reduce((((values - mean) ** 2) * mask).sum().reshape(1) * share, reduction="sum")[0]

@@ -3,7 +3,8 @@ section 3) and for training (with grad), and the classic ``batched_forward_pass`
 
 :class:`ForwardPass` owns what every pass needs and nothing else: the input layout (pad id, padding
 side, position ids), whether passes are packed and which models attend per row, the logits buffer of
-the fused LM head, and the prepared-to-unwrapped model map.
+the fused LM head, and the prepared-to-unwrapped model map. The trainer hands it the run's out-of-memory
+back-off and its sequence-parallel part.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ import torch
 
 from ..core import full_kl_from_hidden, full_kl_from_logits, logprobs_and_entropy_from_logits, logprobs_from_logits
 from ..core.lm_head import call_head, linear_head, linear_head_logprobs, lm_head_chunk_size
-from ..models.packed_attention import PACKED_SDPA, ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths, without_cudnn
+from ..models.packed_attention import ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths, without_cudnn
 from ..models.varlen_attention import packed_rows
-from ..parallel.sequence_parallel import SEQUENCE_PASS, ULYSSES_SDPA, SequenceParallel, check_models
 from .oom_backoff import MemoryBackoff
 from .prefix_sharing import PrefixSharing, check_sharing, units_passes
 from .rows import InputLayout, Rows, at_positions, make_rows, pad_token_id, to_compact, to_device
@@ -36,28 +36,26 @@ class ForwardPass:
         layout: pad id, padding side and position ids of model inputs.
         is_encoder_decoder: whether the policy is an encoder-decoder.
         mini_batch_size: rows per pass.
-        max_tokens: the token budget of a pass (``PPOConfig.max_tokens_per_minibatch``), or None: passes
-            of ``mini_batch_size`` rows.
+        memory: the trainer's :class:`~.oom_backoff.MemoryBackoff`, shared with the learner: it holds the token
+            budget of a pass (``PPOConfig.max_tokens_per_minibatch``, or None: passes of ``mini_batch_size``
+            rows) and redoes a rollout whose pass runs out of memory with half of it.
         pack: whether the passes of the models in ``models`` (and the critic) take packed rows.
         row_attention: the prepared modules whose packed passes attend per row (see
             :func:`~trl_lite.models.packed_attention.takes_row_lengths`); others attend through
             transformers' block-diagonal mask, to the same result.
         reuse_logits_buffer: whether the fused LM head writes into one buffer kept between passes
             (CPU with ``keep_freed_cpu_memory``, see :meth:`logits_out`).
-        oom_backoff: whether a pass that runs out of memory is redone with half the budget
-            (``PPOConfig.oom_backoff``); ``memory``, the :class:`~.oom_backoff.MemoryBackoff` that holds the
-            current budget, is shared with the learner.
-        sequence: the sequence-parallel group packed passes are cut over, or None (see :meth:`gather_slots`).
+        sequence: the trainer's sequence-parallel part: the :class:`~trl_lite.parallel.SequenceParallel` group
+            packed passes are cut over (see :meth:`gather_slots`), or a :class:`~trl_lite.parallel.NoSequenceParallel`.
         lm_head_chunk_size: ``PPOConfig.lm_head_chunk_size`` (None: automatic; see :meth:`head_chunk_size`).
         temperature: ``PPOConfig.temperature``: log-probs and full KL under ``logits / temperature`` (section 20).
         prefix_sharing: ``PPOConfig.prefix_sharing`` (None: automatic; see :mod:`.prefix_sharing`).
     """
 
     def __init__(self, accelerator, models: list[tuple], layout: InputLayout, *, is_encoder_decoder: bool,
-                 mini_batch_size: int, pack: bool = False, row_attention: dict | None = None,
-                 reuse_logits_buffer: bool = False, max_tokens: int | None = None, oom_backoff: bool = False,
-                 sequence: SequenceParallel | None = None, lm_head_chunk_size: int | None = None,
-                 temperature: float = 1.0, prefix_sharing: bool | None = False):  # fmt: skip
+                 mini_batch_size: int, memory: MemoryBackoff, sequence, pack: bool = False,
+                 row_attention: dict | None = None, reuse_logits_buffer: bool = False,
+                 lm_head_chunk_size: int | None = None, temperature: float = 1.0, prefix_sharing: bool | None = False):  # fmt: skip
         self.accelerator = accelerator
         self.device = accelerator.device
         self.models = models
@@ -67,7 +65,7 @@ class ForwardPass:
         self.pack = pack
         self.row_attention = row_attention or {}
         self.reuse_logits_buffer = reuse_logits_buffer
-        self.memory = MemoryBackoff(accelerator, max_tokens, oom_backoff)
+        self.memory = memory
         self._logits_buffer = None
         self._warned_long_row = False
         self.sequence = sequence
@@ -75,11 +73,13 @@ class ForwardPass:
         self.lm_head_chunk_size = lm_head_chunk_size
         self._warned_no_chunks = False
         self.temperature = temperature
-        self.prefix = PrefixSharing(prefix_sharing, pack and not is_encoder_decoder and sequence is None)
+        self.prefix = PrefixSharing(prefix_sharing, pack and not is_encoder_decoder and not self.sequence.cuts)
 
     @classmethod
-    def build(cls, accelerator, policy, reference, critic, tokenizer, config, pack: bool) -> ForwardPass:
-        """The forward part of a trainer: ``policy``, ``reference`` (or None) and ``critic`` (or None) prepared."""
+    def build(cls, accelerator, policy, reference, critic, tokenizer, config, pack: bool, memory: MemoryBackoff,
+              sequence) -> ForwardPass:  # fmt: skip
+        """The forward part of a trainer: ``policy``, ``reference`` (or None) and ``critic`` (or None) prepared;
+        ``memory`` and ``sequence``: the trainer's back-off and sequence-parallel part."""
         unwrapped = accelerator.unwrap_model(policy)
         models = [(policy, unwrapped)]
         if reference is not None:
@@ -96,15 +96,11 @@ class ForwardPass:
             pass_position_ids="position_ids" in inspect.signature(unwrapped.transformers_model.forward).parameters,
         )
         reuse = accelerator.device.type == "cpu" and config.keep_freed_cpu_memory
-        sequence = SequenceParallel.from_accelerator(accelerator, layout.pad_id)
-        if sequence is not None:
-            modules = [m for m in (policy, reference, critic) if m is not None]
-            check_models(sequence.size, pack, modules, row_attention)
-        check_sharing(config.prefix_sharing, pack, sequence, policy, row_attention)
+        sequence.check_models(pack, [m for m in (policy, reference, critic) if m is not None], row_attention)
+        check_sharing(config.prefix_sharing, pack, sequence.cuts, policy, row_attention)
         forward = cls(accelerator, models, layout, is_encoder_decoder=unwrapped.is_encoder_decoder,
-                      mini_batch_size=config.mini_batch_size, pack=pack, row_attention=row_attention,
-                      reuse_logits_buffer=reuse, max_tokens=config.max_tokens_per_minibatch,
-                      oom_backoff=config.oom_backoff, sequence=sequence,
+                      mini_batch_size=config.mini_batch_size, memory=memory, sequence=sequence, pack=pack,
+                      row_attention=row_attention, reuse_logits_buffer=reuse,
                       lm_head_chunk_size=config.lm_head_chunk_size, temperature=config.temperature,
                       prefix_sharing=config.prefix_sharing)  # fmt: skip
         forward.prefix.in_budget = all(id(m) in row_attention for m in (policy, reference, critic) if m is not None)
@@ -129,7 +125,7 @@ class ForwardPass:
         rows = make_rows(queries, responses, response_masks, device=self.device,
                          is_encoder_decoder=self.is_encoder_decoder, mini_batch_size=self.mini_batch_size,
                          max_tokens=self.max_tokens)  # fmt: skip
-        if self.sequence is None:
+        if not self.sequence.cuts:
             return self.prefix.rows(rows, prompts or queries)
         tokens = [rows.tokens(i) for i in range(len(rows))]
         slice_rows = self.sequence.slice_buffer_rows(rows.buffer_rows, tokens, self.mini_batch_size, self.max_tokens)
@@ -193,14 +189,8 @@ class ForwardPass:
         row (under sequence parallelism through the Ulysses all-to-all), and on CUDA sdpa runs without cuDNN
         attention - padded and PTX passes too, whose widths change from mini-batch to mini-batch (cuDNN builds
         a graph per new shape, docs/gpu_path.md)."""
-        implementation = PACKED_SDPA if self.sequence is None else ULYSSES_SDPA
-        with attend_per_row(self.row_attention.values(), implementation), without_cudnn(self.device):
+        with attend_per_row(self.row_attention.values(), self.sequence.attention), without_cudnn(self.device):
             yield
-
-    @property
-    def replicas(self) -> int:
-        """Processes that compute what one process computes without sequence parallelism (the group's size)."""
-        return 1 if self.sequence is None else self.sequence.size
 
     def gather_slots(self, *per_slot: torch.Tensor | None) -> tuple:
         """Per-slot results ``(n, ...)`` of the last pass's LM head, whole: under sequence parallelism this
@@ -330,7 +320,7 @@ class ForwardPass:
         else:
             inputs, positions, slots, targets, width, attention_rows = shared
         piece = self._sequence_pass = None
-        if packed and self.sequence is not None:
+        if packed and self.sequence.cuts:
             inputs, piece = self.cut(inputs, rows, index)
             targets = targets[piece.slots]
             self._sequence_pass = piece
@@ -347,7 +337,7 @@ class ForwardPass:
                     attention_rows = packed_rows((len(rows.sequences[i]) for i in index), self.device)
                 mask, keywords = rows_mask(attention_rows, self.device), {ROW_LENGTHS: attention_rows}
             else:
-                mask, keywords = None, {SEQUENCE_PASS: piece}
+                mask, keywords = None, piece.attention_keywords
             for module, module_inputs in ((model, inputs), (critic, critic_inputs)):
                 if id(module) in self.row_attention:
                     module_inputs.update(keywords)
@@ -369,7 +359,7 @@ class ForwardPass:
         for i, length in zip(index, lengths):
             firsts.append(start + len(rows.queries[i]) - 1)
             start += length
-        return self.sequence.cut(inputs, lengths, firsts, [rows.slot_count(i) for i in index])
+        return self.sequence.cut(inputs, lengths, firsts, [rows.slot_count(i) for i in index], self.layout.pad_id)
 
     def logprobs(self, model, rows: Rows, index: list[int], idx: torch.Tensor, return_logits: bool = False,
                  return_values: bool = True, critic=None, return_head_inputs: bool = False,

@@ -26,7 +26,7 @@ from ..core import (
 )
 from .experience import Experience, Minibatch
 from .forward import ForwardPass
-from .oom_backoff import PassOutOfMemory, drop_gradients
+from .oom_backoff import MemoryBackoff, PassOutOfMemory, drop_gradients
 from .pass_plan import PassPlan, combine_pass_stats, plan_epoch
 from .prefix_sharing import epoch_order
 from .ptx import ptx_loss
@@ -55,10 +55,15 @@ class Learner:
         critic, critic_optimizer: the prepared separate critic and its optimizer, or None.
         ema: the policy's :class:`~.ema.PolicyEMA`, or None.
         policy_values: whether the policy's value head runs and trains (GAE without a separate critic).
+        memory: the trainer's :class:`~.oom_backoff.MemoryBackoff` (the forward part's too): a backward batch
+            whose pass runs out of memory is trained again in the smaller passes it leaves.
+        sequence: the trainer's sequence-parallel part (:class:`~trl_lite.parallel.SequenceParallel`, or a
+            :class:`~trl_lite.parallel.NoSequenceParallel`): the group trains in one order and shares PTX.
     """
 
     def __init__(self, config, accelerator, forward: ForwardPass, model, optimizer, objective, critic=None,
-                 critic_optimizer=None, ema=None, policy_values: bool = True):  # fmt: skip
+                 critic_optimizer=None, ema=None, policy_values: bool = True, *, memory: MemoryBackoff,
+                 sequence):  # fmt: skip
         self.config = config
         self.accelerator = accelerator
         self.forward = forward
@@ -69,6 +74,8 @@ class Learner:
         self.critic_optimizer = critic_optimizer
         self.ema = ema
         self.policy_values = policy_values
+        self.memory = memory
+        self.sequence = sequence
         self.is_deepspeed = getattr(accelerator.state, "deepspeed_plugin", None) is not None
         self.skipped_minibatches = 0
         self._scale = None  # the fp16 grad scaler's scale after the last update
@@ -100,14 +107,12 @@ class Learner:
             self.critic.train()
         # Per-row attention over the backward passes too (gradient checkpointing recomputes); a pass out of memory
         # is redone with half the budget (docs/out_of_memory.md).
-        with self.forward.per_row_attention(), self.forward.memory.catching():
+        with self.forward.per_row_attention(), self.memory.catching():
             for _ in range(config.ppo_epochs):
                 # Drawn on the host from torch's global generator, once per epoch (a backward batch redone after an
                 # out-of-memory error draws nothing). A sequence-parallel group trains in its first process's order:
                 # the others' generators may differ (seeded per process, or used by a sampler of their own).
-                order = epoch_order(len(experience), experience.prompts)  # a permutation of the rows or prompts
-                if self.forward.sequence is not None:
-                    order = self.forward.sequence.share(order)
+                order = self.sequence.share(epoch_order(len(experience), experience.prompts))  # rows or prompts
                 epoch_policykl = []
                 plans = plan_epoch(config, self.accelerator, self.forward, self.objective, experience, order)
                 b, skipped = 0, self.skipped_minibatches
@@ -143,7 +148,7 @@ class Learner:
         stats["memory/lm_head_chunk_size"] = torch.tensor(float(self.forward.step_chunk_size(experience.rows, self.model)))
         stats["ppo/tokens_per_minibatch/mean"] = torch.tensor(sum(pass_tokens) / max(len(pass_tokens), 1))
         stats["ppo/tokens_per_minibatch/max"] = torch.tensor(float(max(pass_tokens, default=0)))
-        stats.update(self.forward.memory.step_stats())
+        stats.update(self.memory.step_stats())
         return stats, forward_logprobs
 
     def train_backward_batch(self, experience: Experience, plan: PassPlan, forward_logprobs) -> tuple[list, list]:
@@ -152,7 +157,7 @@ class Learner:
         Raises :class:`~.oom_backoff.PassOutOfMemory` when a pass ran out of memory on some process."""
         width = experience.action_mask.shape[1]
         units, ratios, masks, tokens, parts = [], [], [], [], {}
-        self.forward.memory.discardable = True
+        self.memory.discardable = True
         for j, index in enumerate(plan.passes):
             minibatch = experience.minibatch(index)
             stats, ratio, old_logprobs = self.train_rows(experience, minibatch, plan, j)
@@ -193,7 +198,7 @@ class Learner:
         Returns its statistics (None when skipped), the per-token ratios ``(b, L_mb)`` the loss used (None
         when skipped) and ``lp_old`` ``(b, L_mb)``; raises :class:`~.oom_backoff.PassOutOfMemory` (see there).
         """
-        memory, result = self.forward.memory, None
+        memory, result = self.memory, None
         memory.begin_pass(plan.tokens[j], len(plan.passes[j]))
         with self.pass_context(plan, j):
             with memory.attempt(what="a training forward"):
@@ -312,7 +317,7 @@ class Learner:
         policy_loss = pg_loss
         if ptx_loss is not None:
             # Each process of a sequence-parallel group computes the whole PTX loss: its backward takes a share.
-            policy_loss = policy_loss + self.config.ptx_coef * ptx_loss / self.forward.replicas
+            policy_loss = policy_loss + self.config.ptx_coef * ptx_loss / self.sequence.size
             stats["loss/ptx"] = ptx_loss.detach()
             stats["loss/total"] = stats["loss/total"] + self.config.ptx_coef * ptx_loss.detach()
         if self.critic is not None or vf_loss is None:
@@ -347,7 +352,7 @@ class Learner:
         this process; the pass is then skipped for lack of actions only when every process has none.
         A pass out of memory on any process (here: ``loss`` None) makes all back off (:mod:`.oom_backoff`).
         """
-        memory = self.forward.memory
+        memory = self.memory
         if loss is None:  # this pass's forward ran out of memory here: neutral stand-ins, only that flag is up
             loss = mean_ratio = torch.zeros((), device=self.forward.device)
             mask, backward_batch_actions = torch.ones(1, device=self.forward.device), None
@@ -383,7 +388,7 @@ class Learner:
     def backward_and_step(self, policy_loss, critic_loss) -> bool:
         """Backward of each model's own loss; at an accumulation boundary, clip, check and step both
         optimizers and update the EMA. False when the update was skipped for non-finite gradients."""
-        accelerator, memory = self.accelerator, self.forward.memory
+        accelerator, memory = self.accelerator, self.memory
         # A DeepSpeed engine keeps what a backward accumulated, and on several processes the boundary's backward
         # reduces the gradients: an out-of-memory error there cannot be redone (docs/out_of_memory.md).
         recoverable = not self.is_deepspeed and (accelerator.num_processes == 1 or not accelerator.sync_gradients)

@@ -6,8 +6,9 @@ in smaller passes and the step is the one that would have run without the failur
 :class:`MemoryBackoff` holds the run's current token budget and what happens on a failure: it catches the
 error of one attempt (:meth:`~MemoryBackoff.attempt`), lets every process agree that some process failed
 (:meth:`~MemoryBackoff.agree`), halves the budget and tells the caller to redo its work from its start
-(:class:`PassOutOfMemory`). The learner and the forward part call it; what a user sees is in
-docs/out_of_memory.md.
+(:class:`PassOutOfMemory`). The trainer makes the one back-off of a run and hands it to the forward part and
+the learner, which call it, and to the checkpointer, which saves and restores it (:meth:`~MemoryBackoff.state_dict`);
+what a user sees is in docs/out_of_memory.md.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from contextlib import contextmanager
 
 import torch
 
-from ..parallel import sequence_parallel_size
 from .accelerate_setup import empty_device_cache
 
 # What to change when a single row does not fit, named in every message that gives up.
@@ -40,6 +40,9 @@ class MemoryBackoff:
         budget: the starting token budget (``PPOConfig.max_tokens_per_minibatch``), or None: passes of
             ``mini_batch_size`` rows until the first failure.
         enabled: ``PPOConfig.oom_backoff``; when False no error is caught.
+        collective_forwards: whether every forward runs collectives (ZeRO-3 gathers parameters inside it,
+            sequence parallelism exchanges every attention layer's inputs): on several processes a failure
+            there leaves the peers inside a collective, so a forward's failure cannot be redone.
 
     ``budget``: the current budget (prompt + response tokens of a pass), None while no budget is set and
     nothing failed; ``backed_off``: whether a failure set or lowered it; ``retries``: failures since the run
@@ -48,12 +51,8 @@ class MemoryBackoff:
     the backward batch under way (its buffers are its own), and a failure then cannot be redone.
     """
 
-    def __init__(self, accelerator, budget: int | None, enabled: bool):
+    def __init__(self, accelerator, budget: int | None, enabled: bool, collective_forwards: bool = False):
         self.accelerator = accelerator
-        plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-        # ZeRO-3 gathers parameters inside every forward, and sequence parallelism exchanges every attention
-        # layer's inputs: a failure there leaves the peers inside a collective.
-        collective_forwards = (plugin is not None and plugin.zero_stage == 3) or sequence_parallel_size(accelerator) > 1
         self.forwards_synchronise = collective_forwards and accelerator.num_processes > 1
         self.budget = budget
         self.enabled = enabled

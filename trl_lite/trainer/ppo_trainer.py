@@ -2,6 +2,8 @@
 
 The trainer is a facade over parts, each built here from explicit inputs:
 
+- :class:`~.oom_backoff.MemoryBackoff` and :class:`~trl_lite.parallel.SequenceParallel` (a no-op without it) -
+  the run's token budget and sequence-parallel group, handed to the parts that use them;
 - :class:`~.forward.ForwardPass` - rows, mini-batch inputs and the models' passes;
 - :class:`~.experience_maker.ExperienceMaker` - ``make(batch) -> Experience``: score shaping, the
   passes without grad, KL-shaped rewards, advantages (docs/algorithm.md sections 1-5, 12, 14, 15);
@@ -21,7 +23,6 @@ import copy
 import functools
 import inspect
 import os
-from contextlib import nullcontext
 from dataclasses import asdict
 
 import torch
@@ -33,8 +34,7 @@ from ..core import flatten_dict
 from ..models import PreTrainedModelWrapper, as_value_model, create_reference_model
 from ..models.dropout import disable_dropout_in_model
 from ..models.reference import reference_context
-from ..parallel import sequence_parallel_size
-from ..parallel.sequence_parallel import groups_built_once
+from ..parallel.sequence_parallel import SequenceParallel, configure_deepspeed, preparing_again
 from .accelerate_setup import (
     build_accelerator,
     default_optimizer,
@@ -53,6 +53,7 @@ from .forward import ForwardPass
 from ..engines.generation import build_generation
 from .kl_controllers import AdaptiveKLController, FixedKLController, update_kl_controller
 from .learner import Learner
+from .oom_backoff import MemoryBackoff
 from .objective import PolicyObjective
 from .ppo_config import PPOConfig
 from .resumable_loader import ResumableLoader
@@ -191,7 +192,8 @@ class PPOTrainer(ClassicHelpersMixin):
         self.is_deepspeed_enabled = getattr(accelerator.state, "deepspeed_plugin", None) is not None
         self._is_zero3 = self.is_deepspeed_enabled and accelerator.state.deepspeed_plugin.zero_stage == 3
         if self.is_deepspeed_enabled:
-            fill_deepspeed_config(accelerator, config, model, self.critic)
+            configure_deepspeed(accelerator, model, self.critic)
+            fill_deepspeed_config(accelerator, config)
         to_prepare = [model, self.optimizer] + ([dataloader] if dataloader is not None else [])
         to_prepare += [lr_scheduler] if lr_scheduler is not None else []
         prepared = list(accelerator.prepare(*to_prepare))
@@ -203,7 +205,7 @@ class PPOTrainer(ClassicHelpersMixin):
         if self.critic is not None:
             learning_rate = config.critic_learning_rate or config.learning_rate
             optimizer = critic_optimizer or default_optimizer(self.critic, learning_rate)
-            with groups_built_once() if sequence_parallel_size(accelerator) > 1 else nullcontext():
+            with preparing_again(accelerator):
                 self.critic, self.critic_optimizer = accelerator.prepare(self.critic, optimizer)
         if self.ref_model is not None:
             if self.is_deepspeed_enabled:
@@ -214,26 +216,33 @@ class PPOTrainer(ClassicHelpersMixin):
     def _build_parts(self) -> None:
         """The parts ``step()`` calls, each from explicit inputs (see the module docstring)."""
         config, accelerator = self.config, self.accelerator
-        self.forward = ForwardPass.build(accelerator, self.model, self.ref_model, self.critic, self.tokenizer, config, self._pack)
+        self.sequence = SequenceParallel.from_accelerator(accelerator)  # a no-op part without sequence parallelism
+        # The run's one back-off, shared by the rollouts, the learner and the checkpoints. Forwards that gather
+        # parameters (ZeRO-3) or exchange attention inputs (sequence parallelism) cannot be redone alone.
+        self.memory = MemoryBackoff(accelerator, config.max_tokens_per_minibatch, config.oom_backoff,
+                                    collective_forwards=self._is_zero3 or self.sequence.cuts)  # fmt: skip
+        self.forward = ForwardPass.build(accelerator, self.model, self.ref_model, self.critic, self.tokenizer, config,
+                                         self._pack, self.memory, self.sequence)  # fmt: skip
         unwrapped = self.forward.unwrapped(self.model)
         self._vocab_size = unwrapped.pretrained_model.get_input_embeddings().num_embeddings
         self._reference = functools.partial(reference_context, self.ref_model, self.model, unwrapped)
         self._ema = PolicyEMA(unwrapped, config.ema_decay) if config.ema_decay is not None else None
         self.experience_maker = ExperienceMaker(
             config, accelerator, self.forward, self.model, self._reference, self.critic, self.kl_ctl, self.running,
-            self._eos_ids, self._uses_value_head, self.rollout_plan,
+            self._eos_ids, self._uses_value_head, self.rollout_plan, sequence=self.sequence,
         )  # fmt: skip
         self.learner = Learner(
             config, accelerator, self.forward, self.model, self.optimizer, PolicyObjective.from_config(config),
-            self.critic, self.critic_optimizer, self._ema, self._uses_value_head,
+            self.critic, self.critic_optimizer, self._ema, self._uses_value_head, memory=self.memory,
+            sequence=self.sequence,
         )  # fmt: skip
-        self.statistics = StepStatistics(config, accelerator)
-        self.checkpointer = Checkpointer(accelerator, self.forward.memory)
+        self.statistics = StepStatistics(config, accelerator, self.sequence)
+        self.checkpointer = Checkpointer(accelerator, {"memory": self.memory})
         self.generation = build_generation(
             config, model=self.model, unwrapped=unwrapped, accelerator=accelerator, tokenizer=self.tokenizer,
             pad_token_id=self.forward.layout.pad_id, is_encoder_decoder=self.is_encoder_decoder,
             is_zero3=self._is_zero3, reference_context=self._reference, optimizer=self.optimizer,
-            timer=self._phase_timer, sequence=self.forward.sequence,
+            timer=self._phase_timer, sequence=self.sequence,
         )  # fmt: skip
 
     plan_rollout = staticmethod(RolloutPlan.from_config)  # the passes without grad, decided once (see rollout_plan)

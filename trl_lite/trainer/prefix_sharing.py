@@ -22,14 +22,15 @@ from .rows import Rows, to_device, token_slots
 AUTOMATIC_SAVING = 0.25
 
 
-def check_sharing(prefix_sharing, pack: bool, sequence, policy, row_attention: dict) -> None:
-    """``prefix_sharing=True`` needs packed passes whose policy attends per row, without sequence parallelism."""
+def check_sharing(prefix_sharing, pack: bool, cut: bool, policy, row_attention: dict) -> None:
+    """``prefix_sharing=True`` needs packed passes whose policy attends per row, not ``cut`` over a
+    sequence-parallel group."""
     if prefix_sharing is not True:
         return
     if not pack:
         raise ValueError("prefix_sharing=True needs packed passes, but this trainer's passes are padded "
                          "(padding_free=False, or a model that cannot pack). Use prefix_sharing=None or False.")
-    if sequence is not None:
+    if cut:
         raise ValueError("prefix_sharing=True is not supported with sequence parallelism (sequence_parallel_size > 1) "
                          "yet. Use prefix_sharing=None or False.")
     if id(policy) not in row_attention:

@@ -9,7 +9,6 @@ import torch
 from accelerate.utils import gather_object
 
 from ..core import groups_with_equal_scores, masked_mean, stats_to_np
-from ..parallel import data_parallel_size, sequence_parallel_size
 from .transfer import Selected, stack_scalars, to_host_together
 
 # Statistics that are distributions (1-D arrays): concatenated over processes instead of averaged.
@@ -53,11 +52,14 @@ class StepStatistics:
     Args:
         config: the trainer's :class:`PPOConfig`.
         accelerator: the run's accelerator (reductions, gathers, trackers).
+        sequence: the trainer's sequence-parallel part (:class:`~trl_lite.parallel.SequenceParallel`, whose
+            group's processes hold the same rows, or :class:`~trl_lite.parallel.NoSequenceParallel`).
     """
 
-    def __init__(self, config, accelerator):
+    def __init__(self, config, accelerator, sequence):
         self.config = config
         self.accelerator = accelerator
+        self.sequence = sequence
         self.device = accelerator.device
 
     def step_stats(self, experience, train_stats: dict) -> dict:
@@ -196,15 +198,12 @@ class StepStatistics:
     def global_rows(self) -> int:
         """Rows of one step over all processes: ``batch_size`` per data-parallel group (a sequence-parallel
         group's processes share theirs)."""
-        return self.config.batch_size * data_parallel_size(self.accelerator)
+        return self.config.batch_size * (self.accelerator.num_processes // self.sequence.size)
 
     def one_per_group(self, gathered: torch.Tensor) -> torch.Tensor:
         """Of a gather of equal pieces from every process, the pieces of the first process of each
         sequence-parallel group (its other processes hold the same rows); all of them without one."""
-        size = sequence_parallel_size(self.accelerator)
-        if size == 1:
-            return gathered
-        return gathered.reshape(self.accelerator.num_processes, -1)[::size].flatten()
+        return self.sequence.one_per_group(gathered, self.accelerator.num_processes)
 
     def log(self, step: int, stats: dict, batch: dict, rewards, columns_to_log=("query", "response")) -> None:
         """Send ``stats`` and reward statistics of this step to the accelerate trackers (main process).
