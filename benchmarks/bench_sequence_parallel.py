@@ -225,7 +225,7 @@ def main() -> None:
           "of 1 DeepSpeed process | 2 peaks (MB) | resident growth, first step (MB) | of 1 process | of it file-backed "
           "(MB) | malloc's free heap (MB) | resident growth, second step (MB) | of 1 process | step (s) | "
           "step CPU (s) |")  # fmt: skip
-    print("|" + " ---: |" * 16)
+    print("| ---: | --- |" + " ---: |" * 14)
     for r in [alone, alone_deepspeed, *group]:
         ratio = r["tensor_peak_mb"] / alone["tensor_peak_mb"]
         ratio_deepspeed = r["tensor_peak_mb"] / alone_deepspeed["tensor_peak_mb"]
