@@ -23,17 +23,24 @@ gets half. ``--gradient_checkpointing`` runs every case with the layers' activat
 
 Each run also reports the growth of its peak resident size (``VmHWM``, reset before the step) over the resident
 size before each of the first two (unprofiled) steps, and how much of the first step's growth is file-backed
-pages (``RssFile``: library code run for the first time). ``--return_freed_cpu_memory`` runs every case with
-``PPOConfig(keep_freed_cpu_memory=False)`` (glibc's own malloc settings).
+pages (``RssFile``: library code run for the first time), the memory glibc's malloc holds free in its heaps after
+the first step (``mallinfo2``'s ``fordblks``: freed blocks kept for reuse, resident, counted in the growth but not
+in the tensor peak) and the first step's CPU seconds (user + system, of this process). ``--return_freed_cpu_memory``
+runs every case with ``PPOConfig(keep_freed_cpu_memory=False)`` (glibc's own malloc settings);
+``--mmap_threshold BYTES`` also fixes glibc's mmap threshold (``MALLOC_MMAP_THRESHOLD_``, which turns its dynamic
+threshold off; ``MALLOC_TRIM_THRESHOLD_=2147483647``), so that every block above it is mapped on its own and
+returned when freed (docs/sequence_parallel.md, "Resident memory").
 
 Usage:
     python benchmarks/bench_sequence_parallel.py [--lengths 8192 16384] [--layers 2] [--width 256] [--heads 4]
-        [--gradient_checkpointing] [--return_freed_cpu_memory]
+        [--gradient_checkpointing] [--return_freed_cpu_memory] [--mmap_threshold 1048576]
 """
 
 import argparse
+import ctypes
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -74,10 +81,11 @@ def worker(args) -> None:
         before, file_before = resident_mb("VmRSS"), resident_mb("RssFile")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # the peak resident size (VmHWM) starts again from the current one
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), cpu_seconds()
         stats = trainer.step(queries, responses, scores)
         if not growth:
-            seconds = time.perf_counter() - start  # the first step's time
+            seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start  # the first step's times
+            heap_free = malloc_free_mb()
         growth.append((resident_mb("VmHWM") - before, resident_mb("RssFile") - file_before))
     peaks = []
     for _ in range(2):
@@ -92,6 +100,7 @@ def worker(args) -> None:
         "sp_size": sequence_parallel_size(trainer.accelerator), "threads": torch.get_num_threads(),
         "tensor_peak_mb": peak, "tensor_peaks_mb": peaks, "step_seconds": seconds, "loss": stats["ppo/loss/total"],
         "resident_growth_mb": growth[0][0], "file_growth_mb": growth[0][1], "second_growth_mb": growth[1][0],
+        "heap_free_mb": heap_free, "cpu_seconds": cpu,
     }  # fmt: skip
     print(RESULT_MARKER + json.dumps(result), flush=True)
     if trainer.accelerator.num_processes > 1:
@@ -105,6 +114,29 @@ def resident_mb(field: str) -> float:
     with open("/proc/self/status") as f:
         line = next(line for line in f if line.startswith(field + ":"))
     return int(line.split()[1]) * 1024 / 1e6
+
+
+def cpu_seconds() -> float:
+    """This process's user + system CPU time so far, in seconds."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (malloc.h, glibc >= 2.33): sums over all of malloc's arenas."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+
+def malloc_free_mb() -> float | None:
+    """Bytes glibc's malloc holds free in its heaps (``fordblks``), in MB; None without glibc's ``mallinfo2``."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+    return mallinfo2().fordblks / 1e6
 
 
 def group_config(args, directory: Path, sequence_parallel: bool = True) -> Path:
@@ -141,9 +173,11 @@ def run(args, processes: int, deepspeed: bool = True) -> list[dict]:
     worker_args = [str(Path(__file__).resolve()), "--worker", "--lengths", *map(str, args.lengths), "--layers",
                    str(args.layers), "--width", str(args.width), "--heads", str(args.heads)]  # fmt: skip
     for flag in ("gradient_checkpointing", "return_freed_cpu_memory"):
-        if getattr(args, flag):
-            worker_args.append(f"--{flag}")
+        if getattr(args, flag) or (flag == "return_freed_cpu_memory" and args.mmap_threshold is not None):
+            worker_args.append(f"--{flag}")  # a fixed mmap threshold needs the trainer to leave malloc alone
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": str(max(args.threads // processes, 1))}
+    if args.mmap_threshold is not None:
+        env.update(MALLOC_MMAP_THRESHOLD_=str(args.mmap_threshold), MALLOC_TRIM_THRESHOLD_=str(2**31 - 1))
     if not deepspeed:
         cmd = [sys.executable, *worker_args]
     else:
@@ -171,6 +205,8 @@ def main() -> None:
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--return_freed_cpu_memory", action="store_true",
                         help="PPOConfig(keep_freed_cpu_memory=False): glibc's own malloc settings")
+    parser.add_argument("--mmap_threshold", type=int, default=None,
+                        help="bytes: glibc maps every block above it on its own (implies --return_freed_cpu_memory)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -181,22 +217,28 @@ def main() -> None:
     group = run(args, 2)
     checkpointing = ", gradient checkpointing" if args.gradient_checkpointing else ""
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    malloc = "" if args.mmap_threshold is None else f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}"
+    malloc += ", keep_freed_cpu_memory=False" if args.return_freed_cpu_memory or args.mmap_threshold else ""
     print(f"load average {load}; rows {args.lengths} tokens; {args.layers} x {args.width}, {args.heads} "
-          f"heads{checkpointing}")  # fmt: skip
+          f"heads{checkpointing}{malloc}")  # fmt: skip
     print("| processes | DeepSpeed | sp_size | threads each | tensor peak per process (MB) | of 1 process | "
           "of 1 DeepSpeed process | 2 peaks (MB) | resident growth, first step (MB) | of 1 process | of it file-backed "
-          "(MB) | resident growth, second step (MB) | of 1 process | step (s) |")  # fmt: skip
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "(MB) | malloc's free heap (MB) | resident growth, second step (MB) | of 1 process | step (s) | "
+          "step CPU (s) |")  # fmt: skip
+    print("| ---: | --- |" + " ---: |" * 14)
     for r in [alone, alone_deepspeed, *group]:
         ratio = r["tensor_peak_mb"] / alone["tensor_peak_mb"]
         ratio_deepspeed = r["tensor_peak_mb"] / alone_deepspeed["tensor_peak_mb"]
         both = " / ".join(f"{p:.0f}" for p in r["tensor_peaks_mb"])
         resident = r["resident_growth_mb"] / alone["resident_growth_mb"]
-        second = r["second_growth_mb"] / alone["second_growth_mb"]
+        # the 1 process's second step often grows by nothing (its first step's heap serves it): no ratio then
+        second = f"{r['second_growth_mb'] / alone['second_growth_mb']:.2f}" if alone["second_growth_mb"] >= 1 else "-"
+        heap_free = "-" if r["heap_free_mb"] is None else f"{r['heap_free_mb']:.0f}"
         print(f"| {r['processes']} (rank {r['rank']}) | {'ZeRO-2' if r['deepspeed'] else 'no'} | {r['sp_size']} | "
               f"{r['threads']} | {r['tensor_peak_mb']:.0f} | {ratio:.2f} | {ratio_deepspeed:.2f} | {both} | "
-              f"{r['resident_growth_mb']:.0f} | {resident:.2f} | {r['file_growth_mb']:.0f} | {r['second_growth_mb']:.0f} | "
-              f"{second:.2f} | {r['step_seconds']:.1f} |")  # fmt: skip
+              f"{r['resident_growth_mb']:.0f} | {resident:.2f} | {r['file_growth_mb']:.0f} | {heap_free} | "
+              f"{r['second_growth_mb']:.0f} | {second} | {r['step_seconds']:.1f} | "
+              f"{r['cpu_seconds']:.1f} |")  # fmt: skip
     print(f"loss: 1 process {alone['loss']:.6f}, 1 DeepSpeed process {alone_deepspeed['loss']:.6f}, "
           f"sequence-parallel {group[0]['loss']:.6f}")  # fmt: skip
 
