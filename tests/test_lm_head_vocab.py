@@ -36,7 +36,9 @@ def _reference_grads(hidden, weight, b, labels, temperature, a, c):
 
 
 def _head_grads(hidden, weight, b, labels, chunk, temperature, a, c):
-    lp, entropy = core.logprobs_and_entropy_from_hidden(hidden, weight, b, labels, chunk_size=chunk, temperature=temperature)
+    lp, entropy = core.logprobs_and_entropy_from_hidden(
+        hidden, weight, b, labels, chunk_size=chunk, temperature=temperature
+    )
     total = sum((w.to(x.dtype) * x).sum() for w, x in ((a, lp), (c, entropy)) if w is not None)
     return lp, entropy, torch.autograd.grad(total, [t for t in (hidden, weight, b) if t is not None])
 

@@ -5,11 +5,13 @@ without the model's ``(N, V)`` logits: :func:`linear_head` (with grad) and :func
 (without) compute ``z = (h W^T + b) / T`` either in one ``(N, V)`` float32 buffer (``chunk_size`` 0: it
 becomes the softmax in place and then the logits' gradient, nothing recomputed) or ``C`` tokens at a time
 (``chunk_size`` C: each chunk's ``(C, V)`` logits give their numbers and are dropped; the backward
-recomputes them from the saved head inputs and each chunk's log-sum-exp). Either way the vocabulary work
-(log-softmax, exponential, entropy, gradient) runs over cache-sized pieces of rows, and one gradient formula
-(:func:`softmax_grad_`) serves every path, the logits' one of :mod:`.logprobs` included. ``dW`` is formed in
-the weight's own gradient, chunk after chunk in place: no weight-sized temporary. With a sampling temperature
-``T`` every number is that of ``softmax(z / T)`` (docs/algorithm.md section 20); ``T = 1`` runs no division.
+recomputes them from the saved head inputs and each token's log-sum-exp, over slices of the vocabulary of as
+many logits when the pass has fewer tokens than the vocabulary, else chunk by chunk). Either way the vocabulary
+work (log-softmax, exponential, entropy, gradient) runs over cache-sized pieces of rows, and one gradient formula
+(:func:`softmax_grad_`) serves every path, the logits' one of :mod:`.logprobs` included. ``dW`` is formed in the
+weight's own gradient, slice by slice or chunk after chunk in place: no weight-sized temporary. With a sampling
+temperature ``T`` every number is that of ``softmax(z / T)`` (docs/algorithm.md section 20); ``T = 1`` runs no
+division.
 
 Shape names: ``N`` token positions, ``V`` vocabulary, ``H`` hidden size, ``C`` tokens per chunk.
 """
@@ -243,10 +245,11 @@ class _LinearHead(torch.autograd.Function):
 
     Forward (:func:`_head_pass`): ``z`` (divided by ``T``), ``lp = log_softmax(z)_y`` and ``H = -sum_v p_v log p_v``;
     saved: the head's inputs, ``H`` and either the softmax ``(N, V)`` (one buffer) or ``lse`` ``(N,)`` (chunks,
-    whose backward recomputes ``p = exp(z - lse)`` chunk by chunk). Backward per chunk (one buffer: one chunk of
-    N): :func:`softmax_grad_` in place, then ``grad_hidden = grad_z W``, ``grad_W += grad_z^T hidden`` into the
-    weight's gradient itself (its dtype, in place: no ``(V, H)`` temporary, :func:`_add_weight_grad`; a single
-    chunk's one product is the gradient) and ``grad_b += sum_n grad_z``.
+    whose backward recomputes ``p = exp(z - lse)``). Backward: :func:`softmax_grad_` in place, then
+    ``grad_hidden = grad_z W``, ``grad_W = grad_z^T hidden`` and ``grad_b = sum_n grad_z``, in one buffer (one
+    chunk of N), over slices of the vocabulary (:func:`_backward_by_vocabulary`, chunks with N < V) or over chunks
+    of tokens (:func:`_backward_by_tokens`, ``grad_W`` summed into the weight's gradient itself, its dtype, in
+    place: no ``(V, H)`` temporary, :func:`_add_weight_grad`).
     """
 
     @staticmethod
@@ -333,7 +336,7 @@ def _backward_by_vocabulary(hidden, weight, bias, labels, log_sum_exp, entropy, 
     """The chunked backward over slices of the vocabulary (:func:`by_vocabulary`): per slice ``W_s`` of
     :func:`vocab_slice_width` columns, ``z_s = (hidden W_s^T + b_s) / T`` for every token, ``p_s = exp(z_s - lse)``
     from the saved whole-vocabulary log-sum-exp, :func:`softmax_grad_`, then ``grad_W_s = grad_z_s^T hidden`` and
-    ``grad_b_s`` written once and ``grad_hidden += grad_z_s W_s`` summed in an ``(N, H)`` float32 buffer.
+    ``grad_b_s`` written once and ``grad_hidden += grad_z_s W_s`` summed in an ``(N, H)`` buffer of the weight's dtype.
 
     The products run as the model's (its dtype, or under the forward's autocast); slices reuse one work buffer.
     """
