@@ -133,3 +133,18 @@ def test_vocabulary_slices_keep_the_chunk_bound_and_write_the_weight_gradient_on
     assert max(mode.sizes) <= max(chunk * vocab, vocab * hidden_size)
     assert sum(size == vocab * hidden_size for size in mode.sizes) == 1
     assert weight.grad.dtype == dtype and weight.grad.shape == (vocab, hidden_size)
+
+
+def test_the_backward_slices_whichever_running_sum_is_smaller_within_the_chunk_bound():
+    # Fewer tokens than words: slices of the vocabulary (the (N, H) grad_hidden summed); else token chunks (dW).
+    assert core.lm_head.by_vocabulary(12, 60) and core.lm_head.by_vocabulary(1600, 151_936)
+    assert not core.lm_head.by_vocabulary(23, 17) and not core.lm_head.by_vocabulary(60, 60)
+    vocab, width = 151_936, core.lm_head.vocab_slice_width
+    # CPU: 16 MiB of float32 logits (2,621 columns of 1,600 tokens), below the chunk's 110 x V logits.
+    assert width(1600, vocab, 110, "cpu") == (16 << 20) // (4 * 1600) == 2621
+    # CUDA: as many logits as a chunk (441 tokens), no cache cap.
+    assert width(1600, vocab, 441, "cuda") == 441 * vocab // 1600
+    # Many tokens: the chunk's bytes bound the slice, even below the CPU's 256-column floor; never 0 columns.
+    assert width(100_000, vocab, 110, "cpu") == 110 * vocab // 100_000 == 167
+    assert width(10**9, vocab, 1, "cpu") == 1
+    assert width(5, 60, 64, "cpu") == 60  # a chunk larger than the pass: one slice
