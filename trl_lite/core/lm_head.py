@@ -5,11 +5,13 @@ without the model's ``(N, V)`` logits: :func:`linear_head` (with grad) and :func
 (without) compute ``z = (h W^T + b) / T`` either in one ``(N, V)`` float32 buffer (``chunk_size`` 0: it
 becomes the softmax in place and then the logits' gradient, nothing recomputed) or ``C`` tokens at a time
 (``chunk_size`` C: each chunk's ``(C, V)`` logits give their numbers and are dropped; the backward
-recomputes them from the saved head inputs and each chunk's log-sum-exp). Either way the vocabulary work
-(log-softmax, exponential, entropy, gradient) runs over cache-sized pieces of rows, and one gradient formula
-(:func:`softmax_grad_`) serves every path, the logits' one of :mod:`.logprobs` included. ``dW`` is formed in
-the weight's own gradient, chunk after chunk in place: no weight-sized temporary. With a sampling temperature
-``T`` every number is that of ``softmax(z / T)`` (docs/algorithm.md section 20); ``T = 1`` runs no division.
+recomputes them from the saved head inputs and each token's log-sum-exp, over slices of the vocabulary of as
+many logits when the pass has fewer tokens than the vocabulary, else chunk by chunk). Either way the vocabulary
+work (log-softmax, exponential, entropy, gradient) runs over cache-sized pieces of rows, and one gradient formula
+(:func:`softmax_grad_`) serves every path, the logits' one of :mod:`.logprobs` included. ``dW`` is formed in the
+weight's own gradient, slice by slice or chunk after chunk in place: no weight-sized temporary. With a sampling
+temperature ``T`` every number is that of ``softmax(z / T)`` (docs/algorithm.md section 20); ``T = 1`` runs no
+division.
 
 Shape names: ``N`` token positions, ``V`` vocabulary, ``H`` hidden size, ``C`` tokens per chunk.
 """
@@ -30,6 +32,10 @@ _CHUNK_BYTES = {"cpu": 64 << 20, "cuda": 256 << 20}
 # makes the softmax kernels about twice as fast as one pass over a (C, V) block; accelerators take large pieces
 # (few kernel launches), which bound the scratch of one buffer's log-softmax.
 _CACHE_BYTES = {"cpu": 2 << 20}
+# The CPU's head product runs over blocks of this many vocabulary columns (each (H, 1024) piece of W^T stays in
+# cache while every token meets it): about 20% faster than one product at 110 tokens of a 152k vocabulary.
+_PRODUCT_COLUMNS = {"cpu": 1024}
+_SLICE_BYTES = {"cpu": 16 << 20}  # see vocab_slice_width
 _DEFAULT_CACHE_BYTES = 256 << 20
 _DEFAULT_DEVICE = "cuda"  # other accelerators take the accelerator's numbers
 
@@ -127,10 +133,13 @@ def _chunk_logits(hidden, weight, bias, temperature: float, out: torch.Tensor) -
     """
     z = out[: hidden.shape[0]]
     if hidden.dtype == weight.dtype == out.dtype and not torch.is_autocast_enabled(hidden.device.type):
-        if bias is None:
-            torch.mm(hidden, weight.t(), out=z)
-        else:
-            torch.addmm(bias, hidden, weight.t(), out=z)
+        step = _PRODUCT_COLUMNS.get(hidden.device.type) or weight.shape[0]
+        for start in range(0, weight.shape[0], step):
+            cols = slice(start, start + step)
+            if bias is None:
+                torch.mm(hidden, weight[cols].t(), out=z[:, cols])
+            else:
+                torch.addmm(bias[cols], hidden, weight[cols].t(), out=z[:, cols])
     else:
         z.copy_(F.linear(hidden, weight, bias))
     return z if temperature == 1.0 else z.div_(temperature)
@@ -167,14 +176,16 @@ def _softmax_stats(z, labels, logprobs, entropy, log_sum_exp, scratch) -> None:
 
 
 def softmax_grad_(probs, labels, entropy, grad_logprobs, grad_entropy, temperature: float, scratch,
-                  log_sum_exp: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                  log_sum_exp: torch.Tensor | None = None, vocab_start: int | None = None) -> torch.Tensor:  # fmt: skip
     """The gradient of the logits ``z`` (before the division by ``T``), written over the softmax ``probs`` ``(R, V)``.
 
     ``grad_z = ((onehot - p) g_lp - p (log p + H) g_H) / T``, i.e. ``(-p (g_lp + H g_H) - xlogy(p, p) g_H
     + onehot g_lp) / T``. Shapes: labels ``(R, 1)``, entropy ``(R,)``; either incoming gradient ``(R,)`` may be
     None (its output was not used by the loss). With ``log_sum_exp`` ``(R,)``, ``probs`` holds the logits ``z / T``
-    and becomes ``p = exp(z / T - lse)`` in the same pass. Cache-sized pieces of ``scratch`` ``(S, V)`` (None: one
-    is made for this call): each piece is read from memory once.
+    and becomes ``p = exp(z / T - lse)`` in the same pass. With ``vocab_start``, ``probs`` ``(R, W)`` holds the
+    vocabulary's columns ``vocab_start .. vocab_start + W`` only (``lse`` and ``H`` are the whole vocabulary's):
+    a label outside them adds no one-hot term. Cache-sized pieces of ``scratch`` ``(S, W)`` (None: one is made for
+    this call): each piece is read from memory once.
     """
     rows = probs.shape[0]
     g_lp = torch.zeros(rows, dtype=probs.dtype, device=probs.device) if grad_logprobs is None else grad_logprobs
@@ -198,7 +209,11 @@ def softmax_grad_(probs, labels, entropy, grad_logprobs, grad_entropy, temperatu
             piece.mul_(scale[rows_here])
             continue
         piece.mul_(scale[rows_here]).addcmul_(p_log_p, g_h[rows_here], value=-1.0)
-    return probs.scatter_add_(-1, labels, grad)
+    if vocab_start is None:
+        return probs.scatter_add_(-1, labels, grad)
+    local, width = labels - vocab_start, probs.shape[1]
+    hit = (local >= 0) & (local < width)
+    return probs.scatter_add_(-1, local.clamp_(0, width - 1), grad * hit)
 
 
 def _head_pass(hidden, weight, bias, labels, chunk_size: int, temperature: float, buffer_rows=None, out=None,
@@ -230,10 +245,11 @@ class _LinearHead(torch.autograd.Function):
 
     Forward (:func:`_head_pass`): ``z`` (divided by ``T``), ``lp = log_softmax(z)_y`` and ``H = -sum_v p_v log p_v``;
     saved: the head's inputs, ``H`` and either the softmax ``(N, V)`` (one buffer) or ``lse`` ``(N,)`` (chunks,
-    whose backward recomputes ``p = exp(z - lse)`` chunk by chunk). Backward per chunk (one buffer: one chunk of
-    N): :func:`softmax_grad_` in place, then ``grad_hidden = grad_z W``, ``grad_W += grad_z^T hidden`` into the
-    weight's gradient itself (its dtype, in place: no ``(V, H)`` temporary, :func:`_add_weight_grad`; a single
-    chunk's one product is the gradient) and ``grad_b += sum_n grad_z``.
+    whose backward recomputes ``p = exp(z - lse)``). Backward: :func:`softmax_grad_` in place, then
+    ``grad_hidden = grad_z W``, ``grad_W = grad_z^T hidden`` and ``grad_b = sum_n grad_z``, in one buffer (one
+    chunk of N), over slices of the vocabulary (:func:`_backward_by_vocabulary`, chunks with N < V) or over chunks
+    of tokens (:func:`_backward_by_tokens`, ``grad_W`` summed into the weight's gradient itself, its dtype, in
+    place: no ``(V, H)`` temporary, :func:`_add_weight_grad`).
     """
 
     @staticmethod
@@ -249,41 +265,117 @@ class _LinearHead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, bias, labels, saved, entropy = ctx.saved_tensors
-        temperature, n = ctx.temperature, hidden.shape[0]
-        step = ctx.chunk_size or max(n, 1)
-        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        want_bias = bias is not None and ctx.needs_input_grad[2]
-        grad_hidden = torch.empty_like(hidden) if want_hidden else None
-        grad_weight = None
-        grad_bias = torch.zeros(weight.shape[0], dtype=saved.dtype, device=weight.device) if want_bias else None
-        # Chunks reuse one work buffer and one cache-sized scratch; one buffer's scratch is freed before its products.
-        buffer = _work_buffer(n, step, weight) if ctx.chunk_size else None
-        scratch = _scratch(buffer) if ctx.chunk_size else None
-        for start in range(0, n, step):
-            rows = slice(start, start + step)
-            if ctx.chunk_size:
-                with under_autocast(ctx.autocast):  # the forward's logits exactly: its log-sum-exp is reused
-                    probs = _chunk_logits(hidden[rows], weight, bias, temperature, buffer)
-            else:
-                probs = saved  # the saved softmax is not needed again: its memory becomes the gradient
-            grad_z = softmax_grad_(
-                probs, labels[rows], entropy[rows], None if grad_logprobs is None else grad_logprobs[rows],
-                None if grad_entropy is None else grad_entropy[rows], temperature, scratch,
-                saved[rows] if ctx.chunk_size else None,
-            )  # fmt: skip
-            if want_bias:
-                grad_bias += grad_z.sum(0)
-            grad_z = grad_z.to(weight.dtype)
+        want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        sliced = ctx.chunk_size and by_vocabulary(hidden.shape[0], weight.shape[0])
+        run = _backward_by_vocabulary if sliced else _backward_by_tokens
+        grads = run(hidden, weight, bias, labels, saved, entropy, grad_logprobs, grad_entropy, ctx.chunk_size,
+                    ctx.temperature, ctx.autocast, want)  # fmt: skip
+        return *grads, None, None, None, None, None
+
+
+def by_vocabulary(tokens: int, vocab: int) -> bool:
+    """Whether a chunked backward slices the vocabulary rather than the tokens: the one its chunks sum over, the
+    ``(N, H)`` gradient of the head's inputs or the ``(V, H)`` weight gradient, is the smaller.
+
+    Each slice or chunk reads and writes that sum; the other is written once, slice by slice. Slices of the
+    vocabulary also keep the head's products large (every token at once against a cache-sized piece of W).
+    """
+    return tokens < vocab
+
+
+def vocab_slice_width(tokens: int, vocab: int, chunk_size: int, device_type: str = "cpu") -> int:
+    """Vocabulary columns per slice of all ``tokens`` rows: at most the logits of a chunk of ``chunk_size``
+    tokens, so the memory bound is the chunk's bytes either way - and on the CPU at most 16 MiB of float32
+    logits (at least 256 columns), which the slice's four passes (product, gradient, two products) find in cache."""
+    width = chunk_size * vocab // max(tokens, 1)
+    if device_type in _SLICE_BYTES:
+        width = min(width, max(256, _SLICE_BYTES[device_type] // (4 * max(tokens, 1))))
+    return max(1, min(vocab, width))
+
+
+def _backward_by_tokens(hidden, weight, bias, labels, saved, entropy, grad_logprobs, grad_entropy, chunk_size,
+                        temperature, autocast, want):  # fmt: skip
+    """The one buffer's backward (``chunk_size`` 0: one chunk of N) or ``chunk_size`` tokens at a time, each
+    chunk's logits recomputed and made ``p`` by its saved log-sum-exp; see :class:`_LinearHead`."""
+    (want_hidden, want_weight, want_bias), n = want, hidden.shape[0]
+    step = chunk_size or max(n, 1)
+    grad_hidden = torch.empty_like(hidden) if want_hidden else None
+    grad_weight = None
+    grad_bias = torch.zeros(weight.shape[0], dtype=saved.dtype, device=weight.device) if want_bias else None
+    # Chunks reuse one work buffer and one cache-sized scratch; one buffer's scratch is freed before its products.
+    buffer = _work_buffer(n, step, weight) if chunk_size else None
+    scratch = _scratch(buffer) if chunk_size else None
+    for start in range(0, n, step):
+        rows = slice(start, start + step)
+        if chunk_size:
+            with under_autocast(autocast):  # the forward's logits exactly: its log-sum-exp is reused
+                probs = _chunk_logits(hidden[rows], weight, bias, temperature, buffer)
+        else:
+            probs = saved  # the saved softmax is not needed again: its memory becomes the gradient
+        grad_z = softmax_grad_(
+            probs, labels[rows], entropy[rows], None if grad_logprobs is None else grad_logprobs[rows],
+            None if grad_entropy is None else grad_entropy[rows], temperature, scratch,
+            saved[rows] if chunk_size else None,
+        )  # fmt: skip
+        if want_bias:
+            grad_bias += grad_z.sum(0)
+        grad_z = grad_z.to(weight.dtype)
+        if want_hidden:
+            with under_autocast(autocast):
+                grad_hidden[rows] = grad_z @ weight
+        if want_weight and step >= n:  # one product, in the model's precision: it is the gradient itself
+            with under_autocast(autocast):
+                grad_weight = grad_z.t() @ hidden
+        elif want_weight:
+            grad_weight = _add_weight_grad(grad_weight, grad_z, hidden[rows], weight)
+    return grad_hidden, grad_weight, grad_bias.to(bias.dtype) if want_bias else None
+
+
+def _backward_by_vocabulary(hidden, weight, bias, labels, log_sum_exp, entropy, grad_logprobs, grad_entropy,
+                            chunk_size, temperature, autocast, want):  # fmt: skip
+    """The chunked backward over slices of the vocabulary (:func:`by_vocabulary`): per slice ``W_s`` of
+    :func:`vocab_slice_width` columns, ``z_s = (hidden W_s^T + b_s) / T`` for every token, ``p_s = exp(z_s - lse)``
+    from the saved whole-vocabulary log-sum-exp, :func:`softmax_grad_`, then ``grad_W_s = grad_z_s^T hidden`` and
+    ``grad_b_s`` written once and ``grad_hidden += grad_z_s W_s`` summed in an ``(N, H)`` buffer of the weight's dtype.
+
+    The products run as the model's (its dtype, or under the forward's autocast); slices reuse one work buffer.
+    """
+    (want_hidden, want_weight, want_bias), (n, vocab) = want, (hidden.shape[0], weight.shape[0])
+    width, dtype = vocab_slice_width(n, vocab, chunk_size, weight.device.type), log_sum_exp.dtype
+    buffer = torch.empty(n * width, dtype=dtype, device=weight.device)
+    budget = _CACHE_BYTES.get(weight.device.type, _DEFAULT_CACHE_BYTES) // buffer.element_size()
+    scratch = buffer.new_empty(max(width, min(budget, n * width)))
+    # The products write into their results (no temporaries) in the weight's dtype - a bfloat16 weight's gradients
+    # are then summed in bfloat16, as _add_weight_grad sums them. Under autocast a float32 weight's operands are
+    # first rounded to its dtype, as the model's product rounds them, and summed over the slices in float32
+    # (half-precision partial sums would add a rounding per slice, not the model's one).
+    half = autocast[1] if autocast[2] and weight.dtype == dtype else None
+    hidden_w = hidden.to(weight.dtype) if half is None else hidden.to(half).to(dtype)
+    grad_hidden = torch.zeros_like(hidden_w) if want_hidden else None
+    grad_weight = torch.empty_like(weight) if want_weight else None
+    grad_bias = torch.empty(vocab, dtype=dtype, device=weight.device) if want_bias else None
+    for start in range(0, vocab, width):
+        cols = slice(start, start + width)
+        w_slice = weight[cols]
+        z = buffer[: n * w_slice.shape[0]].view(n, w_slice.shape[0])
+        with under_autocast(autocast):
+            _chunk_logits(hidden, w_slice, None if bias is None else bias[cols], temperature, z)
+        rows = max(1, min(n, scratch.numel() // w_slice.shape[0]))
+        grad_z = softmax_grad_(z, labels, entropy, grad_logprobs, grad_entropy, temperature,
+                               scratch[: rows * w_slice.shape[0]].view(rows, -1), log_sum_exp, start)  # fmt: skip
+        if want_bias:
+            grad_bias[cols] = grad_z.sum(0)
+        if half is not None:
+            grad_z.copy_(grad_z.to(half))
+            w_slice = w_slice.to(half).to(dtype)
+        grad_z = grad_z.to(weight.dtype)
+        with torch.autocast(weight.device.type, enabled=False):
+            if want_weight:
+                torch.mm(grad_z.t(), hidden_w, out=grad_weight[cols])
             if want_hidden:
-                with under_autocast(ctx.autocast):
-                    grad_hidden[rows] = grad_z @ weight
-            if want_weight and step >= n:  # one product, in the model's precision: it is the gradient itself
-                with under_autocast(ctx.autocast):
-                    grad_weight = grad_z.t() @ hidden
-            elif want_weight:
-                grad_weight = _add_weight_grad(grad_weight, grad_z, hidden[rows], weight)
-        grad_bias = grad_bias.to(bias.dtype) if want_bias else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+                grad_hidden.addmm_(grad_z, w_slice)
+    grad_hidden = grad_hidden.to(hidden.dtype) if want_hidden else None
+    return grad_hidden, grad_weight, grad_bias.to(bias.dtype) if want_bias else None
 
 
 def _add_weight_grad(total: torch.Tensor | None, grad_z: torch.Tensor, hidden: torch.Tensor, weight) -> torch.Tensor:
