@@ -65,3 +65,18 @@ def test_the_sentiment_table_shows_the_first_continuation_of_each_prompt():
     assert [[cell.strip() for cell in line] for line in lines[1:]] == [
         ["w1", "a1", "+0.10", "c1", "+0.50"], ["w2", "b1", "+0.30", "d1", "+0.70"],
     ]  # fmt: skip
+
+
+def test_the_smollm2_generation_benchmark_refuses_empty_sizes_and_tables_ratios_to_one_call(monkeypatch, capsys):
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))
+    import bench_loop
+    import smollm2_generation
+
+    with pytest.raises(SystemExit):
+        bench_loop.main(["--smollm2", "--prompts", "0"])
+    assert "--prompts and --new-tokens must be >= 1, got 0 and 32" in capsys.readouterr().err
+    result = {name: {"tokens": 64, "seconds": seconds, "tokens_per_s": 64 / seconds}
+              for name, seconds in zip(smollm2_generation.ENGINES, (2.0, 8.0, 0.5))}  # fmt: skip
+    rows = smollm2_generation.format_table(result).splitlines()[2:]
+    assert [row.split("|")[-2].strip() for row in rows] == ["1.00x", "0.25x", "4.00x"]

@@ -5,7 +5,7 @@
   with beta 0, DAPO's loss and clip-higher).
 - The questions, in the model's own chat template (ChatML, with its default system prompt): "What is a + b?
   Reply with the number only." for a, b in 1..--max_operand. Asked so, the model answers "a + b = s" (or just
-  "s"), right on about half of them: it knows the format, not always the sum.
+  "s"), right on about 40% of them: it knows the format, not always the sum.
 - The reward checks the answer: 1 if the last integer of the reply is a + b, else 0 (`answer_reward`), so
   "12 + 26 = 38", "38" and "The answer is 38." all count.
 - The measurement: greedy accuracy on held-out questions before training, every --eval_every steps, and after.
