@@ -43,6 +43,26 @@ def count_reads(monkeypatch):
     return counts
 
 
+def _by_site(counts) -> dict:
+    by_site = collections.Counter()
+    for (name, module, _), n in counts.items():
+        by_site[(name, module)] += n
+    return dict(by_site)
+
+
+def _prompt_reads(trainer) -> dict:
+    """The one read of the user's host query tokens in a step, to find rows that share a prompt (where the
+    trainer looks for them: automatic or on prefix sharing over packed passes, or a shuffle by prompt)."""
+    looks = trainer.forward.prefix.shares_prompts or trainer.config.shuffle_by_prompt
+    return {("tolist", "trainer/prefix_sharing.py"): 1} if looks else {}
+
+
+def _host_reads(trainer) -> int:
+    """``.tolist()`` of host tensors in a step (no device read on a GPU): the epoch permutations drawn by
+    ``torch.randperm`` and the query tokens of :func:`_prompt_reads`."""
+    return trainer.config.ppo_epochs + sum(_prompt_reads(trainer).values())
+
+
 def _trainer_and_batch(config):
     """A trainer of ``config`` on a tiny GPT-2 and a checked batch of 8 random rows for it."""
     with warnings.catch_warnings():
@@ -59,17 +79,15 @@ def test_one_sync_per_minibatch_and_one_per_update(count_reads, padding_free, gr
     trainer, batch = _trainer_and_batch(config)
     count_reads.clear()
     experience = trainer.experience_maker.make(batch)
-    # Making the experience reads nothing back per mini-batch or per row (single process: no reductions).
-    assert sum(count_reads.values()) == 0, dict(count_reads)
+    # Making the experience reads nothing back per mini-batch or per row (single process: no reductions), but
+    # the user's host query tokens, once, to find rows that share a prompt.
+    assert _by_site(count_reads) == _prompt_reads(trainer), dict(count_reads)
     trainer.learner.train(experience)
     minibatches = config.ppo_epochs * config.batch_size // config.mini_batch_size
     updates = minibatches // gradient_accumulation_steps
-    by_site = collections.Counter()
-    for (name, module, _), n in count_reads.items():
-        by_site[(name, module)] += n
     # Per epoch one more .tolist(): the permutation, drawn on the host by torch.randperm (no device read).
-    reads = minibatches + config.ppo_epochs
-    assert by_site == {("tolist", "trainer/learner.py"): reads, ("item", "trainer/learner.py"): updates}
+    assert _by_site(count_reads) == {("tolist", "trainer/learner.py"): minibatches, ("item", "trainer/learner.py"): updates,
+                                     ("tolist", "trainer/prefix_sharing.py"): _host_reads(trainer)}  # fmt: skip
 
 
 def _user_tensors(batch):
@@ -121,17 +139,18 @@ def test_a_step_moves_its_batch_in_one_copy_and_reads_its_statistics_back_in_one
     # and one for the host scalars of the statistics; no row moved on its own.
     assert packs == [8 + 8 + 1 + 1, 1] and moves == []
     minibatches = config.ppo_epochs * config.batch_size // config.mini_batch_size
-    train_reads = {("tolist", "trainer/learner.py"): minibatches + config.ppo_epochs, ("item", "trainer/learner.py"): minibatches}
+    train_reads = {("tolist", "trainer/learner.py"): minibatches, ("item", "trainer/learner.py"): minibatches,
+                   ("tolist", "trainer/prefix_sharing.py"): _host_reads(trainer)}  # fmt: skip
     assert before == train_reads
     assert reads == {**train_reads, ("cpu", "trainer/transfer.py"): 1}
-    # The budget: at most 2 per training mini-batch (the permutation's .tolist() is a host read).
-    assert (sum(before.values()) - config.ppo_epochs) / minibatches <= 2
+    # The budget: at most 2 per training mini-batch (the permutations and the query tokens are host reads).
+    assert (sum(before.values()) - _host_reads(trainer)) / minibatches <= 2
 
 
 @pytest.mark.parametrize("options", [{}, {"gradient_accumulation_steps": 2}, {"use_score_scaling": True, "early_stopping": True}])
 def test_sync_budget_covers_every_read_of_a_step(count_reads, options):
     """``sync_budget`` (what ``make gpu-check``'s sync row compares with) against the reads of trl_lite's
-    own code in a step on the CPU: equal, but the permutations' host ``.tolist()`` (one per epoch)."""
+    own code in a step on the CPU: equal, but the host reads of :func:`_host_reads`."""
     from trl_lite.trainer.transfer import sync_budget
 
     config = PPOConfig(batch_size=8, mini_batch_size=2, ppo_epochs=2, max_grad_norm=1.0, target_kl=1e9, **options)
@@ -139,7 +158,7 @@ def test_sync_budget_covers_every_read_of_a_step(count_reads, options):
     count_reads.clear()
     experience = trainer.experience_maker.make(batch)
     trainer.statistics.step_stats(experience, trainer.learner.train(experience)[0])
-    reads = sum(count_reads.values()) - config.ppo_epochs
+    reads = sum(count_reads.values()) - _host_reads(trainer)
     budget = sync_budget(config)
     # The statistics' copy back is a .cpu() (not in READS): counted here by the budget, not by the reads.
     assert reads + 1 == budget["total"]

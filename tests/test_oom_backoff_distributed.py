@@ -103,7 +103,10 @@ def test_a_failure_that_cannot_be_redone_ends_both_processes_with_an_error(tmp_p
     assert run.returncode != 0
     output = run.stdout + run.stderr
     assert "[rank1]: torch.OutOfMemoryError:" in output and f"max_tokens_per_minibatch={restart_with} or lower" in output
-    assert rank0_says in output
+    # Rank 0 names the broken collective - unless the launcher, seeing rank 1 gone, stopped it first (on a loaded
+    # machine it can run before rank 0's socket reports the closed connection): then torchrun says so.
+    stopped_by_launcher = "Signal 15 (SIGTERM) received by PID" in output
+    assert rank0_says in output or stopped_by_launcher, output[-3000:]
     assert not (tmp_path / "run" / "result.pt").exists()
 
 

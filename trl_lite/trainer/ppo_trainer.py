@@ -264,9 +264,7 @@ class PPOTrainer(ClassicHelpersMixin):
                 "neither the tokenizer nor the model config has an eos_token_id; set stop_token_id."
             )
 
-    # ------------------------------------------------------------------------------------------
-    # The PPO step
-    # ------------------------------------------------------------------------------------------
+    # --- The PPO step ----------------------------------------------------------------------------
     def step(
         self,
         queries: list[torch.LongTensor],
@@ -406,9 +404,7 @@ class PPOTrainer(ClassicHelpersMixin):
         """
         self.statistics.log(self.current_step, stats, batch, rewards, columns_to_log)
 
-    # ------------------------------------------------------------------------------------------
-    # Saving, checkpoint and resume
-    # ------------------------------------------------------------------------------------------
+    # --- Saving, checkpoint and resume -----------------------------------------------------------
     @property
     def ema_model(self):
         """The policy's moving average as a model (float32), for generation and evaluation.
@@ -474,9 +470,7 @@ class PPOTrainer(ClassicHelpersMixin):
         if self._ema is not None:
             self._ema.load_state_dict(tensors)
 
-    # ------------------------------------------------------------------------------------------
-    # Data
-    # ------------------------------------------------------------------------------------------
+    # --- Data ------------------------------------------------------------------------------------
     def _build_dataloader(self, dataset, data_collator) -> DataLoader:
         """Shuffled, ``batch_size`` rows, last incomplete batch dropped; seeded for exact resume."""
         if self.config.remove_unused_columns and hasattr(dataset, "column_names") and hasattr(dataset, "remove_columns"):

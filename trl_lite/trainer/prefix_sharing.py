@@ -41,13 +41,17 @@ def check_sharing(prefix_sharing, pack: bool, cut: bool, policy, row_attention: 
 def prompt_ids(queries: list[torch.Tensor]) -> tuple:
     """Per row, the number of the first row whose query tokens equal its own (itself when none before it does).
 
-    Call it on the host tensors of ``step()`` (before the batch's copy to the device): each query is read
-    as a tuple of ints, which on an accelerator would wait for the device each time. One dictionary look-up
+    Call it on the host tensors of ``step()`` (before the batch's copy to the device): the queries are read
+    as ints in one read (queries a user left on an accelerator wait for it once, not per row). One dictionary look-up
     per row, so the automatic rule's look costs O(tokens), not a comparison with every earlier query.
     """
-    first, ids = {}, []
+    if not queries:
+        return ()
+    tokens, first, ids, start = torch.cat([q.reshape(-1) for q in queries]).tolist(), {}, [], 0  # one read
     for i, query in enumerate(queries):
-        ids.append(first.setdefault(tuple(query.tolist()), i))
+        end = start + query.numel()
+        ids.append(first.setdefault(tuple(tokens[start:end]), i))
+        start = end
     return tuple(ids)
 
 
