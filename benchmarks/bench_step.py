@@ -267,8 +267,26 @@ VOCAB = Qwen2Workload(
 )  # fmt: skip
 # --- end of vocab block ---------------------------------------------------------------------------
 
+# --- smollm2: a real pretrained model (issue 51) --------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SmolLM2Workload(Qwen2Workload):
+    """SmolLM2-135M-Instruct's real weights (a Llama: Qwen2's layer shape, so its FLOP count), float32, built by
+    benchmarks/smollm2_workload.py; the shape fields must match its config. Token ids are random, as elsewhere."""
+
+    pretrained: str = "SmolLM2-135M-Instruct"
+
+
+# 8 rows of 24-40 + 24-40 tokens in mini-batches of 4, 2 PPO epochs (w2's batch plan, so two updates per
+# mini-batch row): about 10-20 s a step on this machine's CPU, and the rollout passes weigh as in classic runs.
+SMOLLM2 = SmolLM2Workload(
+    "smollm2", n_layer=30, n_embd=576, n_head=9, n_kv_head=3, intermediate_size=1536, vocab_size=49152,
+    batch_size=8, mini_batch_size=4, ppo_epochs=2, query_len=(24, 40), response_len=(24, 40), response_spread="uniform",
+)  # fmt: skip
+# --- end of smollm2 block -------------------------------------------------------------------------
+
 WORKLOAD_GROUPS = {"w1": lambda: [W1], "w2": lambda: [W2], "w3": lambda: [W3], "w4": lambda: [W4], "sweep": sweep_workloads}
 WORKLOAD_GROUPS["vocab"] = lambda: [VOCAB]
+WORKLOAD_GROUPS["smollm2"] = lambda: [SMOLLM2]
 WORKLOAD_GROUPS["long"] = long_workloads
 # `long` at 1/16 of its lengths and 2 layers: what a shared 2-core CPU measures in minutes (same width and vocabulary).
 WORKLOAD_GROUPS["long-small"] = lambda: long_workloads(scale=16)
@@ -307,6 +325,10 @@ def make_lm(workload: Workload, device: str, dtype: torch.dtype):
     """A random-init GPT2LMHeadModel (or Qwen2ForCausalLM for a `Qwen2Workload`) of the workload's size,
     without dropout (same model for both methods)."""
     last_id = workload.vocab_size - 1
+    if isinstance(workload, SmolLM2Workload):
+        from smollm2_workload import make_smollm2  # benchmarks/, the script's own directory
+
+        return make_smollm2(workload, device, dtype)
     if isinstance(workload, Qwen2Workload):
         return make_qwen2(workload, device, dtype)
     config = GPT2Config(
@@ -1027,7 +1049,7 @@ def worker_main(spec_json: str) -> None:
     fields = spec.pop("workload")
     kind = (
         CriticFreeWorkload if "advantage_estimator" in fields else LongWorkload if "long_rows" in fields
-        else Qwen2Workload if "n_kv_head" in fields else Workload
+        else SmolLM2Workload if "pretrained" in fields else Qwen2Workload if "n_kv_head" in fields else Workload
     )  # fmt: skip
     workload = kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
     runner = StepRunner(workload, **spec)
@@ -1181,6 +1203,8 @@ def format_table(results: list) -> str:
 def describe_workloads(workloads: list) -> str:
     """One markdown bullet per workload with its shapes."""
     def model(w: Workload) -> str:
+        if isinstance(w, SmolLM2Workload):
+            return f"{w.pretrained}, real weights ({w.n_layer} x {w.n_embd}, {w.n_head} heads over {w.n_kv_head} key/value heads)"
         if isinstance(w, Qwen2Workload):
             return (f"Qwen2 {w.n_layer} x {w.n_embd} ({w.n_head} heads over {w.n_kv_head} key/value heads, "
                     f"MLP {w.intermediate_size}, tied embeddings)")  # fmt: skip
