@@ -33,10 +33,10 @@ SERVER_START_LIMIT_S = 900  # a fresh server on one busy core
 @contextlib.contextmanager
 def pinned_server(loop: LoopWorkload, core: int, dtype: torch.dtype):
     """A vLLM server for the loop's model, in its own session, pinned to ``core``; yields its URL."""
-    import bench_step
+    import step_workloads
 
     with tempfile.TemporaryDirectory(prefix="bench_async_") as model_dir:
-        bench_step.make_lm(loop.model, "cpu", dtype).save_pretrained(model_dir)
+        step_workloads.make_lm(loop.model, "cpu", dtype).save_pretrained(model_dir)
         max_len = loop.model.query_len[1] + loop.new_tokens[1] + 8
         with served(model_dir, max_len, core) as url:
             yield url

@@ -67,7 +67,9 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_step  # noqa: E402  (the floor, the models, the results file)
+import bench_step  # noqa: E402  (the machine line, the results file)
+import step_floors  # noqa: E402  (the floor)
+import step_workloads  # noqa: E402  (the models)
 from loop_workloads import (  # noqa: E402
     GREEDY, LOOPS, SAMPLING, LoopWorkload, TrlLoop, length_sampler, reward_fn, sample_queries, sync
 )  # fmt: skip
@@ -103,8 +105,8 @@ class PlainLoop:
 
     def __init__(self, loop: LoopWorkload, device: str, dtype: torch.dtype, greedy: bool = False):
         w = loop.model
-        self.lm = bench_step.make_lm(w, device, dtype)
-        self.floor = bench_step.FloorPPO(self.lm, w.mini_batch_size, w.ppo_epochs)
+        self.lm = step_workloads.make_lm(w, device, dtype)
+        self.floor = step_floors.FloorPPO(self.lm, w.mini_batch_size, w.ppo_epochs)
         self.sampler = length_sampler(loop, greedy)
         self.settings = GREEDY if greedy else SAMPLING
         self.loop, self.device = loop, device
@@ -138,7 +140,7 @@ def run_loops(loop: LoopWorkload, iterations: int, warmup: int, device="cpu", dt
     ``backend='transformers'``: trl_lite (``trl_lite``) and plain transformers (``plain``);
     ``'vllm'``: trl_lite on a vLLM engine (``vllm``) and on transformers (``transformers``).
     """
-    dtype = bench_step.DTYPES[dtype]
+    dtype = step_workloads.DTYPES[dtype]
     if backend == "vllm":
         loops = {
             "vllm": TrlLoop(loop, device, dtype, greedy, backend="vllm"),
@@ -186,7 +188,7 @@ def main(argv=None) -> None:
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--dtype", default=None, choices=sorted(bench_step.DTYPES))
+    parser.add_argument("--dtype", default=None, choices=sorted(step_workloads.DTYPES))
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument(
         "--greedy", action="store_true",
@@ -361,7 +363,7 @@ def main_async(args, parser) -> None:
         parser.error("--async runs on the CPU, sampled, one torch thread per core (no --device cuda, --greedy, --threads)")
     workload = "async" if args.workload == "tiny" else args.workload  # the default workload of --async
     loop = LOOPS[workload]
-    dtype = bench_step.DTYPES[args.dtype or "fp32"]
+    dtype = step_workloads.DTYPES[args.dtype or "fp32"]
     async_loop.pin_trainer(core=0)
     machine = bench_step.machine_description(args.device)
     print(f"machine: {machine}", flush=True)

@@ -18,7 +18,8 @@ import statistics
 import time
 
 import torch
-from bench_step import DTYPES, WORKLOAD_GROUPS, make_batch, make_step_fn
+from step_methods import make_step_fn
+from step_workloads import DTYPES, WORKLOAD_GROUPS, make_batch
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ vocabulary, random weights, fp32) with a value head; one batch of rows of ``--le
 each), one row per mini-batch, 1 PPO epoch, SGD, packed passes. Each run does 3 steps on the same batch:
 the first timed, the next two under ``torch.profiler`` with ``profile_memory=True``, the larger of whose
 tensor peaks is reported. A step's tensor peak is the highest sum of live CPU tensor bytes counted from
-the step's start (``bench_step.tensor_peak_mb``: weights, and buffers made once in the first step, do not
+the step's start (``peak_memory.tensor_peak_mb``: weights, and buffers made once in the first step, do not
 count; the training pass of the longest row is the step's largest). It replays the allocations by address,
 because under several processes gloo's worker threads drop the last reference to many of the collectives'
 buffers and the profiler does not record frees on those threads: counted from the records alone, those
@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_step import tensor_peak_mb
+from peak_memory import tensor_peak_mb
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULT_MARKER = "BENCH_RESULT "

@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step import KL_COEF, LEARNING_RATE, SHARED_PREFIX, grouped_batch, make_lm, quiet_trainer  # noqa: E402
+from step_floors import KL_COEF, LEARNING_RATE  # noqa: E402
+from step_methods import quiet_trainer  # noqa: E402
+from step_workloads import SHARED_PREFIX, grouped_batch, make_lm  # noqa: E402
 
 
 def measure(workload, by_prompt: bool, steps: int) -> tuple[float, float]:

@@ -9,7 +9,9 @@ import time
 
 import torch
 
-import bench_step
+import step_floors
+import step_methods
+import step_workloads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,7 +19,7 @@ class LoopWorkload:
     """A loop: the model of a bench_step workload, its batch and PPO settings, a generation setting."""
 
     name: str
-    model: bench_step.Workload
+    model: step_workloads.Workload
     generation_batch_size: int = 4  # queries per transformers generate call
     new_tokens: tuple = (16, 33)  # LengthSampler(16, 33): 16-32 new tokens, 24 on average
     samples_per_query: int = 1  # > 1: GRPO, the model.batch_size rows answer batch_size / k queries
@@ -25,21 +27,21 @@ class LoopWorkload:
 
 LOOPS = {
     # The w1 model (2 x 128, GPT-2's vocabulary): quick.
-    "tiny": LoopWorkload("loop-tiny", dataclasses.replace(bench_step.W1, name="loop-tiny")),
+    "tiny": LoopWorkload("loop-tiny", dataclasses.replace(step_workloads.W1, name="loop-tiny")),
     # GPT-2 small with 24-token responses on average, as in the issue that asked for this benchmark.
     "small": LoopWorkload(
-        "loop-small", dataclasses.replace(bench_step.W2, name="loop-small", batch_size=16, mini_batch_size=4)
+        "loop-small", dataclasses.replace(step_workloads.W2, name="loop-small", batch_size=16, mini_batch_size=4)
     ),
     # GRPO on the w1 model: 8 queries x 8 samples = 64 rows, 4 mini-batches.
     "grpo": LoopWorkload(
-        "loop-grpo", dataclasses.replace(bench_step.W1, name="loop-grpo", batch_size=64, mini_batch_size=16),
+        "loop-grpo", dataclasses.replace(step_workloads.W1, name="loop-grpo", batch_size=64, mini_batch_size=16),
         samples_per_query=8,
     ),  # fmt: skip
     # For --async: the w1 model, batch 12, one optimizer step per PPO step, 48-token responses: on one core
     # each, the server's generation with its weight push and the trainer's step take about as long.
     "async": LoopWorkload(
         "loop-async",
-        dataclasses.replace(bench_step.W1, name="loop-async", batch_size=12, mini_batch_size=12, ppo_epochs=1),
+        dataclasses.replace(step_workloads.W1, name="loop-async", batch_size=12, mini_batch_size=12, ppo_epochs=1),
         new_tokens=(48, 49),
     ),  # fmt: skip
 }
@@ -50,9 +52,9 @@ def reward_fn(responses: list) -> list:
     return [(r % 2 == 0).float().mean() for r in responses]
 
 
-def sample_queries(workload: bench_step.Workload, iteration: int) -> list:
+def sample_queries(workload: step_workloads.Workload, iteration: int) -> list:
     """The iteration's queries: lengths and ids from a generator seeded by the iteration."""
-    return bench_step.make_batch(dataclasses.replace(workload, seed=1000 + iteration))[0]
+    return step_workloads.make_batch(dataclasses.replace(workload, seed=1000 + iteration))[0]
 
 
 def sync(device: str) -> None:
@@ -94,7 +96,7 @@ class TrlLoop:
         from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig
 
         w = loop.model
-        lm = bench_step.make_lm(w, device, dtype)
+        lm = step_workloads.make_lm(w, device, dtype)
         model = AutoModelForCausalLMWithValueHead.from_pretrained(lm).to(device=device, dtype=dtype)
         # generate() pads with the tokenizer's ids: a word-level tokenizer whose special ids are the model's.
         eos = w.vocab_size - 1
@@ -104,10 +106,10 @@ class TrlLoop:
         critic_free = dict(advantage_estimator="grpo", num_samples_per_query=k) if k > 1 else {}
         config = PPOConfig(
             batch_size=w.batch_size, mini_batch_size=w.mini_batch_size, ppo_epochs=w.ppo_epochs,
-            learning_rate=bench_step.LEARNING_RATE, seed=w.seed, use_vllm=backend == "vllm", **critic_free,
+            learning_rate=step_floors.LEARNING_RATE, seed=w.seed, use_vllm=backend == "vllm", **critic_free,
             **config_options,
         )  # fmt: skip
-        self.trainer = bench_step.quiet_trainer(config, model, tokenizer=tokenizer)
+        self.trainer = step_methods.quiet_trainer(config, model, tokenizer=tokenizer)
         self.sampler = length_sampler(loop, greedy)
         self.settings = GREEDY if greedy else SAMPLING
         if k > 1:
@@ -208,7 +210,7 @@ class PeftLoop:
             advantage_estimator="grpo", num_samples_per_query=samples, use_vllm=True, vllm_lora_sync=lora_sync,
             vllm_dtype="float32", vllm_max_model_len=128, vllm_kv_cache_gb=1, **config_options,
         )  # fmt: skip
-        self.trainer = bench_step.quiet_trainer(config, model, tokenizer=tokenizer)
+        self.trainer = step_methods.quiet_trainer(config, model, tokenizer=tokenizer)
         self.queries, self.samples, self.new_tokens = queries, samples, new_tokens
 
     def iteration(self, iteration: int) -> dict:

@@ -1,16 +1,17 @@
 """Keeps the critic-free block of `benchmarks/bench_step.py` working: the GRPO floor's passes and
 advantages, and a 1-step run of the trainer and the floor on a tiny grouped workload."""
 
+import dataclasses
 import math
 
 import torch
-from test_bench_floor import TINY, bench
+from test_bench_floor import TINY, bench, step_floors, step_measure, step_methods, step_workloads
 
-TINY_GRPO = bench.CriticFreeWorkload(**{**bench.dataclasses.asdict(TINY), "name": "tiny-grpo", "num_samples_per_query": 2})
+TINY_GRPO = step_workloads.CriticFreeWorkload(**{**dataclasses.asdict(TINY), "name": "tiny-grpo", "num_samples_per_query": 2})
 
 
 def test_grouped_batch_shares_queries_within_groups():
-    queries, responses, _ = bench.make_batch(TINY_GRPO)
+    queries, responses, _ = step_workloads.make_batch(TINY_GRPO)
     assert len(queries) == TINY.batch_size
     for i in range(0, len(queries), 2):
         assert torch.equal(queries[i], queries[i + 1])
@@ -18,11 +19,11 @@ def test_grouped_batch_shares_queries_within_groups():
 
 
 def test_critic_free_floor_runs_no_value_head_and_uses_grpo_advantages():
-    lm = bench.make_lm(TINY_GRPO, "cpu", torch.float32)
-    floor = bench.CriticFreeFloor(lm, TINY.mini_batch_size, TINY.ppo_epochs, num_samples_per_query=2)
+    lm = step_workloads.make_lm(TINY_GRPO, "cpu", torch.float32)
+    floor = step_floors.CriticFreeFloor(lm, TINY.mini_batch_size, TINY.ppo_epochs, num_samples_per_query=2)
     assert floor.v_head is None
     assert {id(p) for g in floor.optimizer.param_groups for p in g["params"]} == {id(p) for p in lm.parameters()}
-    queries, responses, scores = bench.make_batch(TINY_GRPO)
+    queries, responses, scores = step_workloads.make_batch(TINY_GRPO)
     old = floor._rollout(queries, responses, scores)
     for i, r in enumerate(responses):
         group = [float(scores[j]) for j in (i - i % 2, i - i % 2 + 1)]
@@ -37,8 +38,8 @@ def test_critic_free_floor_runs_no_value_head_and_uses_grpo_advantages():
 
 
 def test_one_step_critic_free_benchmark_reports_step_and_floor():
-    results = bench.run_benchmark([TINY_GRPO], steps=1, warmup=0)
-    assert [(r["workload"], r["method"]) for r in results] == [("tiny-grpo", m) for m in bench.METHODS]
+    results = step_measure.run_benchmark([TINY_GRPO], steps=1, warmup=0)
+    assert [(r["workload"], r["method"]) for r in results] == [("tiny-grpo", m) for m in step_methods.METHODS]
     for r in results:
         assert math.isfinite(r["median_s"]) and r["median_s"] > 0
     assert "| tiny-grpo | floor |" in bench.format_table(results)

@@ -5,17 +5,17 @@ import dataclasses
 
 import pytest
 import torch
-from test_bench_floor import TINY, bench
+from test_bench_floor import TINY, bench, step_measure, step_methods, step_workloads
 
 TINY_SHARED = dataclasses.replace(
-    bench.SHARED_PREFIX, name="tiny-shared", n_layer=2, n_embd=32, n_head=2, batch_size=8, mini_batch_size=8,
+    step_workloads.SHARED_PREFIX, name="tiny-shared", n_layer=2, n_embd=32, n_head=2, batch_size=8, mini_batch_size=8,
     ppo_epochs=1, query_len=(12, 12), response_len=(2, 5), vocab_size=57, num_samples_per_query=4,
 )  # fmt: skip
 
 
 def test_shared_prefix_workloads_hold_groups_of_equal_prompts():
-    for workload, group, prompt in ((bench.SHARED_PREFIX, 8, 512), (bench.SHORT_PAIRS, 2, 16)):
-        queries, responses, _ = bench.make_batch(workload)
+    for workload, group, prompt in ((step_workloads.SHARED_PREFIX, 8, 512), (step_workloads.SHORT_PAIRS, 2, 16)):
+        queries, responses, _ = step_workloads.make_batch(workload)
         assert len(queries) == 32 and {len(q) for q in queries} == {prompt}
         assert all(32 <= len(r) <= 96 for r in responses)
         for i in range(len(queries)):
@@ -24,10 +24,10 @@ def test_shared_prefix_workloads_hold_groups_of_equal_prompts():
 
 
 def test_prefix_methods_report_the_tokens_their_passes_ran():
-    methods = list(bench.PREFIX_METHODS)
-    results = bench.run_benchmark([TINY_SHARED], methods, steps=1, warmup=0, tensor_peak=False)
+    methods = list(step_methods.PREFIX_METHODS)
+    results = step_measure.run_benchmark([TINY_SHARED], methods, steps=1, warmup=0, tensor_peak=False)
     assert [r["method"] for r in results] == methods
-    queries, responses, _ = bench.make_batch(TINY_SHARED)
+    queries, responses, _ = step_workloads.make_batch(TINY_SHARED)
     total = sum(len(q) + len(r) for q, r in zip(queries, responses))
     # Every pass holds the whole batch (mini_batch_size = batch_size): each group's prompt runs once.
     shared = 12 * 8 // 4 + sum(len(r) for r in responses)
@@ -42,7 +42,7 @@ def test_prefix_methods_report_the_tokens_their_passes_ran():
 
 def test_prefix_methods_refuse_a_workload_without_groups():
     with pytest.raises(ValueError, match="step-prefix-on"):
-        bench.make_step_fn("step-prefix-on", TINY, "cpu", torch.float32)
+        step_methods.make_step_fn("step-prefix-on", TINY, "cpu", torch.float32)
 
 
 def test_shuffle_by_prompt_bench_counts_the_training_passes_saving():
@@ -55,7 +55,7 @@ def test_shuffle_by_prompt_bench_counts_the_training_passes_saving():
     spec.loader.exec_module(script)
 
     workload = dataclasses.replace(TINY_SHARED, mini_batch_size=4, ppo_epochs=2)
-    queries, responses, _ = bench.make_batch(workload)
+    queries, responses, _ = step_workloads.make_batch(workload)
     total = sum(len(q) + len(r) for q, r in zip(queries, responses))
     torch.manual_seed(0)
     by_rows, _ = script.measure(workload, False, steps=1)
@@ -69,7 +69,7 @@ def test_the_automatic_rule_shares_shared_prefix_and_not_short_pairs():
     from test_prefix_sharing import make_trainer
 
     trainer = make_trainer(None, batch_size=32, mini_batch_size=32)
-    for workload, shares in ((bench.SHARED_PREFIX, True), (bench.SHORT_PAIRS, False)):
-        queries, responses, _ = bench.make_batch(workload)
+    for workload, shares in ((step_workloads.SHARED_PREFIX, True), (step_workloads.SHORT_PAIRS, False)):
+        queries, responses, _ = step_workloads.make_batch(workload)
         rows = trainer.forward.make_rows(queries, responses)
         assert (rows.prompt_ids is not None) == shares, workload.name

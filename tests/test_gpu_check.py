@@ -20,6 +20,11 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "gpu_check.py"
+sys.path.insert(0, str(SCRIPT.parent))  # gpu_check.py and its modules import each other by name
+import gpu_check_common  # noqa: E402
+import gpu_check_kernels  # noqa: E402
+import gpu_check_processes  # noqa: E402
+
 _spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
 gpu_check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu_check)
@@ -40,7 +45,7 @@ def test_the_lm_head_products_are_seen_with_the_dtypes_the_kernels_get():
     torch.manual_seed(0)
     head, other = torch.nn.Linear(16, 101), torch.nn.Linear(16, 16)
     hidden = torch.randn(6, 16, requires_grad=True)
-    with gpu_check.MatmulDtypes(101) as autocast_products:
+    with gpu_check_kernels.MatmulDtypes(101) as autocast_products:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = head(other(hidden))
         logits.float().logsumexp(-1).sum().backward()
@@ -48,7 +53,7 @@ def test_the_lm_head_products_are_seen_with_the_dtypes_the_kernels_get():
     # the 16 x 16 layer has no dimension of 101 and is not counted.
     assert [op for op, _ in autocast_products.seen] == ["addmm", "mm", "mm"]
     assert all(set(dtypes) == {"bfloat16"} for _, dtypes in autocast_products.seen)
-    with gpu_check.MatmulDtypes(101) as plain_products:
+    with gpu_check_kernels.MatmulDtypes(101) as plain_products:
         head(hidden).sum().backward()
     assert len(plain_products.seen) == 3 and all(set(d) == {"float32"} for _, d in plain_products.seen)
 
@@ -63,13 +68,13 @@ def test_sync_warnings_are_counted_by_source_line_and_other_warnings_left_out():
         record("Called a synchronizing CUDA operation", "trl_lite/core/stats.py", 7),
         record("PPOTrainer got no dataset", "trl_lite/trainer/ppo_trainer.py", 1),
     ]
-    assert gpu_check.sync_sites(records) == {"trl_lite/trainer/learner.py:40": 2, "trl_lite/core/stats.py:7": 1}
+    assert gpu_check_kernels.sync_sites(records) == {"trl_lite/trainer/learner.py:40": 2, "trl_lite/core/stats.py:7": 1}
 
 
 def test_the_summary_and_the_table():
     output = "....F.\n=== 1 failed, 512 passed, 3 deselected in 301.2s ===\n"
-    assert gpu_check.pytest_summary(output) == "1 failed, 512 passed, 3 deselected"
-    assert gpu_check.pytest_summary("ImportError") == "no summary"
+    assert gpu_check_processes.pytest_summary(output) == "1 failed, 512 passed, 3 deselected"
+    assert gpu_check_processes.pytest_summary("ImportError") == "no summary"
     table = gpu_check.format_table([("syncs", "INFO", "a|b"), ("suite", "PASS", "513 passed")])
     assert table.splitlines() == [
         "| check | result | detail |", "|---|---|---|", "| syncs | INFO | a/b |", "| suite | PASS | 513 passed |",
@@ -111,6 +116,19 @@ def test_the_row_is_printed_as_soon_as_its_check_ends(monkeypatch, capsys, tmp_p
     ]  # fmt: skip
 
 
+def test_the_worker_rows_start_gpu_check_py_itself(monkeypatch, tmp_path):
+    """The vllm-sleep and deepspeed rows live in gpu_check_processes.py but start their workers as
+    ``gpu_check.py --worker ...``: the one script whose command line answers ``--worker``."""
+    commands = []
+    monkeypatch.setattr(gpu_check_processes, "run_process", lambda command, log, timeout: commands.append(command))
+    args = gpu_check.parse_args(["--full", "--output-dir", str(tmp_path)])
+    args.time_left = lambda: 60.0
+    assert gpu_check_processes.check_vllm_sleep(args)[0] == "FAIL"  # no worker answered
+    assert gpu_check_processes.check_deepspeed(args)[0] == "FAIL"
+    assert [command[1] for command in commands] == [str(SCRIPT)] * 2
+    assert [gpu_check.parse_args(command[2:]).worker for command in commands] == ["vllm-sleep-on", "step"]
+
+
 def test_rows_are_skipped_once_the_time_budget_is_spent(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
     calls = []
@@ -136,8 +154,8 @@ def test_arguments_and_the_budget():
     for bad in (["--budget", "0"], ["--only", "nothing"], ["--skip", "gpu"]):
         with pytest.raises(SystemExit):
             gpu_check.parse_args(bad)
-    assert gpu_check.bench_step_args(False) == ["--workloads", "w1", "--steps", "1", "--warmup", "1"]
-    assert gpu_check.bench_step_args(True)[:4] == ["--workloads", "w1", "w2", "w3"]
+    assert gpu_check_processes.bench_step_args(False) == ["--workloads", "w1", "--steps", "1", "--warmup", "1"]
+    assert gpu_check_processes.bench_step_args(True)[:4] == ["--workloads", "w1", "w2", "w3"]
 
 
 def test_list_prints_every_row_with_its_needs_and_time_without_a_gpu():
@@ -168,19 +186,19 @@ def test_skip_reasons_name_the_missing_packages():
 
 
 def test_the_sync_budget_is_per_training_minibatch():
-    assert gpu_check.sync_verdict(50, 2) == ("FAIL", 25.0)  # the H100 run of 2026-11-26
-    assert gpu_check.sync_verdict(4, 2) == ("PASS", 2.0)
-    assert gpu_check.sync_verdict(5, 2) == ("FAIL", 2.5)
-    assert gpu_check.sync_verdict(5, 2, per_step=1) == ("PASS", 2.0)  # a step's own sync set aside
-    assert gpu_check.sync_verdict(50, 2, per_step=1) == ("FAIL", 24.5)
+    assert gpu_check_kernels.sync_verdict(50, 2) == ("FAIL", 25.0)  # the H100 run of 2026-11-26
+    assert gpu_check_kernels.sync_verdict(4, 2) == ("PASS", 2.0)
+    assert gpu_check_kernels.sync_verdict(5, 2) == ("FAIL", 2.5)
+    assert gpu_check_kernels.sync_verdict(5, 2, per_step=1) == ("PASS", 2.0)  # a step's own sync set aside
+    assert gpu_check_kernels.sync_verdict(50, 2, per_step=1) == ("FAIL", 24.5)
 
 
 def test_demo_seconds_per_step_is_the_median_after_the_warmup_steps():
     records = [{"time/ppo/total": t, "time/rollout/generate": g, "time/rollout/reward": 0.01, "time/ppo/forward_pass": 9}
                for t, g in ((5.0, 1.0), (4.0, 1.0), (0.2, 0.1), (0.3, 0.05), (0.25, 0.1))]  # fmt: skip
-    assert gpu_check.demo_seconds_per_step(records) == pytest.approx(0.36)  # 0.31, 0.36, 0.36
+    assert gpu_check_processes.demo_seconds_per_step(records) == pytest.approx(0.36)  # 0.31, 0.36, 0.36
     with pytest.raises(ValueError, match="the demo wrote 2 steps"):
-        gpu_check.demo_seconds_per_step(records[:2])
+        gpu_check_processes.demo_seconds_per_step(records[:2])
 
 
 def test_a_deepspeed_step_agrees_with_the_plain_one_within_bf16_tolerance():
@@ -190,23 +208,23 @@ def test_a_deepspeed_step_agrees_with_the_plain_one_within_bf16_tolerance():
     plain = {"before": before, "after": {k: before[k] + update[k] for k in before}}
     # bf16 weights: the same update, both ends rounded to bf16.
     rounded = {side: {k: v.bfloat16().float() for k, v in plain[side].items()} for side in ("before", "after")}
-    cosine, ratio = gpu_check.update_agreement(plain, rounded)
+    cosine, ratio = gpu_check_processes.update_agreement(plain, rounded)
     assert cosine > 0.95 and abs(ratio - 1) < 0.1
-    stats = {key: 1.0 for key in gpu_check.DEEPSPEED_STATS}
-    assert gpu_check.compare_steps(stats, {**stats, "ppo/loss/total": 1.04}, cosine, ratio) == []
-    problems = gpu_check.compare_steps(stats, {**stats, "ppo/loss/total": 1.2}, cosine, ratio)
+    stats = {key: 1.0 for key in gpu_check_processes.DEEPSPEED_STATS}
+    assert gpu_check_processes.compare_steps(stats, {**stats, "ppo/loss/total": 1.04}, cosine, ratio) == []
+    problems = gpu_check_processes.compare_steps(stats, {**stats, "ppo/loss/total": 1.2}, cosine, ratio)
     assert problems == ["ppo/loss/total 1.2 vs 1"]
     flipped = {"before": before, "after": {k: before[k] - update[k] for k in before}}
-    cosine, ratio = gpu_check.update_agreement(plain, flipped)
-    assert cosine == pytest.approx(-1) and gpu_check.compare_steps(stats, stats, cosine, ratio) == [
-        f"update cosine {cosine:.3f} < {gpu_check.DEEPSPEED_MIN_COSINE}"]  # fmt: skip
+    cosine, ratio = gpu_check_processes.update_agreement(plain, flipped)
+    assert cosine == pytest.approx(-1) and gpu_check_processes.compare_steps(stats, stats, cosine, ratio) == [
+        f"update cosine {cosine:.3f} < {gpu_check_processes.DEEPSPEED_MIN_COSINE}"]  # fmt: skip
 
 
 def test_a_row_cut_at_its_time_limit_leaves_no_process_behind(tmp_path):
     child = ("import subprocess, sys, time; p = subprocess.Popen(['sleep', '60'], start_new_session=True); "
              "print(p.pid, flush=True); time.sleep(60)")  # fmt: skip
     log = tmp_path / "cut.log"
-    assert gpu_check.run_process([sys.executable, "-c", child], log, timeout=3) is None
+    assert gpu_check_common.run_process([sys.executable, "-c", child], log, timeout=3) is None
     grandchild = int(log.read_text().split()[0])
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:  # killed; then reaped by init
@@ -216,9 +234,9 @@ def test_a_row_cut_at_its_time_limit_leaves_no_process_behind(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail(f"the grandchild {grandchild} of a cut row is still running")
-    done = gpu_check.run_process([sys.executable, "-c", "print('hi')"], log, timeout=60)
+    done = gpu_check_common.run_process([sys.executable, "-c", "print('hi')"], log, timeout=60)
     assert done.returncode == 0 and log.read_text() == "hi\n"
-    assert gpu_check.worker_result(subprocess.CompletedProcess([], 0, gpu_check.WORKER_MARKER + json.dumps({"a": 1}), ""))
+    assert gpu_check_common.worker_result(subprocess.CompletedProcess([], 0, gpu_check_common.WORKER_MARKER + json.dumps({"a": 1}), ""))
 
 
 def test_on_a_gpu_machine_without_vllm_its_tests_are_skipped_with_the_reason(tmp_path):
@@ -243,12 +261,12 @@ def test_on_a_gpu_machine_without_vllm_its_tests_are_skipped_with_the_reason(tmp
 
 
 def test_the_grpo_batch_of_the_sync_row_holds_groups_of_one_query():
-    queries, responses, scores = gpu_check.make_batch(group_size=2)
+    queries, responses, scores = gpu_check_common.make_batch(group_size=2)
     assert len(queries) == len(responses) == len(scores) == 8
     for i in range(0, 8, 2):
         assert torch.equal(queries[i], queries[i + 1])
     assert not torch.equal(queries[0], queries[2])
-    plain = gpu_check.make_batch()
+    plain = gpu_check_common.make_batch()
     assert len({len(q) for q in plain[0]}) > 1  # distinct queries by default
 
 
@@ -263,8 +281,8 @@ def test_the_gqa_row_compares_unrepeated_and_repeated_calls(monkeypatch, takes_u
 
     kernel = reference_varlen_attn_211 if takes_unrepeated else reference_varlen_attn_210
     monkeypatch.setattr(varlen_attention, "KERNEL", VarlenKernel(kernel, frozenset({"cpu"}), frozenset({torch.bfloat16})))
-    result = gpu_check.gqa_agreement("cpu")
+    result = gpu_check_kernels.gqa_agreement("cpu")
     if takes_unrepeated:
-        assert len(result) == 4 and max(result) <= gpu_check.GQA_RTOL
+        assert len(result) == 4 and max(result) <= gpu_check_kernels.GQA_RTOL
     else:
         assert "number of heads in key/value" in result

@@ -258,29 +258,28 @@ def test_bad_lm_head_chunk_size_is_rejected(value, error, match):
         PPOConfig(lm_head_chunk_size=value)
 
 
-def test_bench_step_one_buffer_method_and_vocab_workload():
+def test_bench_step_one_buffer_method_and_vocab_workload(monkeypatch):
     """benchmarks/bench_step.py: "step-one-buffer" is "step" with lm_head_chunk_size=0, for value-head workloads
     only; the vocab workload's one mini-batch is large enough that the default takes chunks on CPU and CUDA."""
-    import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_step.py"
-    spec = importlib.util.spec_from_file_location("bench_step_for_chunks", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    tiny = bench.Workload("tiny", n_layer=1, n_embd=16, n_head=2, batch_size=2, mini_batch_size=2, ppo_epochs=1,
-                          query_len=(2, 3), response_len=(2, 3), vocab_size=31)  # fmt: skip
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import step_methods
+    import step_workloads
+
+    tiny = step_workloads.Workload("tiny", n_layer=1, n_embd=16, n_head=2, batch_size=2, mini_batch_size=2, ppo_epochs=1,
+                                   query_len=(2, 3), response_len=(2, 3), vocab_size=31)  # fmt: skip
     for method, chunk in (("step", None), ("step-one-buffer", 0)):
         _reset_accelerate_state()
-        assert bench.make_step_fn(method, tiny, "cpu", torch.float32).__self__.config.lm_head_chunk_size == chunk
+        assert step_methods.make_step_fn(method, tiny, "cpu", torch.float32).__self__.config.lm_head_chunk_size == chunk
     _reset_accelerate_state()
     with pytest.raises(ValueError, match="'step-one-buffer' exists for the value-head workloads, not 'grpo-w1'"):
-        bench.make_step_fn("step-one-buffer", bench.GRPO_W1, "cpu", torch.float32)
+        step_methods.make_step_fn("step-one-buffer", step_workloads.GRPO_W1, "cpu", torch.float32)
     # w1 and w3: whatever rows a step draws, every pass fits the CPU's one buffer - the default is today's path.
-    for workload in (bench.W1, bench.W3):
+    for workload in (step_workloads.W1, step_workloads.W3):
         most_slots = workload.mini_batch_size * workload.response_len[1]
         assert lm_head_module.lm_head_chunk_size(most_slots, workload.vocab_size, "cpu") == 0
-    vocab = bench.VOCAB
+    vocab = step_workloads.VOCAB
     assert vocab.vocab_size == 151_936 and vocab.batch_size == vocab.mini_batch_size
     fewest_slots = vocab.batch_size * vocab.response_len[0]
     assert lm_head_module.lm_head_chunk_size(fewest_slots, vocab.vocab_size, "cpu") > 0

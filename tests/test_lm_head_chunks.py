@@ -17,7 +17,7 @@ import trl_lite.core.lm_head as lm_head_module
 from trl_lite import core
 
 F32_TOL = 1e-5
-BENCH_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_step.py"
+PEAK_MEMORY_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "peak_memory.py"
 
 
 def _inputs(dtype, rows=23, hidden_size=5, vocab=17, bias=True, seed=0):
@@ -268,12 +268,12 @@ def test_chunk_buffers_are_the_logits_dtype_and_reused():
 
 def _tensor_peak_mb(run) -> float:
     """The live tensor memory at the peak of ``run()``, counted from its start (the benchmarks' replay)."""
-    spec = importlib.util.spec_from_file_location("bench_step", BENCH_PATH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    spec = importlib.util.spec_from_file_location("peak_memory", PEAK_MEMORY_PATH)
+    peak_memory = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peak_memory)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
-    return bench.tensor_peak_mb(prof)
+    return peak_memory.tensor_peak_mb(prof)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -365,7 +365,7 @@ def test_the_benchmark_counts_the_bytes_each_push_sends():
     from pathlib import Path
 
     benchmarks = Path(__file__).resolve().parent.parent / "benchmarks"
-    sys.path.insert(0, str(benchmarks))  # loop_workloads imports bench_step by name
+    sys.path.insert(0, str(benchmarks))  # loop_workloads imports its sibling modules by name
     try:
         spec = importlib.util.spec_from_file_location("loop_workloads", benchmarks / "loop_workloads.py")
         workloads = importlib.util.module_from_spec(spec)
