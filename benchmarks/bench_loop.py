@@ -8,7 +8,7 @@ chunks with a length sampler, score them with a reward function, then take a PPO
 - **plain**: the same loop written against transformers alone: the queries in chunks of the same
   size, each left-padded by hand and passed to `GPT2LMHeadModel.generate`, every row cut after its
   prompt and first EOS in Python, the same reward function, and the compute floor's step
-  (`FloorPPO` of `bench_step.py`: padded mini-batches, no statistics).
+  (`FloorPPO` of `step_floors.py`: padded mini-batches, no statistics).
 
 Both loops live in one process (same threads, same glibc settings: the floor applies the ones the
 trainer applies) and take turns iteration by iteration, the order swapped every iteration, so they
