@@ -18,6 +18,7 @@ on a large square product. No engine decodes faster here; attention, norms, samp
 on top, and products of a few rows (the decode's rows are the prompts) run below the peak.
 """
 
+import argparse
 import json
 import os
 import statistics
@@ -186,5 +187,7 @@ def format_table(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    print(RESULT_MARKER + json.dumps(worker(json.loads(sys.argv[1]))), flush=True)
+    parser = argparse.ArgumentParser(description="Times one engine, as `run` starts it; `bench_loop.py --smollm2` runs them all.")
+    parser.add_argument("job", help="JSON: engine (an ENGINES name), checkpoint, tokenizer, prompts, new_tokens, iterations, warmup")
+    print(RESULT_MARKER + json.dumps(worker(json.loads(parser.parse_args().job))), flush=True)
     os._exit(0)  # the result is out; an engine's teardown at interpreter exit has nothing left to give
