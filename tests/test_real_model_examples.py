@@ -67,16 +67,30 @@ def test_the_sentiment_table_shows_the_first_continuation_of_each_prompt():
     ]  # fmt: skip
 
 
-def test_the_smollm2_generation_benchmark_refuses_empty_sizes_and_tables_ratios_to_one_call(monkeypatch, capsys):
+def test_the_smollm2_generation_benchmark_refuses_empty_sizes_and_unknown_engines(monkeypatch, capsys):
     benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
     monkeypatch.syspath_prepend(str(benchmarks))
     import bench_loop
-    import smollm2_generation
 
     with pytest.raises(SystemExit):
         bench_loop.main(["--smollm2", "--prompts", "0"])
     assert "--prompts and --new-tokens must be >= 1, got 0 and 32" in capsys.readouterr().err
-    result = {name: {"tokens": 64, "seconds": seconds, "tokens_per_s": 64 / seconds}
-              for name, seconds in zip(smollm2_generation.ENGINES, (2.0, 8.0, 0.5))}  # fmt: skip
-    rows = smollm2_generation.format_table(result).splitlines()[2:]
-    assert [row.split("|")[-2].strip() for row in rows] == ["1.00x", "0.25x", "4.00x"]
+    with pytest.raises(SystemExit):
+        bench_loop.main(["--smollm2", "--engines", "vLLM fp16"])
+    assert "--engines: unknown ['vLLM fp16']; accepted: ['transformers fp32, one call'," in capsys.readouterr().err
+
+
+ZEN4 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_vnni avx512_bf16 avx_vnni\nbogomips\t: 4800\n"
+AVX2_ONLY = "processor\t: 0\nflags\t\t: fpu sse2 avx2 fma\nbugs\t\t: avx512_bf16_fake\n"
+
+
+def test_the_examples_decode_in_bfloat16_only_where_the_cpu_multiplies_it_and_push_the_merged_model(monkeypatch):
+    from smollm2 import has_native_bf16, vllm_cpu_options
+
+    assert has_native_bf16(ZEN4) and has_native_bf16(ZEN4.replace("avx512_bf16", "amx_bf16"))
+    assert not has_native_bf16(AVX2_ONLY)  # a flag's name on another line does not count
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert vllm_cpu_options(ZEN4) == {"vllm_dtype": "bfloat16", "vllm_lora_sync": False}
+    assert vllm_cpu_options(AVX2_ONLY) == {"vllm_dtype": "auto", "vllm_lora_sync": False}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # on a GPU: the config's own defaults
+    assert vllm_cpu_options(ZEN4) == {"vllm_dtype": "auto", "vllm_lora_sync": None}

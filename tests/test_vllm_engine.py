@@ -8,6 +8,8 @@ CPU attention needs a head size of at least 32.
 """
 
 
+import logging
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -16,6 +18,7 @@ from tiny_models import make_gpt2, make_tokenizer
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 from trl_lite.engines import ColocatedVLLM
+from trl_lite.engines.weight_sync import named_policy_weights
 
 import vllm  # noqa: F401  (a test dependency: without it this module fails, it is not skipped)
 
@@ -57,6 +60,31 @@ def test_starting_an_engine_leaves_the_global_random_state_alone():
         assert torch.equal(torch.rand(3), expected)  # vLLM seeds torch with 7 as it starts; the state is put back
     finally:
         backend.close()
+
+
+def test_float32_weights_pushed_into_a_bfloat16_engine_are_rounded_there_without_a_warning_each():
+    # A float32 policy with vllm_dtype="bfloat16": vLLM rounds each weight as it loads it and used to log one
+    # warning per norm, embedding and head weight at every push (123 lines a push for SmolLM2).
+    lm = make_gpt2(seed=0, n_embd=64)
+    lm.config.architectures = ["GPT2LMHeadModel"]
+    backend = ColocatedVLLM(lm.config, lm.generation_config, dtype="bfloat16", max_model_len=32, kv_cache_gb=1)
+    loader = logging.getLogger("vllm.model_executor.models.utils")
+    records = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    loader.addHandler(handler)
+    try:
+        backend.load_weights(named_policy_weights(lm))
+        engine = dict(backend.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model.named_parameters())
+    finally:
+        loader.removeHandler(handler)
+        backend.close()
+    assert not [r for r in records if r.levelno >= logging.WARNING], [r.getMessage() for r in records]
+    policy = dict(lm.named_parameters())
+    for name in ("transformer.wte.weight", "transformer.h.1.ln_2.weight", "transformer.ln_f.bias"):
+        loaded = engine[name][: len(policy[name])]  # vLLM pads the vocabulary rows of the embedding
+        assert loaded.dtype == torch.bfloat16
+        assert torch.equal(loaded, policy[name].detach().to(torch.bfloat16)), name
 
 
 def transformers_greedy(lm, query, max_new_tokens, eos=(EOS,)):

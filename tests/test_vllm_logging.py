@@ -5,6 +5,7 @@ import logging
 import os
 
 import pytest
+import torch
 
 from trl_lite.engines import vllm_logging
 from trl_lite.engines.vllm_logging import NOT_ACTIONABLE, configure_vllm_logging
@@ -80,6 +81,19 @@ def test_the_warmup_traceback_is_dropped_only_when_there_is_no_tokenizer(clean_l
     assert not passes(renderer, "Chat template warmup failed", exc_info=no_tokenizer)
     assert passes(renderer, "Chat template warmup failed", exc_info=exception("template syntax error"))
     assert passes(renderer, "Chat template warmup failed")
+
+
+def test_only_float32_weights_rounded_into_a_16_bit_engine_are_dropped(clean_logging):
+    configure_vllm_logging()
+    utils = "vllm.model_executor.models.utils"
+    message = "Attempted to load weight %s with dtype %s into parameter with dtype %s"
+    assert not passes(utils, message, "model.norm.weight", torch.float32, torch.bfloat16)
+    assert not passes(utils, message, "lm_head.weight", torch.float32, torch.float16)
+    # Any other mismatch is not what the engine's dtype asked for: kept.
+    assert passes(utils, message, "model.norm.weight", torch.float16, torch.bfloat16)
+    assert passes(utils, message, "model.norm.weight", torch.bfloat16, torch.float16)
+    assert passes(utils, message, "model.norm.weight", torch.float64, torch.float32)
+    assert passes(utils, "Loaded an unexpected weight %s", "lm_head.weight")
 
 
 def test_a_level_the_user_set_is_left_alone(clean_logging, monkeypatch):

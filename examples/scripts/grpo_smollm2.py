@@ -10,8 +10,9 @@
   "12 + 26 = 38", "38" and "The answer is 38." all count.
 - The measurement: greedy accuracy on held-out questions before training, every --eval_every steps, and after.
   The split is by unordered pair: neither a held-out question nor its b + a twin is trained on.
-- Rollouts on the vLLM-CPU engine where vLLM is installed (it serves the adapter and takes only the adapter
-  after each step); the shared prompt of each group is run once per pass (`prefix_sharing`).
+- Rollouts on the vLLM-CPU engine where vLLM is installed, in bfloat16 where the CPU multiplies it in hardware,
+  the merged model pushed after each step (`smollm2.vllm_cpu_options`); the shared prompt of each group is run
+  once per pass (`prefix_sharing`).
 
     python examples/scripts/grpo_smollm2.py                  # docs/real_model.md has the times
     python examples/scripts/grpo_smollm2.py --steps 1 --batch_size 8 --mini_batch_size 8 --num_heldout 4  # a smoke test
@@ -47,7 +48,7 @@ from trl_lite import NoDatasetWarning, PPOConfig, PPOTrainer, set_seed  # noqa: 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ppo_sentiment import format_table  # noqa: E402
-from smollm2 import load_smollm2  # noqa: E402
+from smollm2 import load_smollm2, vllm_cpu_options  # noqa: E402
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -84,6 +85,7 @@ DEFAULTS = {
     "cliprange_high": 0.28, "init_kl_coef": 0.0, "adap_kl_ctrl": False, "max_response_length": 12, "temperature": 0.7,
     "seed": 0,
     "use_vllm": importlib.util.find_spec("vllm") is not None, "vllm_max_model_len": 96, "vllm_kv_cache_gb": 1,
+    **vllm_cpu_options(),  # bfloat16 where the CPU has it, the merged model pushed: smollm2.py
 }  # fmt: skip
 
 

@@ -5,8 +5,9 @@ movie reviews positively with PPO (classic TRL's gpt2-sentiment notebook on real
   to float32, with a value head and a LoRA adapter on the attention projections (the reference is the same
   model with the adapter off: no second copy). The value head starts at zero: a random head's values are far
   larger than these rewards, and its loss would then steer the shared adapter instead of the reward.
-- Rollouts on the vLLM-CPU engine where vLLM is installed (it serves the adapter and takes only the adapter
-  after each step); `--use_vllm false` generates with transformers, all prompts in one call.
+- Rollouts on the vLLM-CPU engine where vLLM is installed, in bfloat16 where the CPU multiplies it in hardware,
+  the merged model pushed after each step (`smollm2.vllm_cpu_options`); `--use_vllm false` generates with
+  transformers, all prompts in one call.
 - The prompts: the first 4-7 tokens of the movie reviews in `examples/data/movie_reviews.jsonl`.
 - The reward: VADER's compound score (`vaderSentiment`, a lexicon and rules, in [-1, 1]) of the continuation
   alone, so the prompt's own sentiment does not count.
@@ -40,7 +41,7 @@ from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer, s
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ppo_sentiment import build_prompt_dataset, first_and_last_rewards, format_table, plot_curves, step_record  # noqa: E402
-from smollm2 import load_smollm2  # noqa: E402
+from smollm2 import load_smollm2, vllm_cpu_options  # noqa: E402
 from tiny_sentiment import load_reviews  # noqa: E402
 
 
@@ -72,6 +73,7 @@ DEFAULTS = {
     "steps": 12, "batch_size": 32, "mini_batch_size": 16, "ppo_epochs": 1, "learning_rate": 1e-3,
     "init_kl_coef": 0.05, "adap_kl_ctrl": False, "seed": 0, "use_vllm": importlib.util.find_spec("vllm") is not None,
     "vllm_max_model_len": 64, "vllm_kv_cache_gb": 1,
+    **vllm_cpu_options(),  # bfloat16 where the CPU has it, the merged model pushed: smollm2.py
 }  # fmt: skip
 
 

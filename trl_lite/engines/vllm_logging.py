@@ -24,14 +24,16 @@ DEFAULT_LEVEL = "WARNING"
 
 class Unactionable(NamedTuple):
     """A vLLM warning that needs nothing from the user: the ``logger`` it comes from, how its message
-    (the format string) starts, for a warning with a traceback, text its exception must contain, and
-    for a warning about one kind of layer, how the first argument of its message (the layer's class) ends."""
+    (the format string) starts, for a warning with a traceback, text its exception must contain, for a
+    warning about one kind of layer, how the first argument of its message (the layer's class) ends, and
+    for a warning about some values only, the accepted text of each argument by position (None: any)."""
 
     logger: str
     message: str
     reason: str
     exception: str | None = None
     argument_suffix: str | None = None
+    arguments: tuple[tuple[str, ...] | None, ...] | None = None
 
 
 NOT_ACTIONABLE = (
@@ -65,6 +67,12 @@ NOT_ACTIONABLE = (
     Unactionable("vllm.model_executor.model_loader.reload.layerwise", "%s: Failed to load weights",
                  "the rotary cos/sin cache is computed from the config; the reload keeps it",
                  argument_suffix="RotaryEmbedding"),
+    # At every weight push into a 16-bit engine (vllm_dtype 'bfloat16' or 'float16', or 'auto' under mixed
+    # precision) from float32 parameters: one line per norm, embedding and head weight. The engine was asked
+    # to run in that dtype; the rounding is the dtype's, and vLLM's start already logged the cast once.
+    Unactionable("vllm.model_executor.models.utils", "Attempted to load weight %s with dtype %s into ",
+                 "the trainer's float32 weights are rounded to the 16-bit dtype the engine was asked to run in",
+                 arguments=(None, ("torch.float32",), ("torch.bfloat16", "torch.float16"))),
 )
 
 
@@ -78,13 +86,20 @@ class _DropUnactionable(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = str(record.msg)
         error = str(record.exc_info[1]) if record.exc_info and record.exc_info[1] is not None else ""
-        first = str(record.args[0]) if isinstance(record.args, tuple) and record.args else ""
+        args = [str(arg) for arg in record.args] if isinstance(record.args, tuple) else []
+        first = args[0] if args else ""
         return not any(
             message.startswith(entry.message)
             and (entry.exception is None or entry.exception in error)
             and (entry.argument_suffix is None or first.endswith(entry.argument_suffix))
+            and (entry.arguments is None or _arguments_match(entry.arguments, args))
             for entry in self.entries
         )
+
+
+def _arguments_match(accepted: tuple[tuple[str, ...] | None, ...], args: list[str]) -> bool:
+    """Whether a message's arguments (as text) are, position by position, among those accepted."""
+    return len(args) == len(accepted) and all(ok is None or arg in ok for ok, arg in zip(accepted, args))
 
 
 def configure_vllm_logging() -> None:
