@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT / "examples" / "scripts"))  # smollm2.py, tiny_sentiment.py
 RESULT_MARKER = "SMOLLM2_GENERATION "
 # name -> how the worker builds it: transformers on the policy in `dtype` (`chunk` prompts a call, None: all), or
 # the trainer's colocated vLLM engine in `dtype`, compiled or eager.
@@ -99,7 +100,6 @@ def decode_ceiling(config, dtype: torch.dtype) -> float:
 
 def prompt_ids(tokenizer, num_prompts: int) -> list[list[int]]:
     """The first `num_prompts` movie reviews' first 4-7 tokens."""
-    sys.path.insert(0, str(REPO_ROOT / "examples" / "scripts"))
     from tiny_sentiment import load_reviews
 
     texts = [row["text"] for row in load_reviews()[:num_prompts]]
@@ -158,12 +158,9 @@ def run_worker(job: dict) -> dict:
 def run(num_prompts: int = 32, new_tokens: int = 32, iterations: int = 3, warmup: int = 1, engines=None) -> dict:
     """Per engine `{"tokens", "seconds", "tokens_per_s", "setup_s", "ceiling"}`, in `ENGINES`' order (see the
     module's docstring); `engines`: the names to run (default all)."""
-    from smollm2_workload import float_checkpoint
-    from transformers import AutoConfig
-
-    sys.path.insert(0, str(REPO_ROOT / "examples" / "scripts"))
     from smollm2 import smollm2_gguf
-    from transformers import AutoTokenizer
+    from smollm2_workload import float_checkpoint
+    from transformers import AutoConfig, AutoTokenizer
 
     checkpoint = float_checkpoint()
     config = AutoConfig.from_pretrained(checkpoint)
