@@ -2,8 +2,9 @@
 temperature 1.0 too: a model whose generation_config samples at 0.7 with top-k 20, top-p 0.8 and a repetition
 penalty (as Qwen2.5-Instruct's does) is sampled from the untruncated softmax(z) by a default run - checked against
 a float64 softmax of the model's logits and seed for seed against transformers' untruncated sampler - with one
-warning naming both sides; a kwarg that disagrees with PPOConfig is refused on every path, and the classic
-neutral kwargs pass silently."""
+warning naming both sides; a kwarg that disagrees with PPOConfig is refused on the engines' own paths (classic
+PPOTrainer.generate samples with it, tests/test_classic_sampling_kwargs.py), and the classic neutral kwargs pass
+silently."""
 
 import copy
 import warnings
@@ -132,7 +133,7 @@ def test_a_run_that_asks_for_truncation_gets_it_and_logprobs_stay_untruncated():
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_a_sampling_kwarg_that_disagrees_with_ppoconfig_is_refused_on_every_path(temperature):
+def test_a_sampling_kwarg_that_disagrees_with_ppoconfig_is_refused_on_the_engines_own_paths(temperature):
     trainer = instruct_trainer(temperature=temperature)
     state = torch.get_rng_state()
     for kwargs, message in (
@@ -142,10 +143,9 @@ def test_a_sampling_kwarg_that_disagrees_with_ppoconfig_is_refused_on_every_path
         (dict(repetition_penalty=1.05), "got repetition_penalty=1.05, but PPOConfig.repetition_penalty=1.0"),
         (dict(typical_p=0.9), "got typical_p=0.9, but PPOConfig, which has no typical_p setting"),
     ):  # fmt: skip
+        # (classic PPOTrainer.generate samples with it: tests/test_classic_sampling_kwargs.py)
         with pytest.raises(ValueError, match=message):
-            trainer.generate([QUERY], do_sample=True, max_new_tokens=2, **kwargs)
-        with pytest.raises(ValueError, match=message):
-            trainer.generate(QUERY, do_sample=True, max_new_tokens=2, **kwargs)
+            trainer.generation.generate([QUERY], do_sample=True, max_new_tokens=2, **kwargs)  # async rollouts' path
         with pytest.raises(ValueError, match=message):
             trainer.generation.engine.generate([QUERY], dict(do_sample=True, **kwargs), None, 1, True, True, False)
         with pytest.raises(ValueError, match=message):

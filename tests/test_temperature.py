@@ -163,14 +163,15 @@ def test_a_call_that_leaves_sampling_to_the_models_generation_config_samples_at_
     assert row.tolist() == draw(temperature=T) != draw()  # the model's own 0.3 draws otherwise
 
 
-def test_a_different_temperature_kwarg_is_refused_on_every_path_before_anything_is_generated():
+def test_a_different_temperature_kwarg_is_refused_on_the_engines_paths_before_anything_is_generated():
+    # (classic PPOTrainer.generate samples at it, with one warning: tests/test_classic_sampling_kwargs.py)
     trainer = make_trainer(temperature=T)
     message = r"got temperature=1.2, but PPOConfig.temperature=0.7"
     state = torch.get_rng_state()
     with pytest.raises(ValueError, match=message):
-        trainer.generate(QUERIES, do_sample=True, temperature=1.2, return_logprobs=True)
+        trainer.generation.generate(QUERIES, do_sample=True, temperature=1.2, return_logprobs=True)
     with pytest.raises(ValueError, match=message):
-        trainer.generate(QUERIES[0], do_sample=True, temperature=1.2)
+        trainer.generation.generate(QUERIES[0], do_sample=True, temperature=1.2)
     with pytest.raises(ValueError, match=message):
         trainer.generation.engine.generate(QUERIES, {"do_sample": True, "temperature": 1.2}, None, 2, True, True, True)
     assert torch.equal(torch.get_rng_state(), state)  # nothing was sampled

@@ -7,7 +7,9 @@ distribution - another temperature, or a top-k/top-p/min-p cut, or a repetition 
 would be scored as another policy's, with nothing to show it. :func:`resolve_sampling_kwargs` is the one rule
 every generating path applies - the trainer's ``generate``, both engines, ``run_episodes``, ``AsyncRollouts`` and
 ``BestOfNSampler``: a call's kwarg that disagrees with ``PPOConfig`` is refused (the caller wrote it), and a
-model default that does is overridden with one warning naming both (the caller did not).
+model default that does is overridden with one warning naming both (the caller did not). The one exception is
+classic ``PPOTrainer.generate(**kwargs)``, which samples as its kwargs say, as classic TRL did, and warns once per
+run (PPO_SPEC section 23, docs/truncated_sampling.md).
 """
 
 from __future__ import annotations
@@ -88,15 +90,25 @@ def _run_value(sampling: Sampling, name: str) -> str:
     return f"PPOConfig, which has no {name} setting (it samples without one, {name}={_SHAPING[name][0]!r})"
 
 
-def resolve_sampling_kwargs(generation_kwargs: dict, sampling: Sampling, defaults=None) -> dict:
-    """``generation_kwargs`` (transformers ``generate`` keyword arguments) that draw from ``sampling``; a new dict.
+class SamplingKwargs(dict):
+    """generate() keyword arguments :func:`resolve_sampling_kwargs` has checked: passed to it again (an engine with
+    the model's defaults), the call's own settings are not checked twice. ``differing``: the classic kwargs kept
+    although they differ from the run's (``classic=True``), as ``(name, given)`` pairs."""
+
+    differing: tuple = ()
+
+
+def resolve_sampling_kwargs(generation_kwargs: dict, sampling: Sampling, defaults=None, classic: bool = False) -> dict:
+    """``generation_kwargs`` (transformers ``generate`` keyword arguments) that draw from ``sampling``; a new
+    :class:`SamplingKwargs`.
 
     ``sampling``: the run's (:meth:`Sampling.of` a ``PPOConfig``); ``defaults``: the model's ``GenerationConfig``
     (None: transformers' own defaults). At every temperature, 1.0 included:
 
     - a kwarg that shapes the distribution (temperature, top_k, top_p, min_p, typical_p, the repetition
       penalties, ...; None is absent) must equal the run's value, in any spelling (``top_k=0.0`` is
-      ``top_k=0``), else ``ValueError`` naming both;
+      ``top_k=0``), else ``ValueError`` naming both - or, with ``classic`` (classic ``PPOTrainer.generate``,
+      PPO_SPEC section 23), it is kept as given and named in the result's ``differing`` (the caller warns);
     - a sampling call (``do_sample``, else the model's ``do_sample``) gets the run's temperature, top_k and top_p
       written out, and any other setting the run asks for;
     - a model default that would shape the distribution otherwise (the settings greedy decoding uses too -
@@ -104,24 +116,31 @@ def resolve_sampling_kwargs(generation_kwargs: dict, sampling: Sampling, default
       (per message and process, as ``warnings`` does) naming both.
 
     A greedy call gets no sampling settings: its tokens do not depend on them, and transformers warns about
-    settings it does not use.
+    settings it does not use. Kwargs this function returned are not checked again (their ``differing`` kept).
     """
     if not isinstance(sampling, Sampling):
         raise TypeError(f"sampling must be a trl_lite.engines.Sampling (Sampling.of(config)), got {sampling!r}.")
-    kwargs = dict(generation_kwargs)
-    for name, given in generation_kwargs.items():
+    kwargs = SamplingKwargs(generation_kwargs)
+    checked = isinstance(generation_kwargs, SamplingKwargs)
+    kwargs.differing = generation_kwargs.differing if checked else ()
+    for name, given in () if checked else generation_kwargs.items():
         if name not in _SHAPING or given is None:
             continue
         _check_number(name, given)
-        if _normal(name, given) != _normal(name, _wanted(sampling, name)):
-            hint = (f"Drop the {name} kwarg (generate() then uses the run's), or set PPOConfig.{name}={given!r}"
-                    if name in Sampling.__dataclass_fields__ else f"Drop the {name} kwarg")  # fmt: skip
-            raise ValueError(
-                f"generate() got {name}={given!r}, but {_run_value(sampling, name)}: PPOConfig is the one source of "
-                f"the sampling distribution, and the trainer scores the rollouts under logits / "
-                f"{sampling.temperature!r}, untruncated unless PPOConfig truncates. {hint}. (For greedy decoding "
-                "pass do_sample=False.)"
-            )
+        if _normal(name, given) == _normal(name, _wanted(sampling, name)):
+            continue
+        if classic:
+            kwargs.differing += ((name, given),)
+            continue
+        hint = (f"Drop the {name} kwarg (generate() then uses the run's), or set PPOConfig.{name}={given!r}"
+                if name in Sampling.__dataclass_fields__ else f"Drop the {name} kwarg")  # fmt: skip
+        raise ValueError(
+            f"generate() got {name}={given!r}, but {_run_value(sampling, name)}: PPOConfig is the one source of "
+            f"the sampling distribution, and the trainer scores the rollouts under logits / "
+            f"{sampling.temperature!r}, truncated only where PPOConfig truncates. {hint}. (For greedy decoding "
+            "pass do_sample=False; classic PPOTrainer.generate(**kwargs) on transformers, without use_vllm, samples as its "
+            "kwargs say.)"
+        )
     do_sample = kwargs.get("do_sample")
     if do_sample is None:
         do_sample = getattr(defaults, "do_sample", None)
