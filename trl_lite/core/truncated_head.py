@@ -17,8 +17,6 @@ Shape names: ``N`` token positions, ``V`` vocabulary, ``H`` hidden size, ``C`` t
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .kept_sets import Truncation, kept_ids
@@ -29,13 +27,13 @@ from .lm_head import under_autocast
 def _kept_stats(z, labels, ids, counts):
     """Per row of one chunk: ``z_K`` ``(C, K)`` (-inf past each count), ``lse_K``, the label's ``log pi_T^K`` and
     the entropy of ``pi_T^K``."""
-    z_kept = z.gather(-1, ids)
     inside = torch.arange(ids.shape[1], device=ids.device) < counts.reshape(-1, 1)
-    z_kept.masked_fill_(~inside, -math.inf)
+    # Past a count: a finite floor, whose exponential is exactly 0 (no 0 * inf in a product or a gradient).
+    z_kept = z.gather(-1, ids).masked_fill(~inside, torch.finfo(z.dtype).min / 4)
     lse = torch.logsumexp(z_kept, dim=-1)
     logprobs = z.gather(-1, labels).squeeze(-1) - lse
     p = torch.exp(z_kept - lse.unsqueeze(-1))
-    entropy = lse - torch.where(inside, p * z_kept, 0.0).sum(-1)
+    entropy = lse - (p * z_kept).sum(-1)
     return z_kept, lse, logprobs, entropy
 
 
@@ -78,7 +76,7 @@ class _TruncatedHead(torch.autograd.Function):
         if grad_logprobs is not None:
             grad_kept -= p * grad_logprobs.unsqueeze(-1)
         if grad_entropy is not None:
-            grad_kept -= torch.where(p > 0, p * (log_p + entropy.unsqueeze(-1)), 0.0) * grad_entropy.unsqueeze(-1)
+            grad_kept -= p * (log_p + entropy.unsqueeze(-1)) * grad_entropy.unsqueeze(-1)
         grad_kept /= temperature
         step = ctx.chunk_size or max(n, 1)
         buffer = _work_buffer(n, step, weight)
@@ -150,4 +148,19 @@ def truncated_head_logprobs(hidden, weight, bias, labels, chunk_size: int = 0, t
         ids = torch.cat([torch.cat([i, i[:, :1].expand(-1, width - i.shape[1])], 1) for i, _ in made]) if made else (
             torch.zeros((0, 1), dtype=torch.int64, device=hidden.device))  # fmt: skip
         counts = torch.cat([c for _, c in made]) if made else torch.zeros(0, dtype=torch.int64, device=hidden.device)
+    return logprobs, entropy, full, ids, counts
+
+
+def truncated_from_logits(logits, labels, temperature: float = 1.0, ids=None, counts=None,
+                          derive: Truncation | None = None, full_entropy: bool = False):  # fmt: skip
+    """:func:`truncated_head_logprobs` from a model's own logits ``(N, V)`` (a head the trainer does not apply),
+    differentiable when they are: ``(logprobs, entropy_K, entropy or None, ids, counts)``."""
+    check_head_options(temperature=temperature)
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    z = z if temperature == 1.0 else z / temperature
+    flat_labels = labels.reshape(-1, 1)
+    if derive is not None:
+        ids, counts = kept_ids(z.detach(), labels.reshape(-1), derive)
+    _, _, logprobs, entropy = _kept_stats(z, flat_labels, ids, counts)
+    full = _full_entropy(z.detach()) if full_entropy else None
     return logprobs, entropy, full, ids, counts

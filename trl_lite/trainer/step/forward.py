@@ -17,7 +17,9 @@ from contextlib import contextmanager
 import torch
 
 from ...core import full_kl_from_hidden, full_kl_from_logits, logprobs_and_entropy_from_logits, logprobs_from_logits
+from ...core.kept_sets import KeptSets, Truncation
 from ...core.lm_head import call_head, linear_head, linear_head_logprobs, lm_head_chunk_size
+from ...core.truncated_head import truncated_from_logits, truncated_head, truncated_head_logprobs
 from ...models.packed_attention import ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths, without_cudnn
 from ...models.varlen_attention import packed_rows
 from ..layout.rows import InputLayout, Rows, at_positions, make_rows, pad_token_id, to_compact, to_device
@@ -50,12 +52,16 @@ class ForwardPass:
         lm_head_chunk_size: ``PPOConfig.lm_head_chunk_size`` (None: automatic; see :meth:`head_chunk_size`).
         temperature: ``PPOConfig.temperature``: log-probs and full KL under ``logits / temperature`` (section 20).
         prefix_sharing: ``PPOConfig.prefix_sharing`` (None: automatic; see :mod:`.prefix_sharing`).
+        truncation: ``PPOConfig``'s top-k/top-p/min-p cut (:meth:`~trl_lite.core.kept_sets.Truncation.of`), or None:
+            the policy's log-probs are then ``log pi_T^K`` over each position's kept set, made in the rollout pass
+            and replayed by every training pass (PPO_SPEC section 23, :meth:`with_kept`).
     """
 
     def __init__(self, accelerator, models: list[tuple], layout: InputLayout, *, is_encoder_decoder: bool,
                  mini_batch_size: int, memory: MemoryBackoff, sequence, pack: bool = False,
                  row_attention: dict | None = None, reuse_logits_buffer: bool = False,
-                 lm_head_chunk_size: int | None = None, temperature: float = 1.0, prefix_sharing: bool | None = False):  # fmt: skip
+                 lm_head_chunk_size: int | None = None, temperature: float = 1.0, prefix_sharing: bool | None = False,
+                 truncation: Truncation | None = None):  # fmt: skip
         self.accelerator = accelerator
         self.device = accelerator.device
         self.models = models
@@ -74,6 +80,9 @@ class ForwardPass:
         self._warned_no_chunks = False
         self.temperature = temperature
         self.prefix = PrefixSharing(prefix_sharing, pack and not is_encoder_decoder and not self.sequence.cuts)
+        self.truncation = truncation
+        self._kept_passes = None  # the rollout's policy passes' kept sets: (keys, ids, counts) per pass
+        self._rollout_kept = None  # (KeptSets, untruncated entropy (B, L)) of the last rollout
 
     @classmethod
     def build(cls, accelerator, policy, reference, critic, tokenizer, config, pack: bool, memory: MemoryBackoff,
@@ -102,7 +111,13 @@ class ForwardPass:
                       mini_batch_size=config.mini_batch_size, memory=memory, sequence=sequence, pack=pack,
                       row_attention=row_attention, reuse_logits_buffer=reuse,
                       lm_head_chunk_size=config.lm_head_chunk_size, temperature=config.temperature,
-                      prefix_sharing=config.prefix_sharing)  # fmt: skip
+                      prefix_sharing=config.prefix_sharing, truncation=Truncation.of(config))  # fmt: skip
+        if forward.truncation is not None and sequence.cuts:
+            raise ValueError(
+                f"top_k={config.top_k}, top_p={config.top_p}, min_p={config.min_p} (truncated sampling, scored over "
+                "each position's kept set) is not available with sequence parallelism yet: the kept sets are not cut "
+                "over the group's processes. Sample untruncated (the defaults) or run without sequence parallelism."
+            )
         forward.prefix.in_budget = all(id(m) in row_attention for m in (policy, reference, critic) if m is not None)
         return forward
 
@@ -243,9 +258,11 @@ class ForwardPass:
         return OWN_LOGITS if head is None else self.head_chunk_size(self.buffer_rows(rows), head)
 
     def apply_head(self, head: torch.nn.Linear | None, outputs: torch.Tensor, targets: torch.Tensor, tokens: int,
-                   rows: Rows | None = None, temperature: float | None = None):  # fmt: skip
+                   rows: Rows | None = None, temperature: float | None = None, kept: tuple | None = None):  # fmt: skip
         """The LM head of every pass (rollout, training, PTX, the classic pass): log-probs of ``targets`` ``(N,)`` and,
-        when grad flows, the entropy ``(N,)`` (else None), under ``softmax(z / temperature)`` (default the config's).
+        when grad flows, the entropy ``(N,)`` (else None), under ``softmax(z / temperature)`` (default the config's) -
+        or, with ``kept`` (the slots' kept sets, ids ``(N, K)`` and counts ``(N,)``, :meth:`kept_of`), under it
+        renormalised over them (:func:`~trl_lite.core.truncated_head.truncated_head`, same chunks).
 
         ``outputs``: the head's inputs ``(N, H)`` when ``head`` is the model's linear head (:meth:`linear_head`),
         applied here in one buffer or chunks by :meth:`head_chunk_size` for passes of up to ``tokens`` slots (one
@@ -253,6 +270,8 @@ class ForwardPass:
         own logits ``(N, V)``.
         """
         temperature = self.temperature if temperature is None else temperature
+        if kept is not None:
+            return self.truncated_head(head, outputs, targets, tokens, temperature, kept)[:2]
         if head is None:
             if torch.is_grad_enabled() and outputs.requires_grad:
                 return logprobs_and_entropy_from_logits(outputs, targets, temperature)
@@ -269,6 +288,42 @@ class ForwardPass:
                 return linear_head_logprobs(hidden, head.weight, head.bias, targets, chunk, temperature, tokens, out), None
 
         return call_head(head, head_pass, outputs) if partitioned else head_pass(outputs)
+
+    def truncated_head(self, head, outputs, targets, tokens: int, temperature: float, kept):
+        """The head of a truncated pass (PPO_SPEC section 23): ``(logprobs, entropy_K, entropy or None, ids, counts)``
+        under ``pi_T^K``. ``kept``: the slots' sets ``(ids, counts)``, or a :class:`~trl_lite.core.kept_sets.Truncation`
+        to make them here from the pass's own logits (no grad; the untruncated entropy beside)."""
+        derive = kept if isinstance(kept, Truncation) else None
+        ids, counts = (None, None) if derive is not None else kept
+        grad = torch.is_grad_enabled()
+        if head is None:
+            return truncated_from_logits(outputs, targets, temperature, ids, counts, derive, derive is not None)
+        chunk = self.head_chunk_size(tokens, head)
+
+        def head_pass(hidden):
+            with self.head_autocast():
+                if grad and derive is None:
+                    return (*truncated_head(hidden, head.weight, head.bias, targets, ids, counts, chunk, temperature),
+                            None, ids, counts)  # fmt: skip
+                return truncated_head_logprobs(hidden, head.weight, head.bias, targets, chunk, temperature, ids, counts,
+                                               derive, derive is not None)  # fmt: skip
+
+        return call_head(head, head_pass, outputs) if hasattr(head.weight, "ds_id") else head_pass(outputs)
+
+    def kept_of(self, rows: Rows, idx: torch.Tensor, slots: tuple):
+        """The kept sets ``(ids (N, K), counts (N,))`` of a pass's slots ``(b, k)`` over rows ``idx``, or None for
+        rows that carry none (an untruncated run)."""
+        if rows.kept is None:
+            return None
+        return rows.kept.for_slots(idx[slots[0]], slots[1])
+
+    def with_kept(self, rows: Rows) -> tuple[Rows, torch.Tensor | None]:
+        """``rows`` carrying the kept sets the last :meth:`rollout`'s policy passes made, and the policy's untruncated
+        entropy ``(B, L)`` there (the statistic beside the truncated one); ``rows`` and None when it made none."""
+        made, self._rollout_kept = self._rollout_kept, None
+        if made is None:
+            return rows, None
+        return dataclasses.replace(rows, kept=made[0]), made[1]
 
     def head_autocast(self):
         """The autocast state of the models' forward, for the LM head the passes apply outside the model.
@@ -363,7 +418,7 @@ class ForwardPass:
 
     def logprobs(self, model, rows: Rows, index: list[int], idx: torch.Tensor, return_logits: bool = False,
                  return_values: bool = True, critic=None, return_head_inputs: bool = False,
-                 gather_outputs: bool = True):  # fmt: skip
+                 gather_outputs: bool = True, truncated: bool = False):  # fmt: skip
         """Log-probs and values at the action positions of rows ``index``, without the entropy.
 
         Shapes: logprobs, values ``(b, L_mb)`` (log-probs 0 past each response; values None without
@@ -371,13 +426,21 @@ class ForwardPass:
         the slots (else None for both) - or with ``return_head_inputs`` (the model has a linear head)
         the head's inputs ``(N, H)`` there instead of the logits; and ``L_mb``. Under sequence parallelism
         ``gather_outputs=False`` keeps those logits or inputs to this process's slots (:meth:`gather_slots`
-        gathers what is computed from them).
+        gathers what is computed from them). ``truncated`` (the policy's rollout and classic passes of a truncating
+        run): log-probs under ``pi_T^K``, the kept sets made from the pass's logits and, in a rollout, recorded.
         """
         head = None if return_logits else self.linear_head(model)
         outputs, targets, values, slots, width = self.head_inputs(
             model, rows, index, idx, lm_head_inputs=head is not None, return_values=return_values, critic=critic
         )
-        logprobs, _ = self.apply_head(head, outputs, targets, self.buffer_rows(rows), rows)
+        if truncated and self.truncation is not None:
+            logprobs, _, entropy, ids, counts = self.truncated_head(head, outputs, targets, self.buffer_rows(rows),
+                                                                    self.temperature, self.truncation)  # fmt: skip
+            if self._kept_passes is not None:
+                keys = idx[slots[0]] * rows.action_mask.shape[1] + slots[1]
+                self._kept_passes.append((keys, ids, counts, entropy))
+        else:
+            logprobs, _ = self.apply_head(head, outputs, targets, self.buffer_rows(rows), rows)
         keep = return_logits or return_head_inputs
         logprobs, gathered = self.gather_slots(logprobs, outputs if keep and gather_outputs else None)
         logprobs = to_compact(logprobs, slots, len(index), width)
@@ -415,6 +478,7 @@ class ForwardPass:
 
         def passes():
             out = torch.zeros(4 if full_kl else 3, batch, width, device=self.device)
+            self._kept_passes = [] if self.truncation is not None and policy_pass else None
             # Asked per attempt: a back-off shrinks the passes, and with them the head's buffer.
             kl_chunk = self.kl_chunk_size(rows, policy, reference) if full_kl else 0
             with self.per_row_attention():
@@ -427,11 +491,26 @@ class ForwardPass:
             return out
 
         # A pass that runs out of memory: every pass again with half the budget (see oom_backoff).
-        out = self.memory.until_done(passes)
+        try:
+            out = self.memory.until_done(passes)
+            if self._kept_passes is not None:
+                self._rollout_kept = self._kept_of_passes(batch, width)
+        finally:
+            self._kept_passes = None
         mask = rows.action_mask
         logprobs = out[0] * mask if policy_pass else None
         values = out[2] * mask if policy_pass else None
         return logprobs, (out[1] * mask if reference_pass else None), values, (out[3] * mask if full_kl else None)
+
+    def _kept_of_passes(self, batch: int, width: int) -> tuple[KeptSets, torch.Tensor]:
+        """The rollout's kept sets as one :class:`~trl_lite.core.kept_sets.KeptSets` over its ``(B, L)`` positions,
+        and the untruncated entropy ``(B, L)`` of the same passes."""
+        passes = self._kept_passes
+        entropy = torch.zeros(batch * width, device=self.device)
+        for keys, _, _, full in passes:
+            entropy[keys] = full.float()
+        kept = KeptSets.from_passes(batch, width, [(keys, ids, counts) for keys, ids, counts, _ in passes], self.device)
+        return kept, entropy.view(batch, width)
 
     def rollout_pass(self, out, rows: Rows, index: list[int], idx: torch.Tensor, policy, reference, critic,
                      policy_values: bool, full_kl: bool, policy_pass: bool, reference_pass: bool,
@@ -443,7 +522,7 @@ class ForwardPass:
                       "gather_outputs": False}  # fmt: skip
         if policy_pass:
             logprobs, values, logits, slots, w = self.logprobs(
-                policy, rows, index, idx, return_values=policy_values, critic=critic, **kl_outputs
+                policy, rows, index, idx, return_values=policy_values, critic=critic, truncated=True, **kl_outputs
             )
             out[0, idx, :w] = logprobs
             if values is not None:

@@ -220,7 +220,8 @@ class Learner:
         outputs, targets, vpreds, slots, width = forward.head_inputs(
             self.model, rows, mb.index, mb.idx, head is not None, return_values=self.policy_values, critic=self.critic
         )
-        logprobs, entropy = forward.apply_head(head, outputs, targets, forward.buffer_rows(rows), rows)
+        kept = forward.kept_of(rows, mb.idx, slots)  # truncated sampling: the rollout's kept sets (section 23)
+        logprobs, entropy = forward.apply_head(head, outputs, targets, forward.buffer_rows(rows), rows, kept=kept)
         del outputs  # the logits, when the head ran in the model: the saved softmax replaces them
         logprobs, entropy = forward.gather_slots(logprobs, entropy)
         logprobs = to_compact(logprobs, slots, len(mb.index), width)
