@@ -99,16 +99,21 @@ def test_transformers_engine_logprobs_are_those_of_logits_over_the_temperature_f
     assert worst_gap(greedy_rows, greedy_logprobs, lm64, QUERIES, 1, 1.0) > 1e-2
 
 
-def test_with_top_k_and_top_p_the_logprobs_are_the_untruncated_distribution_not_transformers_processed_scores():
-    # The choice TIS needs (docs/temperature.md): the distribution the trainer scores, log_softmax(z / T) over the
-    # whole vocabulary - not the renormalised top-k/top-p one that output_scores hold.
+def test_with_top_k_and_top_p_the_logprobs_are_renormalised_over_the_warpers_kept_set_not_penalised_scores():
+    # PPO_SPEC section 23: the distribution that sampled, log pi_T^K - softmax(z / T) renormalised over the set the
+    # warpers kept (a float64 brute force of the rule), which a full-vocabulary log-prob is not.
+    from test_truncated_step import brute_logprobs
+
     trainer = make_trainer(temperature=T, top_k=5, top_p=0.8)
     lm = trainer.model.pretrained_model
     lm64 = copy.deepcopy(lm).double().cpu().eval()
     torch.manual_seed(1)
-    rows, logprobs = trainer.generate(QUERIES, batch_size=4, return_prompt=True, return_logprobs=True,
+    rows, logprobs = trainer.generate(QUERIES, batch_size=4, return_prompt=False, return_logprobs=True,
                                       max_new_tokens=5, do_sample=True)  # fmt: skip
-    assert worst_gap(rows, logprobs, lm64, QUERIES, 1, T) < 1e-5
+    for query, row, got in zip(QUERIES, rows, logprobs):
+        truncated, full = brute_logprobs(lm, query, row, dict(top_k=5, top_p=0.8))
+        assert torch.allclose(got.double(), truncated, atol=1e-5)
+        assert bool((truncated > full + 1e-3).all())
     query = QUERIES[0][None]
     torch.manual_seed(2)
     out = lm.generate(input_ids=query, attention_mask=torch.ones_like(query), do_sample=True, temperature=T, top_k=5,
