@@ -239,10 +239,15 @@ def test_vllm_engine_samples_at_the_config_temperature_and_refuses_logprobs_it_c
     assert [p["temperature"] for p in backend.params] == [T, T] and backend.params[0]["logprobs"] == 0
     assert [r.tolist() for r in rows] == [[4, 1]] * 2 and [lp.tolist() for lp in logprobs] == [[-0.5, -0.25]] * 2
     backend.params = None
-    # A run that truncates: vLLM's processed log-probs would be the truncated distribution's.
+    # A run that truncates: vLLM's processed log-probs are the truncated distribution's, log pi_T^K - what the
+    # trainer scores (PPO_SPEC section 23); its raw ones are untruncated, and refused.
     truncating = VLLMEngine(backend, 1, 0, GenerationConfig(), sampling=Sampling(T, top_k=50))
-    with pytest.raises(ValueError, match=r"top_k=50"):
-        truncating.generate(QUERIES, {"do_sample": True, "max_new_tokens": 2}, None, 2, False, True, True)
+    truncating.generate(QUERIES[:1], {"do_sample": True, "max_new_tokens": 2}, None, 2, False, True, True)
+    assert backend.params[0]["top_k"] == 50
+    backend.params = None
+    raw = VLLMEngine(_RecordingBackend("raw_logprobs"), 1, 0, GenerationConfig(), sampling=Sampling(1.0, top_p=0.8))
+    with pytest.raises(ValueError, match=r"PPOConfig's top_p=0.8: this vLLM engine returns logprobs_mode='raw_logprobs'"):
+        raw.generate(QUERIES, {"do_sample": True, "max_new_tokens": 2}, None, 2, False, True, True)
     with pytest.raises(ValueError, match="greedy decoding"):
         engine.generate(QUERIES, {"do_sample": False, "max_new_tokens": 2}, None, 2, False, True, True)
     with pytest.raises(ValueError, match="got temperature=1.0, but PPOConfig.temperature=0.7"):
@@ -256,7 +261,9 @@ def test_vllm_engine_samples_at_the_config_temperature_and_refuses_logprobs_it_c
 def test_which_vllm_logprobs_are_log_softmax_of_logits_over_the_temperature():
     sampled = {"temperature": T, "top_k": 0, "top_p": 1.0}
     assert vllm_logprobs_mode(1.0) == "raw_logprobs" and vllm_logprobs_mode(T) == "processed_logprobs"
+    assert vllm_logprobs_mode(1.0, truncates=True) == "processed_logprobs"  # log pi_T^K at T = 1 too
     check_vllm_logprobs(sampled, T, "processed_logprobs")
+    check_vllm_logprobs({**sampled, "top_p": 0.9}, T, "processed_logprobs", Sampling(T, top_p=0.9))  # the run's cut
     check_vllm_logprobs({"temperature": 1.3, "top_k": 50}, 1.0, "raw_logprobs")  # raw: always temperature 1's
     check_vllm_logprobs({"temperature": 0.0}, 1.0, "processed_logprobs")  # greedy at 1: processed = raw
     with pytest.raises(ValueError, match="logprobs_mode='raw_logprobs', the log-probs at temperature 1"):

@@ -108,7 +108,8 @@ class ForwardPass:
                       mini_batch_size=config.mini_batch_size, memory=memory, sequence=sequence, pack=pack,
                       row_attention=row_attention, reuse_logits_buffer=reuse,
                       lm_head_chunk_size=config.lm_head_chunk_size, temperature=config.temperature,
-                      prefix_sharing=config.prefix_sharing, truncation=Truncation.of(config))  # fmt: skip
+                      prefix_sharing=config.prefix_sharing,
+                      truncation=Truncation.of(config, order="vllm" if config.use_vllm else "transformers"))  # fmt: skip
         if forward.truncation is not None and sequence.cuts:
             raise ValueError(
                 f"top_k={config.top_k}, top_p={config.top_p}, min_p={config.min_p} (truncated sampling, scored over "
