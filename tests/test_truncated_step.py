@@ -72,7 +72,8 @@ def test_lp_old_is_the_renormalised_policy_the_reference_untruncated_and_the_eng
     torch.manual_seed(0)
     responses, gen_logprobs = trainer.generate(QUERIES, return_prompt=False, max_new_tokens=6, do_sample=True,
                                                return_logprobs=True)  # fmt: skip
-    stats, experience = captured_step(trainer, QUERIES, responses, generation_logprobs=gen_logprobs)
+    with pytest.warns(UserWarning, match="re-derived from the rollout pass's logits by the transformers sampler"):
+        stats, experience = captured_step(trainer, QUERIES, responses, generation_logprobs=gen_logprobs)
     for i, (query, response) in enumerate(zip(QUERIES, responses)):
         truncated, full = brute_logprobs(lm, query, response, cut)
         n = len(response)

@@ -80,6 +80,7 @@ class ForwardPass:
                              reuse_logits_buffer)  # fmt: skip
         self._kept_passes = None  # the rollout's policy passes' kept sets: (keys, ids, counts) per pass
         self._rollout_kept = None  # (KeptSets, untruncated entropy (B, L)) of the last rollout
+        self._said_rederived = False
 
     @classmethod
     def build(cls, accelerator, policy, reference, critic, tokenizer, config, pack: bool, memory: MemoryBackoff,
@@ -341,6 +342,18 @@ class ForwardPass:
         if critic is not None:
             critic.eval()
         models = (policy, reference, critic, policy_values, full_kl, policy_pass, reference_pass)
+
+        if self.truncation is not None and policy_pass and not self._said_rederived:
+            self._said_rederived = True
+            cut = self.truncation
+            warnings.warn(
+                f"PPOConfig truncates sampling (top_k={cut.top_k}, top_p={cut.top_p}, min_p={cut.min_p}): the trainer "
+                f"scores each token under pi_T renormalised over its position's kept set, re-derived from the rollout "
+                f"pass's logits by the {cut.order} sampler's rule and order (the sampler's own sets are not passed to "
+                "step()); where they differ at a cut-off or a tie, rollout/logprob_diff shows it. Said once per run "
+                "(docs/truncated_sampling.md).",
+                stacklevel=4,
+            )
 
         def passes():
             out = torch.zeros(4 if full_kl else 3, batch, width, device=self.device)
