@@ -15,7 +15,7 @@ Shape names: ``R`` positions, ``V`` vocabulary, ``K`` the longest kept set of a 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -93,6 +93,18 @@ def kept_mask(scores: torch.Tensor, truncation: Truncation) -> torch.Tensor:
     """``(R, V)`` bool: the tokens each position's sampler keeps from ``scores`` ``(R, V)`` = ``z / T`` (any float
     dtype; the rule runs in float32 or wider), in ``truncation.order``."""
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    if truncation.order == "transformers" and 0 < truncation.top_k < scores.shape[-1]:
+        # Top-k first: top-p and min-p see only its tokens (the rest are -inf), so they run on those columns alone -
+        # the top-k tokens and their ties, a sort of k values per position instead of the vocabulary's.
+        threshold = torch.topk(scores, truncation.top_k).values[..., -1:]
+        width = int((scores >= threshold).sum(-1).max())
+        values, columns = torch.topk(scores, width)
+        kept = _cut(values.masked_fill(values < threshold, -math.inf), replace(truncation, top_k=0))
+        return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, columns, kept)
+    return _cut(scores, truncation)
+
+
+def _cut(scores: torch.Tensor, truncation: Truncation) -> torch.Tensor:
     steps = {"top_k": lambda s: _top_k(s, truncation.top_k), "top_p": lambda s: _top_p(s, truncation.top_p),
              "min_p": lambda s: _min_p(s, truncation.min_p)}  # fmt: skip
     order = ("top_k", "top_p", "min_p") if truncation.order == "transformers" else ("min_p", "top_k", "top_p")
