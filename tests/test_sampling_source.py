@@ -111,7 +111,7 @@ def test_seed_for_seed_every_engine_draws_what_transformers_untruncated_sampler_
     assert row.tolist() == draws[0]
 
 
-def test_a_run_that_asks_for_truncation_gets_it_and_logprobs_stay_untruncated():
+def test_a_run_that_asks_for_truncation_gets_it_and_logprobs_are_renormalised_over_the_warpers_set():
     trainer = instruct_trainer(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
     lm = trainer.model.pretrained_model
     torch.manual_seed(0)
@@ -124,11 +124,12 @@ def test_a_run_that_asks_for_truncation_gets_it_and_logprobs_stay_untruncated():
     assert float(instruct[tokens].min()) > 0  # only tokens the truncated sampler keeps
     counts = torch.bincount(tokens, minlength=VOCAB_SIZE).double() / len(tokens)
     assert 0.5 * float((counts - instruct).abs().sum()) < 0.04
-    # generation_logprobs: log_softmax(z / 0.7), not the truncated distribution nor the penalised logits.
+    # generation_logprobs: log pi_T^K (PPO_SPEC section 23) - z / 0.7 renormalised over the set the warpers kept
+    # (after the penalty), not the penalised logits themselves, nor the full vocabulary.
     lm64 = copy.deepcopy(lm).double().eval()
     with torch.no_grad():
         z = lm64(input_ids=QUERY[None]).logits[0, -1]
-    expected = torch.log_softmax(z / 0.7, -1)[tokens]
+    expected = torch.log_softmax((z / 0.7).masked_fill(instruct == 0, float("-inf")), -1)[tokens]
     assert float((torch.stack([lp[0] for lp in logprobs]).double() - expected).abs().max()) < 1e-5
 
 
