@@ -96,9 +96,11 @@ def kept_mask(scores: torch.Tensor, truncation: Truncation) -> torch.Tensor:
     if truncation.order == "transformers" and 0 < truncation.top_k < scores.shape[-1]:
         # Top-k first: top-p and min-p see only its tokens (the rest are -inf), so they run on those columns alone -
         # the top-k tokens and their ties, a sort of k values per position instead of the vocabulary's.
-        threshold = torch.topk(scores, truncation.top_k).values[..., -1:]
+        values, columns = torch.topk(scores, truncation.top_k)
+        threshold = values[..., -1:]
         width = int((scores >= threshold).sum(-1).max())
-        values, columns = torch.topk(scores, width)
+        if width > truncation.top_k:  # ties with the k-th token: kept too
+            values, columns = torch.topk(scores, width)
         kept = _cut(values.masked_fill(values < threshold, -math.inf), replace(truncation, top_k=0))
         return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, columns, kept)
     return _cut(scores, truncation)
