@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from .kept_sets import Truncation, kept_ids
-from .lm_head import _chunk_logits, _logits_dtype, _work_buffer, autocast_state, check_head_options, head_input
+from .lm_head import _chunk_logits, _logits_dtype, _scratch, _softmax_stats, _work_buffer, autocast_state
+from .lm_head import check_head_options, head_input
 from .lm_head import under_autocast
 
 
@@ -131,6 +132,7 @@ def truncated_head_logprobs(hidden, weight, bias, labels, chunk_size: int = 0, t
     logprobs, entropy = torch.empty(n, dtype=dtype, device=hidden.device), torch.empty(n, dtype=dtype, device=hidden.device)
     full = torch.empty_like(entropy) if full_entropy else None
     buffer = _work_buffer(n, step, weight)
+    scratch = _scratch(buffer) if full_entropy else None
     made = []
     for start in range(0, n, step):
         rows = slice(start, start + step)
@@ -141,8 +143,8 @@ def truncated_head_logprobs(hidden, weight, bias, labels, chunk_size: int = 0, t
         else:
             chunk_ids, chunk_counts = ids[rows], counts[rows]
         _, _, logprobs[rows], entropy[rows] = _kept_stats(z, flat_labels[rows], chunk_ids, chunk_counts)
-        if full is not None:
-            full[rows] = _full_entropy(z)
+        if full is not None:  # last: in cache-sized pieces, turning z into the softmax in place
+            _softmax_stats(z, flat_labels[rows], torch.empty_like(full[rows]), full[rows], None, scratch)
     if derive is not None:
         width = max((i.shape[1] for i, _ in made), default=1)
         ids = torch.cat([torch.cat([i, i[:, :1].expand(-1, width - i.shape[1])], 1) for i, _ in made]) if made else (
