@@ -93,17 +93,28 @@ def kept_mask(scores: torch.Tensor, truncation: Truncation) -> torch.Tensor:
     """``(R, V)`` bool: the tokens each position's sampler keeps from ``scores`` ``(R, V)`` = ``z / T`` (any float
     dtype; the rule runs in float32 or wider), in ``truncation.order``."""
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
-    if truncation.order == "transformers" and 0 < truncation.top_k < scores.shape[-1]:
-        # Top-k first: top-p and min-p see only its tokens (the rest are -inf), so they run on those columns alone -
-        # the top-k tokens and their ties, a sort of k values per position instead of the vocabulary's.
-        values, columns = torch.topk(scores, truncation.top_k)
-        threshold = values[..., -1:]
-        width = int((scores >= threshold).sum(-1).max())
-        if width > truncation.top_k:  # ties with the k-th token: kept too
-            values, columns = torch.topk(scores, width)
-        kept = _cut(values.masked_fill(values < threshold, -math.inf), replace(truncation, top_k=0))
+    candidates = _top_k_candidates(scores, truncation)
+    if candidates is not None:
+        columns, kept = candidates
         return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, columns, kept)
     return _cut(scores, truncation)
+
+
+def _top_k_candidates(scores: torch.Tensor, truncation: Truncation):
+    """With top-k first (transformers' order): ``(columns (R, W), kept (R, W))``, the top-k tokens and their ties and
+    which of them top-p and min-p keep - run on those columns alone (the rest are -inf to them), a sort of ``W``
+    values per position instead of the vocabulary's; None for another order or no top-k."""
+    k = truncation.top_k
+    if truncation.order != "transformers" or not 0 < k < scores.shape[-1]:
+        return None
+    values, columns = torch.topk(scores, min(k + 1, scores.shape[-1]))
+    threshold = values[..., k - 1 : k]
+    if bool((values[..., k:] >= threshold).any()):  # ties with the k-th token: all kept, however many
+        width = int((scores >= threshold).sum(-1).max())
+        values, columns = torch.topk(scores, width)
+    else:
+        values, columns = values[..., :k], columns[..., :k]
+    return columns, _cut(values.masked_fill(values < threshold, -math.inf), replace(truncation, top_k=0))
 
 
 def _cut(scores: torch.Tensor, truncation: Truncation) -> torch.Tensor:
@@ -121,6 +132,9 @@ def kept_ids(scores: torch.Tensor, labels: torch.Tensor, truncation: Truncation)
     """The kept sets of ``scores`` ``(R, V)`` (``z / T``) in padded form: ids ``(R, K)`` int64 (padding: the
     position's label) and counts ``(R,)``; each set holds its ``labels`` ``(R,)`` token (added when the rule, run
     again on other logits than the sampler's, dropped it) and at most ``truncation.bound`` tokens besides."""
+    candidates = _top_k_candidates(scores.to(torch.promote_types(scores.dtype, torch.float32)), truncation)
+    if candidates is not None and candidates[0].shape[-1] <= truncation.bound:
+        return _compact(*candidates, labels.reshape(-1, 1))
     keep = kept_mask(scores, truncation)
     keep.scatter_(-1, labels.reshape(-1, 1), True)
     counts = keep.sum(-1)
@@ -138,6 +152,20 @@ def kept_ids(scores: torch.Tensor, labels: torch.Tensor, truncation: Truncation)
     starts = torch.cumsum(counts, 0) - counts
     ids[rows, torch.arange(rows.numel(), device=rows.device) - starts[rows]] = cols
     return ids, counts
+
+
+def _compact(columns: torch.Tensor, kept: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded sets from candidate ``columns`` ``(R, W)`` and which are ``kept``: the kept ones first, then the label
+    ``(R, 1)`` where it is not among them; padding: the label. (A top-k set: at most k tokens and ties.)"""
+    order = torch.argsort(kept.to(torch.int8), dim=-1, descending=True, stable=True)
+    ids = torch.cat([columns.gather(-1, order), labels], dim=-1)
+    counts = kept.sum(-1)
+    inside = torch.arange(ids.shape[1], device=ids.device) < counts.unsqueeze(-1)
+    missing = ~((ids == labels) & inside).any(-1)
+    ids.scatter_(-1, counts.unsqueeze(-1), labels)  # the label right after the kept ones (kept only if missing)
+    counts = counts + missing
+    inside = torch.arange(ids.shape[1], device=ids.device) < counts.unsqueeze(-1)
+    return torch.where(inside, ids, labels), counts
 
 
 @dataclass
