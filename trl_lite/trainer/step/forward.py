@@ -2,8 +2,8 @@
 section 3) and for training (with grad), and the classic ``batched_forward_pass``.
 
 :class:`ForwardPass` owns what every pass needs and nothing else: the input layout (pad id, padding
-side, position ids), whether passes are packed and which models attend per row, the logits buffer of
-the fused LM head, and the prepared-to-unwrapped model map. The trainer hands it the run's out-of-memory
+side, position ids), whether passes are packed and which models attend per row, the LM head's path
+(:class:`~.head_path.HeadPath`), truncated sampling's kept sets, and the prepared-to-unwrapped model map. The trainer hands it the run's out-of-memory
 back-off and its sequence-parallel part.
 """
 
@@ -44,10 +44,10 @@ class ForwardPass:
             :func:`~trl_lite.models.packed_attention.takes_row_lengths`); others attend through
             transformers' block-diagonal mask, to the same result.
         reuse_logits_buffer: whether the fused LM head writes into one buffer kept between passes
-            (CPU with ``keep_freed_cpu_memory``, see :meth:`logits_out`).
+            (CPU with ``keep_freed_cpu_memory``, see :meth:`.head_path.HeadPath.logits_out`).
         sequence: the trainer's sequence-parallel part: the :class:`~trl_lite.parallel.SequenceParallel` group
             packed passes are cut over (see :meth:`gather_slots`), or a :class:`~trl_lite.parallel.NoSequenceParallel`.
-        lm_head_chunk_size: ``PPOConfig.lm_head_chunk_size`` (None: automatic; see :meth:`head_chunk_size`).
+        lm_head_chunk_size: ``PPOConfig.lm_head_chunk_size`` (None: automatic; see :meth:`.head_path.HeadPath.choose`).
         temperature: ``PPOConfig.temperature``: log-probs and full KL under ``logits / temperature`` (section 20).
         prefix_sharing: ``PPOConfig.prefix_sharing`` (None: automatic; see :mod:`.prefix_sharing`).
         truncation: ``PPOConfig``'s top-k/top-p/min-p cut (:meth:`~trl_lite.core.kept_sets.Truncation.of`), or None:
