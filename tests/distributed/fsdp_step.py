@@ -73,6 +73,8 @@ def build(case: str, per_process: int, world_size: int) -> PPOTrainer:
 
 def batch(case: str, rank: int, per_process: int, seed: int = 7):
     queries, responses, scores = random_batch(GLOBAL_BATCH, seed=seed, query_len=(2, 6), response_len=(5, 5))
+    if case == "grpo_lora":  # groups of 4 answers to one query
+        queries = [queries[i - i % 4] for i in range(GLOBAL_BATCH)]
     rows = slice(rank * per_process, (rank + 1) * per_process)
     return queries[rows], responses[rows], scores[rows]
 

@@ -223,7 +223,9 @@ def full_state_dict(model: torch.nn.Module) -> dict:
 
 class ShardedCheckpoint:
     """The sharded models and their optimizers through ``torch.distributed.checkpoint``: each process writes and
-    reads its own shards (``directory/fsdp2``); the optimizers' states follow their parameters' shards."""
+    reads its own shards (``directory/fsdp2``). A model is saved as its own ``state_dict()`` (``DTensor`` shards,
+    the model's names), an optimizer as its per-parameter state by parameter name (following the shards) and its
+    ``param_groups`` settings (learning rate as the scheduler left it). Collective."""
 
     SUBDIR = "fsdp2"
 
@@ -231,12 +233,16 @@ class ShardedCheckpoint:
         self.pairs = dict(pairs)  # name -> (model, optimizer)
 
     def _state(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
         state = {}
         for name, (model, optimizer) in self.pairs.items():
-            model_state, optim_state = get_state_dict(model, optimizer)
-            state[name] = {"model": model_state, "optimizer": optim_state}
+            reshard(model)  # a root still gathered after a forward would give whole tensors
+            names = {id(p): n for n, p in model.named_parameters()}
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            state[name] = {
+                "model": model.state_dict(),
+                "optimizer": {names[id(p)]: optimizer.state[p] for p in params if p in optimizer.state},
+                "groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
+            }
         return state
 
     def save(self, directory: str) -> None:
@@ -245,12 +251,14 @@ class ShardedCheckpoint:
         dcp.save(self._state(), checkpoint_id=os.path.join(directory, self.SUBDIR))
 
     def load(self, directory: str) -> None:
+        """Read the shards into the models' parameters and the optimizers' states, in place."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
 
+        for _, optimizer in self.pairs.values():
+            _init_optim_state(optimizer)  # the state tensors to load into (a step at learning rate 0)
         state = self._state()
         dcp.load(state, checkpoint_id=os.path.join(directory, self.SUBDIR))
-        for name, (model, optimizer) in self.pairs.items():
-            reshard(model)  # a gathered root would keep the weights from before the load
-            set_state_dict(model, optimizer, model_state_dict=state[name]["model"],
-                           optim_state_dict=state[name]["optimizer"])  # fmt: skip
+        for name, (_, optimizer) in self.pairs.items():
+            for group, saved in zip(optimizer.param_groups, state[name]["groups"]):
+                group.update(saved)
