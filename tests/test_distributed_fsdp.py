@@ -8,6 +8,8 @@ read what the runs wrote. Each case's update (SGD, one step on the same 8 rows) 
 relative, every process must hold the same weights, and the policy's parameters must really be DTensor shards.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -85,14 +87,14 @@ def test_a_resumed_fsdp2_run_is_bit_identical(runs):
 
 def test_the_fsdp_settings_come_from_the_launch_environment(monkeypatch):
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
-    assert fsdp.fsdp_settings() is None and fsdp.cpu_sharding(2) is None
+    assert fsdp.fsdp_settings() is None and fsdp.cpu_sharding(SimpleNamespace(num_processes=2)) is None
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")
     monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "false")
     monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "GPT2Block, Qwen2DecoderLayer")
     settings = fsdp.fsdp_settings()
     assert settings == fsdp.FSDP2Settings(False, "TRANSFORMER_BASED_WRAP", ("GPT2Block", "Qwen2DecoderLayer"))
-    assert fsdp.cpu_sharding(1) is None  # one process: nothing to shard over
+    assert fsdp.cpu_sharding(SimpleNamespace(num_processes=1)) is None  # one process: nothing to shard over
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(ValueError, match="FSDP2 only"):
         fsdp.fsdp_settings()

@@ -69,39 +69,74 @@ def fsdp_settings() -> FSDP2Settings | None:
     )
 
 
-def cpu_sharding(num_processes: int) -> CPUSharding | None:
+def cpu_sharding(accelerator) -> CPUSharding | None:
     """The part that applies FSDP2 where accelerate does not: an FSDP launch of several processes without CUDA.
     None otherwise (no FSDP config, one process, or GPUs, where accelerate's own FSDP2 runs)."""
     settings = fsdp_settings()
-    if settings is None or num_processes <= 1 or torch.cuda.is_available():
+    if settings is None or accelerator.num_processes <= 1 or torch.cuda.is_available():
         return None
     warnings.warn(
         f"The accelerate config asks for FSDP, which accelerate does not apply without GPUs (it would run plain DDP); "
-        f"trl_lite applies FSDP2 itself: fully_shard on a gloo device mesh of {num_processes} CPU processes, per "
-        f"transformer block and on the root ({settings.wrap_policy}, reshard_after_forward="
+        f"trl_lite applies FSDP2 itself: fully_shard on a gloo device mesh of {accelerator.num_processes} CPU "
+        f"processes, per transformer block and on the root ({settings.wrap_policy}, reshard_after_forward="
         f"{settings.reshard_after_forward}).",
         stacklevel=3,
     )
-    return CPUSharding(settings, num_processes)
+    return CPUSharding(settings, accelerator)
 
 
 class CPUSharding:
-    """``fully_shard`` of the trainer's models on a CPU device mesh, with the optimizers moved onto the shards."""
+    """``fully_shard`` of the trainer's models on a CPU device mesh, with the optimizers moved onto the shards.
 
-    def __init__(self, settings: FSDP2Settings, num_processes: int):
+    Offers accelerate's ``prepare`` / ``prepare_model`` so the trainer calls one or the other alike: models (each
+    with the optimizer that follows it in the call) are sharded here, everything else (dataloaders, schedulers) is
+    prepared by ``accelerator``. The optimizers stay the user's own objects (accelerate never sees them:
+    :class:`ShardedCheckpoint` saves them).
+    """
+
+    def __init__(self, settings: FSDP2Settings, accelerator):
         from torch.distributed.device_mesh import init_device_mesh
 
-        if not dist.is_initialized() or dist.get_world_size() != num_processes:
-            raise RuntimeError(f"FSDP2 on the CPU needs the launcher's process group of {num_processes} processes; "
+        processes = accelerator.num_processes
+        if not dist.is_initialized() or dist.get_world_size() != processes:
+            raise RuntimeError(f"FSDP2 on the CPU needs the launcher's process group of {processes} processes; "
                                "build the trainer under accelerate launch.")  # fmt: skip
         self.settings = settings
-        self.mesh = init_device_mesh("cpu", (num_processes,))
+        self.accelerator = accelerator
+        self.mesh = init_device_mesh("cpu", (processes,))
+        self.trained = {}  # the models sharded with an optimizer, for the checkpoint
+
+    def save(self, directory: str) -> None:
+        """The trained models and their optimizers, sharded into ``directory`` (:class:`ShardedCheckpoint`)."""
+        ShardedCheckpoint(**self.trained).save(directory)
+
+    def load(self, directory: str) -> None:
+        ShardedCheckpoint(**self.trained).load(directory)
+
+    def prepare(self, *objects):
+        """As ``accelerator.prepare``: the same objects back, models sharded with the optimizer after each."""
+        out = list(objects)
+        for i, obj in enumerate(objects):
+            if isinstance(obj, torch.nn.Module):
+                follows = objects[i + 1] if i + 1 < len(objects) else None
+                self.shard(obj, follows if isinstance(follows, torch.optim.Optimizer) else None)
+            elif not isinstance(obj, torch.optim.Optimizer):
+                out[i] = self.accelerator.prepare(obj)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def prepare_model(self, model: torch.nn.Module, evaluation_mode: bool = False) -> torch.nn.Module:
+        """As ``accelerator.prepare_model``: ``model`` sharded (in evaluation mode when asked)."""
+        self.shard(model)
+        return model.eval() if evaluation_mode else model
 
     def shard(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> torch.nn.Module:
         """Shard ``model`` in place (blocks, then the root) and point ``optimizer`` (no state yet) at the shards:
         ``fully_shard`` replaces every parameter with a ``DTensor`` parameter."""
         from torch.distributed.fsdp import fully_shard
 
+        if is_sharded(model):
+            raise ValueError(f"{type(model).__name__} holds layers already sharded with another model (a reference made "
+                             "with num_shared_layers): FSDP2 shards each model on its own; leave num_shared_layers=None.")
         names = {id(p): name for name, p in model.named_parameters()}
         if optimizer is not None:
             _check_optimizer(optimizer, names)
@@ -116,10 +151,19 @@ class CPUSharding:
         fully_shard(model, mesh=self.mesh, reshard_after_forward=self.settings.reshard_after_forward)
         keep_root_gathered(model)
         if optimizer is not None:
+            self.trained[f"model_{len(self.trained)}"] = (model, optimizer)  # policy first, then the critic
             params = dict(model.named_parameters())
             for group in optimizer.param_groups:
                 group["params"] = [params[names[id(p)]] for p in group["params"]]
         return model
+
+
+def keep_roots_gathered(*models) -> bool:
+    """:func:`keep_root_gathered` for each sharded one of ``models`` (None allowed); whether the first is sharded."""
+    for model in models:
+        if is_sharded(model):
+            keep_root_gathered(model)
+    return is_sharded(models[0])
 
 
 def keep_root_gathered(model: torch.nn.Module) -> None:
@@ -229,8 +273,8 @@ class ShardedCheckpoint:
 
     SUBDIR = "fsdp2"
 
-    def __init__(self, pairs: dict):
-        self.pairs = dict(pairs)  # name -> (model, optimizer)
+    def __init__(self, **pairs):
+        self.pairs = {name: pair for name, pair in pairs.items() if pair[0] is not None}  # name -> (model, optimizer)
 
     def _state(self) -> dict:
         state = {}

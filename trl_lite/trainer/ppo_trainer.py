@@ -195,16 +195,11 @@ class PPOTrainer(ClassicHelpersMixin):
         if self.is_deepspeed_enabled:
             configure_deepspeed(accelerator, model, self.critic)
             fill_deepspeed_config(accelerator, config)
-        # FSDP2 without GPUs: accelerate would run DDP, so the models are sharded here and only the rest is prepared.
-        self.cpu_sharding = fsdp.cpu_sharding(accelerator.num_processes)
-        if self.cpu_sharding is not None:
-            self._check_fsdp_reference(model)
-            self.cpu_sharding.shard(model, self.optimizer)
-        rest = ([dataloader] if dataloader is not None else []) + ([lr_scheduler] if lr_scheduler is not None else [])
-        if self.cpu_sharding is None:
-            prepared = list(accelerator.prepare(model, self.optimizer, *rest))
-        else:
-            prepared = [model, self.optimizer] + [accelerator.prepare(part) for part in rest]
+        self.cpu_sharding = fsdp.cpu_sharding(accelerator)  # FSDP2 without GPUs: models sharded by trl_lite
+        preparer = self.cpu_sharding or accelerator
+        to_prepare = [model, self.optimizer] + ([dataloader] if dataloader is not None else [])
+        to_prepare += [lr_scheduler] if lr_scheduler is not None else []
+        prepared = list(preparer.prepare(*to_prepare))
         self.model, self.optimizer = prepared[0], prepared[1]
         self.dataloader = ResumableLoader(prepared[2], self._data_generator) if dataloader is not None else None
         if lr_scheduler is not None:
@@ -213,28 +208,14 @@ class PPOTrainer(ClassicHelpersMixin):
         if self.critic is not None:
             learning_rate = config.critic_learning_rate or config.learning_rate
             optimizer = critic_optimizer or default_optimizer(self.critic, learning_rate)
-            if self.cpu_sharding is not None:
-                self.critic_optimizer = optimizer
-                self.cpu_sharding.shard(self.critic, optimizer)
-            else:
-                with preparing_again(accelerator):
-                    self.critic, self.critic_optimizer = accelerator.prepare(self.critic, optimizer)
+            with preparing_again(accelerator):
+                self.critic, self.critic_optimizer = preparer.prepare(self.critic, optimizer)
         if self.ref_model is not None:
             if self.is_deepspeed_enabled:
                 self.ref_model = prepare_deepspeed_reference(self.ref_model, accelerator)
-            elif self.cpu_sharding is not None:
-                self.ref_model = self.cpu_sharding.shard(self.ref_model).eval()
             else:
-                self.ref_model = accelerator.prepare_model(self.ref_model, evaluation_mode=True)
-        self.is_fsdp = fsdp.is_sharded(self.model)
-        for sharded in (self.model, self.critic, self.ref_model) if self.is_fsdp else ():
-            fsdp.keep_root_gathered(sharded)  # the fused LM head runs after the model's forward
-
-    def _check_fsdp_reference(self, model) -> None:
-        """FSDP2 shards each model on its own: a reference sharing layers with the policy cannot be sharded."""
-        if self.ref_model is not None and {id(p) for p in model.parameters()} & {id(p) for p in self.ref_model.parameters()}:
-            raise ValueError("num_shared_layers (a reference sharing layers with the policy) is not supported under "
-                             "FSDP2: leave num_shared_layers=None.")  # fmt: skip
+                self.ref_model = preparer.prepare_model(self.ref_model, evaluation_mode=True)
+        self.is_fsdp = fsdp.keep_roots_gathered(self.model, self.critic, self.ref_model)  # the fused head runs after
 
     def _build_parts(self) -> None:
         """The parts ``step()`` calls, each from explicit inputs (see the module docstring)."""
@@ -260,10 +241,7 @@ class PPOTrainer(ClassicHelpersMixin):
             sequence=self.sequence,
         )  # fmt: skip
         self.statistics = StepStatistics(config, accelerator, self.sequence)
-        sharded = {"policy": (self.model, self.optimizer)}
-        sharded.update({"critic": (self.critic, self.critic_optimizer)} if self.critic is not None else {})
-        self.checkpointer = Checkpointer(accelerator, {"memory": self.memory},
-                                         fsdp.ShardedCheckpoint(sharded) if self.cpu_sharding is not None else None)
+        self.checkpointer = Checkpointer(accelerator, {"memory": self.memory}, self.cpu_sharding)
         self.generation = build_generation(
             config, model=self.model, unwrapped=unwrapped, accelerator=accelerator, tokenizer=self.tokenizer,
             pad_token_id=self.forward.layout.pad_id, is_encoder_decoder=self.is_encoder_decoder,

@@ -26,8 +26,8 @@ class Checkpointer:
     (``{"memory": MemoryBackoff}`` for ``PPOTrainer``: a resumed run starts with the token budget its
     out-of-memory failures left). ``sharded``: models and optimizers accelerate did not prepare (FSDP2 applied
     by the trainer without GPUs), an object with ``save(directory)`` / ``load(directory)`` that every process
-    calls (:class:`~trl_lite.parallel.fsdp.ShardedCheckpoint`: ``torch.distributed.checkpoint``, each process
-    its own shards).
+    calls (:class:`~trl_lite.parallel.fsdp.CPUSharding`: ``torch.distributed.checkpoint``, each process its own
+    shards).
     """
 
     def __init__(self, accelerator, parts: dict | None = None, sharded=None):
