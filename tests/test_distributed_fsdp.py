@@ -8,12 +8,21 @@ read what the runs wrote. Each case's update (SGD, one step on the same 8 rows) 
 relative, every process must hold the same weights, and the policy's parameters must really be DTensor shards.
 """
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from test_distributed import SCRIPTS, launch
+from test_classic_examples import CLASSIC, assets  # noqa: F401 (the fixture: local stand-ins for the hub assets)
+from test_distributed import REPO, SCRIPTS, launch
+from test_reliability import assert_equal
 from trl_lite import AutoModelForCausalLMWithValueHead
 from trl_lite.parallel import fsdp
 
@@ -102,3 +111,68 @@ def test_the_fsdp_settings_come_from_the_launch_environment(monkeypatch):
     monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP")
     with pytest.raises(ValueError, match="SIZE_BASED_WRAP"):
         fsdp.fsdp_settings()
+
+
+def _driver_launch(log: Path, *args) -> subprocess.Popen:
+    """tests/resume_driver.py under accelerate_configs/fsdp2.yaml on 2 processes, in a session of its own; its output
+    goes to the file ``log`` (a pipe nobody reads while the test waits could fill and stop the processes)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "accelerate_configs" /
+               "fsdp2.yaml"), "--num_processes", "2", "--main_process_port", str(port), str(REPO / "tests" /
+               "resume_driver.py"), *map(str, args)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    with open(log, "w") as out:
+        return subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _finished(process: subprocess.Popen, log: Path) -> None:
+    process.wait(timeout=600)
+    assert process.returncode == 0, log.read_text()[-4000:]
+
+
+def test_an_fsdp2_run_killed_in_a_save_resumes_bit_identically(tmp_path):
+    """The resume driver (dropout, AdamW, a scheduler, score scaling, adaptive KL, a shuffled dataset, sampled
+    generation) on 2 processes: killed (SIGKILL to every process) inside the save after step 2, resumed from the
+    checkpoint of step 1 in new processes, it ends where the straight run ends - on each process, shards and
+    optimizer state bit for bit."""
+    steps, checkpoint, marker = 3, tmp_path / "checkpoint", tmp_path / "hanging"
+    logs = {name: tmp_path / f"{name}.log" for name in ("straight", "killed", "resumed")}
+    _finished(_driver_launch(logs["straight"], "--steps", steps, "--out", tmp_path / "straight.pt"), logs["straight"])
+    killed = _driver_launch(logs["killed"], "--steps", steps, "--out", tmp_path / "part.pt", "--checkpoint", checkpoint,
+                            "--save-at", 1, 2, "--hang-at", 2, "--hang-mode", "write", "--marker", marker)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while not marker.exists():
+            assert killed.poll() is None, logs["killed"].read_text()[-4000:]
+            assert time.monotonic() < deadline, "the run never reached its save"
+            time.sleep(0.2)
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)
+        killed.wait()
+    # Killed with the save of step 2 half written beside the whole checkpoint of step 1.
+    assert (tmp_path / "checkpoint.tmp").is_dir() and (checkpoint / "fsdp2").is_dir()
+    resumed = _driver_launch(logs["resumed"], "--steps", steps, "--resume", "--checkpoint", checkpoint,
+                             "--out", tmp_path / "resumed.pt")  # fmt: skip
+    _finished(resumed, logs["resumed"])
+    for suffix in ("", ".rank1"):
+        straight = torch.load(tmp_path / f"straight.pt{suffix}", weights_only=False)
+        resumed = torch.load(tmp_path / f"resumed.pt{suffix}", weights_only=False)
+        at_save = torch.load(tmp_path / f"part.pt.step1{suffix}", weights_only=False)
+        assert resumed["current_step"] == steps and at_save["current_step"] == 1
+        assert any(not torch.equal(at_save["model"][k], resumed["model"][k]) for k in resumed["model"])  # trained on
+        assert resumed["kl_coef"] != 0.1
+        assert_equal(resumed, straight, f"process{suffix or '.rank0'}")
+
+
+def test_classic_ppo_script_runs_under_fsdp2(assets, tmp_path):  # noqa: F811
+    """Classic TRL's `ppo.py` (`PartialState()` first, the policy loaded before the trainer, a classifier pipeline
+    for rewards) under fsdp2.yaml as under ZeRO-3 (test_distributed_state_first.py): 16 reviews, 4 per process and
+    step, so 2 steps on each of the 2 processes, with the policy sharded by FSDP2."""
+    args = ["--model_name", assets["policy"], "--query_dataset", assets["imdb"]]
+    args += ["--reward_model", f"sentiment-analysis:{assets['sentiment']}", "--batch_size", "4", "--mini_batch_size", "2"]
+    result = launch("fsdp2", SCRIPTS / "run_script_then_exit.py", str(CLASSIC / "ppo.py"), *args)
+    assert result.stderr.count("2/2 [") >= 2, result.stderr[-3000:]
+    assert "/4 [" not in result.stderr  # a process training alone would take 4 steps
+    assert result.stderr.count("trl_lite applies FSDP2 itself") == 2

@@ -250,6 +250,21 @@ def reshard(model: torch.nn.Module | None) -> None:
             module.reshard()
 
 
+def resharding(reference_factory):
+    """``reference_factory`` (a context-manager factory yielding the reference module) whose context frees the
+    gathered root of a frozen FSDP2 reference on exit: a root stays gathered after its forward (for the LM head
+    applied after it), and a reference, which never runs a backward, would otherwise keep its whole root."""
+
+    @contextmanager
+    def context():
+        with reference_factory() as module:
+            yield module
+        if is_sharded(module) and not any(p.requires_grad for p in module.parameters()):
+            reshard(module)
+
+    return context
+
+
 def full_state_dict(model: torch.nn.Module) -> dict:
     """The full (unsharded) ``model.state_dict()`` of an FSDP2 ``model`` on the main process, on the CPU; ``{}``
     elsewhere. Collective. (The model's own ``state_dict``, so a value-head wrapper gives its own names.)"""

@@ -229,7 +229,7 @@ class PPOTrainer(ClassicHelpersMixin):
                                          self._pack, self.memory, self.sequence)  # fmt: skip
         unwrapped = self.forward.unwrapped(self.model)
         self._vocab_size = unwrapped.pretrained_model.get_input_embeddings().num_embeddings
-        self._reference = functools.partial(reference_context, self.ref_model, self.model, unwrapped)
+        self._reference = fsdp.resharding(functools.partial(reference_context, self.ref_model, self.model, unwrapped))
         self._ema = PolicyEMA(unwrapped, config.ema_decay) if config.ema_decay is not None else None
         self.experience_maker = ExperienceMaker(
             config, accelerator, self.forward, self.model, self._reference, self.critic, self.kl_ctl, self.running,
