@@ -83,6 +83,18 @@ def test_save_pretrained_writes_one_full_checkpoint_that_loads_without_fsdp(runs
     assert max((named[k] - two["after"][k]).abs().max().item() for k in named) == 0.0
 
 
+def test_a_weight_push_sends_the_full_tensors_gathered_from_the_shards(runs):
+    """The push to a vLLM engine (its generation part's gathering around ``named_policy_weights``) on 2 processes: every
+    tensor of the transformers model whole (the tied head under both names), equal to the saved full weights."""
+    two = torch.load(runs["two"] / "gae.pt")
+    pushed = two["pushed"]
+    want = {k.removeprefix("pretrained_model."): v for k, v in two["after"].items() if k.startswith("pretrained_model.")}
+    assert "lm_head.weight" in pushed and torch.equal(pushed["lm_head.weight"], pushed["transformer.wte.weight"])
+    assert set(want) <= set(pushed)
+    for name, tensor in want.items():
+        assert torch.equal(pushed[name], tensor), name
+
+
 def test_a_resumed_fsdp2_run_is_bit_identical(runs):
     """Adam and a StepLR scheduler: a step, a sharded checkpoint (torch.distributed.checkpoint), a second step;
     against a new trainer that loads the checkpoint and takes the second step."""

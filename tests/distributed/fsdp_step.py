@@ -121,11 +121,26 @@ def run_case(case: str, rank: int, world_size: int, output_dir: str) -> None:
     if case == "gae":
         result["generated_after"] = [r.tolist() for r in trainer.generate(prompts, **greedy)]
         trainer.save_pretrained(os.path.join(output_dir, "gae_saved"))
+        result["pushed"] = pushed_weights(trainer)
     result.update(before=before, after=after, spread=spread(trainer, after), kl_coef=trainer.kl_ctl.value,
                   stats={k: v for k, v in stats.items() if isinstance(v, float) and not k.startswith("time/")})  # fmt: skip
     if rank == 0:
         torch.save(result, os.path.join(output_dir, f"{case}.pt"))
     trainer.accelerator.wait_for_everyone()
+
+
+def pushed_weights(trainer) -> dict:
+    """What a weight push to vLLM sends (the trainer's generation part, with its FSDP2 gathering around the push, and
+    ``named_policy_weights`` as for vLLM), captured instead of sent; float64 CPU copies by name."""
+    from trl_lite.engines.weight_sync import WeightVersion, named_policy_weights
+
+    generation, pushed = trainer.generation, {}
+    lm = trainer.accelerator.unwrap_model(trainer.model).pretrained_model
+    generation.policy_weights = lambda: named_policy_weights(lm)
+    generation.version = WeightVersion(trainer.optimizer)
+    generation.push = lambda weights: pushed.update({n: t.to("cpu", torch.float64).clone() for n, t in weights})
+    generation._push()
+    return pushed
 
 
 def _sharded(trainer) -> bool:

@@ -220,8 +220,9 @@ def _build_generation(config, model, unwrapped, accelerator, tokenizer, pad_toke
                                   sampling=Sampling.of(config), halve_on_oom=config.oom_backoff)  # fmt: skip
 
     reference = transformers_engine(reference_context)
+    full_weights = (lambda: unsharded(model)) if is_sharded(model) else nullcontext  # FSDP2: a push sends whole tensors
     if not config.use_vllm:
-        return RolloutGeneration(transformers_engine(policy_context), reference, timer)
+        return RolloutGeneration(transformers_engine(policy_context), reference, timer, full_weights=full_weights)
     require_vllm()
     lm = unwrapped.pretrained_model
     transformers_model = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
@@ -273,7 +274,6 @@ def _build_generation(config, model, unwrapped, accelerator, tokenizer, pad_toke
                     pass
             accelerator.wait_for_everyone()
 
-    full_weights = (lambda: unsharded(model)) if is_sharded(model) else nullcontext  # FSDP2: the push sends whole tensors
     return RolloutGeneration(engine, reference, timer, policy_weights, WeightVersion(optimizer), push=push,
                              full_weights=full_weights)  # fmt: skip
 
