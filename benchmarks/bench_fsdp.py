@@ -20,6 +20,7 @@ Usage:
 import argparse
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -106,8 +107,9 @@ def launch(config: str, processes: int, argv: list[str]) -> list[dict]:
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO_ROOT)
     if out.returncode != 0:
         raise RuntimeError(f"{config} failed:\n{out.stderr[-4000:]}")
-    lines = [line[len(RESULT_MARKER):] for line in out.stdout.splitlines() if line.startswith(RESULT_MARKER)]
-    return sorted((json.loads(line) for line in lines), key=lambda r: r["rank"])
+    # The processes share one stdout: their lines may run into each other.
+    found = re.findall(RESULT_MARKER + r"(\{[^}]*\})", out.stdout)
+    return sorted((json.loads(text) for text in found), key=lambda r: r["rank"])
 
 
 def main() -> None:
@@ -133,9 +135,10 @@ def main() -> None:
         for r in launch(config, processes, argv):
             total = r["params"] + (r["grads"] or 0) + r["optimizer"]
             base = total if base is None else base
-            grads = f"{r['grads'] / 1e6:.2f}" if r["grads"] is not None else "-"
+            known = r["grads"] is not None
+            grads, ratio = (f"{r['grads'] / 1e6:.2f}", f"{total / base:.3f}") if known else ("-", "-")
             print(f"| {name} | {r['rank']} | {r['params'] / 1e6:.2f} | {grads} | {r['optimizer'] / 1e6:.2f} | "
-                  f"{r['reference'] / 1e6:.2f} | {total / base:.3f} | {r['step_s']:.2f} |")  # fmt: skip
+                  f"{r['reference'] / 1e6:.2f} | {ratio} | {r['step_s']:.2f} |")  # fmt: skip
     print(f"load average: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
