@@ -116,6 +116,8 @@ def test_the_fsdp_settings_come_from_the_launch_environment(monkeypatch):
     settings = fsdp.fsdp_settings()
     assert settings == fsdp.FSDP2Settings(False, "TRANSFORMER_BASED_WRAP", ("GPT2Block", "Qwen2DecoderLayer"))
     assert fsdp.cpu_sharding(SimpleNamespace(num_processes=1)) is None  # one process: nothing to shard over
+    with pytest.raises(ValueError, match="sequence parallelism .*sp_size=2"):
+        fsdp.cpu_sharding(SimpleNamespace(num_processes=2, parallelism_config=SimpleNamespace(sp_size=2)))
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(ValueError, match="FSDP2 only"):
         fsdp.fsdp_settings()

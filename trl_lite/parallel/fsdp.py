@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .sequence_parallel import sequence_parallel_size
+
 WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "NO_WRAP")
 
 
@@ -71,8 +73,13 @@ def fsdp_settings() -> FSDP2Settings | None:
 
 def cpu_sharding(accelerator) -> CPUSharding | None:
     """The part that applies FSDP2 where accelerate does not: an FSDP launch of several processes without CUDA.
-    None otherwise (no FSDP config, one process, or GPUs, where accelerate's own FSDP2 runs)."""
+    None otherwise (no FSDP config, one process, or GPUs, where accelerate's own FSDP2 runs). An FSDP launch with
+    sequence parallelism raises ``ValueError``."""
     settings = fsdp_settings()
+    if settings is not None and sequence_parallel_size(accelerator) > 1:
+        raise ValueError(f"sequence parallelism (parallelism_config sp_size={sequence_parallel_size(accelerator)}) is not "
+                         "supported with FSDP2 here: it runs under DeepSpeed (accelerate_configs/"
+                         "deepspeed_sequence_parallel.yaml, docs/sequence_parallel.md).")  # fmt: skip
     if settings is None or accelerator.num_processes <= 1 or torch.cuda.is_available():
         return None
     warnings.warn(
