@@ -6,14 +6,15 @@ applies the same sharding on a gloo device mesh: ``fully_shard`` on every transf
 ``fsdp_transformer_layer_cls_to_wrap``, else the model's own ``_no_split_modules``) and on the root, so that
 parameters, gradients and optimizer states are ``DTensor`` shards as under accelerate's FSDP2.
 
-The trainer asks this module, and nothing else, about FSDP2: :func:`fsdp_settings` (what the launch asked for),
-:func:`cpu_sharding` (the part that shards when accelerate does not), :func:`is_sharded`, :func:`unsharded` (full
-weights for a call: generation, the weight push), :func:`full_state_dict` (``save_pretrained``) and
-:class:`ShardedCheckpoint` (``torch.distributed.checkpoint`` of the models and optimizers).
+The trainer asks this module, and nothing else, about FSDP2: :func:`cpu_sharding` (the part that shards when
+accelerate does not; it offers accelerate's ``prepare``/``prepare_model`` and saves and loads the sharded checkpoint,
+:class:`ShardedCheckpoint`: ``torch.distributed.checkpoint`` of the models and optimizers), :func:`is_sharded`,
+:func:`keep_roots_gathered`, :func:`resharding` (the reference's passes), :func:`unsharded` (whole weights for a
+call: generation, the weight push) and :func:`full_state_dict` (``save_pretrained``).
 
 The root module's parameters (embeddings, final norm, LM head, value head) stay unsharded from its forward until
-its backward (FSDP2 keeps the root gathered after forward): the trainer's fused LM head, applied after the model's
-forward, reads the whole head weight there, and its gradient is reduce-scattered with the root's.
+its backward (FSDP2's default for a root, :func:`keep_root_gathered`): the trainer's fused LM head, applied after the
+model's forward, reads the whole head weight there, and its gradient is reduce-scattered with the root's.
 """
 
 from __future__ import annotations
