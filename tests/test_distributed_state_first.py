@@ -6,15 +6,19 @@ data parallel ran each process alone on the whole dataset. `tests/distributed/st
 `step()` per dataloader batch on 2 processes (12 rows, 2 per process and step); the tests check that the run is
 the one of a trainer built first: 3 steps per process on disjoint rows, the same weights on both processes and
 the same weights as the trainer-first run. Classic's `ppo.py` itself (`examples/classic/ppo.py`) then runs under
-classic's own ZeRO-3 config and plain data parallel, and must exit 0 without any exit wrapper. The in-process tests check the errors where the state cannot be rebuilt
+classic's own ZeRO-3 config and plain data parallel, and must exit 0 without any exit wrapper. The in-process tests
+check the errors where the state cannot be rebuilt
 (`build_accelerator`).
 """
+
+import random
 
 import pytest
 import torch
 import torch.distributed as dist
 from accelerate.state import AcceleratorState, GradientState, PartialState
-from test_classic_examples import CLASSIC, assets  # noqa: F401 (the fixture: local stand-ins for the hub assets)
+# assets: the fixture of local stand-ins for the hub assets
+from test_classic_examples import CLASSIC, _jsonl, _review, assets  # noqa: F401
 from test_distributed import SCRIPTS, _free_port, launch
 
 from trl_lite import PPOConfig
@@ -135,6 +139,19 @@ def test_classic_ppo_script_runs_and_exits_0(config, assets, tmp_path):  # noqa:
     assert result.stderr.count("2/2 [") >= 2, result.stderr[-3000:]
     assert "/4 [" not in result.stderr  # a process training alone would take 4 steps
 
+
+
+def test_classic_multi_adapter_script_runs_and_exits_0(assets, tmp_path):  # noqa: F811
+    """Classic `ppo_multi_adapter.py` (imports changed) launched directly on 2 processes of plain data parallel:
+    1,600 rows, train[:1%] = 16, batches of 8 on each of the 2 processes: one step each, and exit status 0."""
+    rng = random.Random(1)
+    rows = [{"chosen": _review(rng, 16), "rejected": _review(rng, 16)} for _ in range(1600)]
+    _jsonl(tmp_path / "hh" / "train.jsonl", rows)
+    args = ["--model_name", assets["multi_base"], "--dataset_name", str(tmp_path / "hh")]
+    args += ["--rm_adapter", assets["rm_adapter"]]
+    args += ["--use_safetensors", "True", "--load_in_4bit", "False"]
+    result = launch("multi_gpu", CLASSIC / "ppo_multi_adapter.py", *args)
+    assert result.stderr.count("1it [") >= 2 and "2it [" not in result.stderr, result.stderr[-3000:]
 
 EXIT_PROBE = """
 import atexit, sys
