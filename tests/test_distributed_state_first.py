@@ -7,8 +7,7 @@ data parallel ran each process alone on the whole dataset. `tests/distributed/st
 the one of a trainer built first: 3 steps per process on disjoint rows, the same weights on both processes and
 the same weights as the trainer-first run. Classic's `ppo.py` itself (`examples/classic/ppo.py`) then runs under
 classic's own ZeRO-3 config and plain data parallel, and must exit 0 without any exit wrapper. The in-process tests
-check the errors where the state cannot be rebuilt
-(`build_accelerator`).
+check the errors where the state cannot be rebuilt (`build_accelerator`) and the ZeRO-3 and exit fixes.
 """
 
 import random
