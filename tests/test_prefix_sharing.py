@@ -15,7 +15,7 @@ from tiny_models import VOCAB_SIZE, make_gpt2, make_gpt2_critic, make_tokenizer
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 from trl_lite.core import LOSS_TYPES
-from trl_lite.trainer.memory.prefix_sharing import epoch_order, prompt_ids
+from trl_lite.trainer.memory.prefix_sharing import PrefixSharing, epoch_order, obstacle, prompt_ids
 
 COMPARED = ("objective/kl", "objective/entropy", "ppo/loss/policy", "ppo/loss/total", "ppo/policy/entropy",
             "ppo/policy/approxkl", "ppo/policy/policykl", "ppo/policy/clipfrac", "ppo/policy/advantages_mean")  # fmt: skip
@@ -109,9 +109,12 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_step_with_shared_prompts_equals_the_unshared_step(name):
     shared, shared_stats, shared_weights = _two_steps(True, **CASES[name])
-    plain, plain_stats, plain_weights = _two_steps(False, **CASES[name])
+    # The shared steps' epochs keep groups whole by default (shuffle_by_prompt None: True for a group estimator
+    # whose training passes share): the unshared steps are given that order.
+    plain_case = {"shuffle_by_prompt": shared.config.critic_free, **CASES[name]}
+    plain, plain_stats, plain_weights = _two_steps(False, **plain_case)
     # With shuffle_by_prompt, mini-batches of 4 hold whole groups of 4.
-    whole_groups = shared.config.mini_batch_size == 8 or shared.config.shuffle_by_prompt
+    whole_groups = shared.config.mini_batch_size == 8 or plain.config.shuffle_by_prompt
     whole_batch_passes = whole_groups and shared.config.max_tokens_per_minibatch is None
     for seed, (got, want) in enumerate(zip(shared_stats, plain_stats)):
         assert got["prefix_sharing/tokens_saved_fraction"] > 0.1
@@ -137,17 +140,17 @@ def test_step_with_shared_prompts_equals_the_unshared_step(name):
 def test_prefix_sharing_is_checked():
     with pytest.raises(TypeError, match="prefix_sharing must be None \\(automatic\\), True or False, got 'yes'"):
         PPOConfig(batch_size=8, mini_batch_size=8, prefix_sharing="yes")
-    with pytest.raises(ValueError, match="prefix_sharing=True needs packed passes"):
+    with pytest.raises(ValueError, match="prefix_sharing=True needs passes that can share a prompt, but this trainer.s passes are padded"):
         make_trainer(True, padding_free=False)
 
 
 def test_sequence_parallelism_refuses_prefix_sharing():
-    from trl_lite.trainer.memory.prefix_sharing import check_sharing
-
-    policy = object()
-    with pytest.raises(ValueError, match="prefix_sharing=True is not supported with sequence parallelism"):
-        check_sharing(True, True, object(), policy, {id(policy): None})
-    check_sharing(None, True, object(), policy, {})  # automatic: simply off there
+    why_not = obstacle(pack=True, encoder_decoder=False, cut=True, not_attending=[])
+    with pytest.raises(ValueError, match="prefix_sharing=True needs .*sequence parallelism"):
+        PrefixSharing(True, why_not)
+    assert not PrefixSharing(None, why_not).on  # automatic: simply off there
+    with pytest.raises(ValueError, match="the packed passes of the reference do not attend per row"):
+        PrefixSharing(True, obstacle(True, False, False, ["reference"]))
 
 
 def test_the_automatic_rule_shares_where_it_saves_tokens():
