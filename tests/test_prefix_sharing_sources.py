@@ -14,7 +14,7 @@ import torch
 from devices import assert_close
 from test_agents import CALLS, TOKENIZER, USER, add, successor_model, turn
 from test_objectives import _generation_logprobs
-from test_prefix_sharing import COMPARED, GRPO, grouped_batch, make_trainer
+from test_prefix_sharing import ARCHITECTURES, COMPARED, GRPO, grouped_batch, make_trainer
 
 from trl_lite import PPOConfig, PPOTrainer
 from trl_lite.agents import run_episodes, step_inputs
@@ -46,9 +46,10 @@ TIS_CASES = {
 }
 
 
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
 @pytest.mark.parametrize("name", list(TIS_CASES))
-def test_tis_with_shared_prompts_equals_the_unshared_step(name):
-    options = dict(GRPO, importance_sampling_correction="tis", importance_sampling_cap=1.1, **TIS_CASES[name])
+def test_tis_with_shared_prompts_equals_the_unshared_step(name, arch):
+    options = dict(GRPO, importance_sampling_correction="tis", importance_sampling_cap=1.1, arch=arch, **TIS_CASES[name])
     trainers = {sharing: make_trainer(sharing, **options) for sharing in (True, False)}
     initial = {k: p.detach().clone() for k, p in trainers[False].model.named_parameters()}
     stats = {True: [], False: []}
