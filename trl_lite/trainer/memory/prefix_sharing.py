@@ -177,7 +177,7 @@ class PrefixSharing:
     def estimated_saving(self, rows: Rows, ids: tuple, budget: int | None = None) -> float:
         """The share of the step's pass tokens that sharing would not run, over the passes the step will run with
         sharing on: the rollout's (``mini_batch_size`` rows in batch order, or the split by ``budget``), once per
-        model pass, and - where training passes share - each epoch's training passes (weighted
+        model pass, and - where training passes share (else they do not count) - each epoch's training passes (weighted
         :data:`TRAINING_WEIGHT`: forward and backward) in the epoch order sharing gives them: groups whole
         (:meth:`epoch_prompts`), else a row shuffle, whose saving is averaged over :data:`ESTIMATE_DRAWS` shuffles
         from a generator of its own (torch's global one is not touched: the run's random stream stays as it is)."""
@@ -186,8 +186,8 @@ class PrefixSharing:
         rollout = self._passes(shared, list(range(len(rows))), schedule.mini_batch_size, costs, budget)
         saved = schedule.rollout_models * sum(saved_tokens(rows, p, ids) for p in rollout)
         total = schedule.rollout_models * sum(costs)
-        if not self.training:
-            return saved / (total + TRAINING_WEIGHT * schedule.epochs * sum(costs))
+        if not self.training:  # the training passes run unshared whatever the rule says: only the rollout's count
+            return saved / total if total else 0.0
         if self.epoch_prompts(shared, ids) is not None:
             orders = [[i for g in _members(ids).values() for i in g]]  # the groups' order does not change the split much
         else:
