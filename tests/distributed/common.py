@@ -12,6 +12,8 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from trl_lite.parallel.fsdp import is_sharded, unsharded
+
 # tests/ holds tiny_models.py, the model and tokenizer fixtures.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -34,6 +36,8 @@ def full_named_parameters(trainer, model=None) -> dict:
         import deepspeed
 
         gathered = deepspeed.zero.GatheredParameters(params)
+    elif is_sharded(model):
+        gathered = unsharded(model)  # FSDP2: the units gathered whole
     else:
         gathered = nullcontext()
     with gathered:

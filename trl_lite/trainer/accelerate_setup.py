@@ -19,6 +19,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
 
+from ..parallel import fsdp
 from .ppo_config import PPOConfig
 
 
@@ -204,6 +205,12 @@ def fill_deepspeed_batch_config(
 GATHER = object()
 
 
+def full_state_dict(accelerator: Accelerator, model) -> dict | None:
+    """A prepared model's full state dict for saving (collective): gathered from FSDP2 or ZeRO-3 shards onto the
+    main process (empty or None elsewhere), the model's own elsewhere."""
+    return fsdp.full_state_dict(model) if fsdp.is_sharded(model) else accelerator.get_state_dict(model)
+
+
 def save_full_model(
     accelerator: Accelerator, model, tokenizer, save_directory: str, state_dict=GATHER, plain: bool = False
 ) -> None:
@@ -214,7 +221,7 @@ def save_full_model(
     here when not given; ``plain``: the wrapped transformers model alone (a policy given as a plain LM).
     """
     if state_dict is GATHER:
-        state_dict = accelerator.get_state_dict(model)
+        state_dict = full_state_dict(accelerator, model)
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
         if plain:
