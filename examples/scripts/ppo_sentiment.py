@@ -63,6 +63,7 @@ from trl_lite import (  # noqa: E402
 from trl_lite.rollouts import AsyncRollouts  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run_record import load_average, record_run  # noqa: E402
 from tiny_sentiment import OfflineModels, build_offline_models, load_reviews  # noqa: E402
 
 
@@ -107,6 +108,11 @@ class ScriptArguments:
     max_staleness: int = field(
         default=1, metadata={"help": "With --async_rollouts: steps a batch's policy may lag behind (0: synchronous)."}
     )
+    record_results: str | None = field(
+        default=None,
+        metadata={"help": "Also write the printed results, with the command, commit, date, machine and load, as "
+                  "this command's section of a markdown file (e.g. benchmarks/RESULTS.md)."},
+    )  # fmt: skip
 
     def __post_init__(self):
         minimums = (("plot_every", 1), ("num_samples", 1), ("save_every", 0), ("sft_steps", 1), ("max_staleness", 0))
@@ -447,7 +453,7 @@ def first_and_last_rewards(records: list[dict]) -> tuple[int, float, float]:
 
 def run(args: ScriptArguments, config: PPOConfig) -> None:
     """The three stages, `config.steps` PPO steps, the saved model and the before/after table."""
-    start_time = time.perf_counter()
+    start_time, load_at_start = time.perf_counter(), load_average()
     main = is_main_process()
     output_dir = Path(args.output_dir)
     config.project_kwargs.setdefault("logging_dir", str(output_dir / "runs"))
@@ -485,6 +491,10 @@ def run(args: ScriptArguments, config: PPOConfig) -> None:
             print(f"mean reward: first {n} steps {first:+.3f}, last {n} steps {last:+.3f}")
         seconds = time.perf_counter() - start_time
         print(f"wrote metrics.jsonl, training_curves.png and model/ to {output_dir} in {seconds:.0f} s")
+        if args.record_results is not None and len(records) >= 2:
+            kl = records[-1]["objective/kl"]
+            lines = [f"mean reward: first {n} steps {first:+.3f}, last {n} steps {last:+.3f}; KL at the end {kl:.2f}"]
+            record_run(args.record_results, lines, load_at_start, seconds)
 
 
 def main() -> None:

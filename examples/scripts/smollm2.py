@@ -10,6 +10,7 @@ trl_lite itself names no model: the examples and tests find the file here.
 """
 
 import importlib.util
+import logging
 from pathlib import Path
 
 import torch
@@ -37,7 +38,16 @@ def load_smollm2(model_class=AutoModelForCausalLM, **kwargs):
     """
     directory, gguf_file = smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
-    return model_class.from_pretrained(directory, gguf_file=gguf_file, **kwargs), tokenizer
+    # A pretrained chat model has no value head, so a value-head class initialises one: expected here, and
+    # the "No v_head weights found" warning (meant for a checkpoint that lost its head) says nothing to act on.
+    quiet = logging.getLogger("trl_lite.models.modeling_base")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        model = model_class.from_pretrained(directory, gguf_file=gguf_file, **kwargs)
+    finally:
+        quiet.setLevel(level)
+    return model, tokenizer
 
 
 def has_native_bf16(cpuinfo: str | None = None) -> bool:
