@@ -31,6 +31,10 @@ def commit() -> str:
     return sha + (" with local changes" if dirty else "")
 
 
+# Read when the script starts: the code that ran, whatever changes while it runs.
+COMMIT_AT_START = commit()
+
+
 def machine() -> str:
     cpu = platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
@@ -56,7 +60,7 @@ def record_run(path: str | Path, lines: list[str], load_at_start: str, seconds: 
     body = "\n".join([
         heading, "",
         f"    python {Path(sys.argv[0]).as_posix()} {shlex.join(arguments)}".rstrip(), "",
-        f"Machine: {machine()}; load average at start {load_at_start}, at end {load_average()}; commit {commit()}; "
+        f"Machine: {machine()}; load average at start {load_at_start}, at end {load_average()}; commit {COMMIT_AT_START}; "
         f"{time.strftime('%Y-%m-%d')}; {seconds:.0f} s wall", "",
         *(f"    {line}" for line in lines), "",
     ])  # fmt: skip
