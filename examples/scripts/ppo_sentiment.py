@@ -433,6 +433,7 @@ def start_run(args, config: PPOConfig, main: bool):
     """What every demo run does first: quiet progress bars, the seed, the offline stages (when
     asked for), the policy with its tokenizer and the prompt dataset. Returns ``(offline, model,
     tokenizer, prompts)``."""
+    config.query_dataset = query_dataset(args, config)  # a conflict is refused before anything is trained
     # One progress bar, the training one: none for dataset maps or weight files.
     disable_progress_bars()
     transformers_logging.disable_progress_bar()
@@ -457,7 +458,6 @@ def run(args: ScriptArguments, config: PPOConfig) -> None:
     main = is_main_process()
     output_dir = Path(args.output_dir)
     config.project_kwargs.setdefault("logging_dir", str(output_dir / "runs"))
-    config.query_dataset = query_dataset(args, config)
     offline, model, tokenizer, prompts = start_run(args, config, main)
     samples = [prompts[i]["input_ids"] for i in range(min(args.num_samples, len(prompts)))]
 
