@@ -69,7 +69,7 @@ import torch
 from gpu_check_common import REPO_ROOT, WORKER_MARKER
 from gpu_check_kernels import SYNC_BUDGET, check_bf16_step, check_gqa, check_syncs
 from gpu_check_processes import (
-    DEMO_STEPS, DEMO_TARGET_S, bench_loop_args, bench_step_args, check_deepspeed, check_demo, check_suite,
+    DEMO_STEPS, DEMO_TARGET_S, bench_loop_args, bench_step_args, check_deepspeed, check_demo, check_fsdp2, check_suite,
     check_vllm_sleep, step_worker, vllm_worker, _bench,
 )  # fmt: skip
 
@@ -98,6 +98,7 @@ ROWS = (
     Row("syncs", (), 10, 10, f"host syncs of a GAE and a GRPO step, FAIL above {SYNC_BUDGET} per training mini-batch"),
     Row("gqa", (), 5, 5, "varlen with grouped K/V heads unrepeated = repeated (outputs, gradients)"),
     Row("deepspeed", ("deepspeed",), 45, 60, "ZeRO-3 (--full: and ZeRO-2), one process, bf16: one step = the plain step"),
+    Row("fsdp2", (), 9, 9, "accelerate's FSDP2 (fsdp2.yaml), one process, bf16: one step = deepspeed's plain step"),
     Row("demo", ("datasets", "matplotlib"), 25, 25,
         f"{DEMO_STEPS} steps of ppo_sentiment.py in bf16, seconds per PPO step (target < {DEMO_TARGET_S})"),
     Row("bench-step", (), 20, 300, "benchmarks/bench_step.py --device cuda (w1 short; --full: w1 w2 w3)"),
@@ -166,6 +167,7 @@ CHECK_FUNCTIONS = {
     "syncs": check_syncs,
     "gqa": check_gqa,
     "deepspeed": check_deepspeed,
+    "fsdp2": check_fsdp2,
     "demo": check_demo,
     "bench-step": lambda args: _bench("benchmarks/bench_step.py", bench_step_args(args.full), args),
     "bench-loop": lambda args: _bench("benchmarks/bench_loop.py", bench_loop_args(args.full), args),

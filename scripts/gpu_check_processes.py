@@ -1,4 +1,4 @@
-"""The rows of `gpu_check.py` that start processes: ``suite`` (pytest), ``vllm-sleep`` and ``deepspeed`` (workers
+"""The rows of `gpu_check.py` that start processes: ``suite`` (pytest), ``vllm-sleep``, ``deepspeed`` and ``fsdp2`` (workers
 of `gpu_check.py --worker`), ``demo`` (examples/scripts/ppo_sentiment.py) and ``bench-step``, ``bench-loop``
 (the benchmarks)."""
 
@@ -131,12 +131,16 @@ def check_vllm_sleep(args) -> tuple[str, str]:
 # ----------------------------------------------------------------------------------------------
 def _full_weights(trainer) -> dict[str, torch.Tensor]:
     """The policy's weights (and value head) as float32 CPU tensors; under ZeRO-3 gathered first."""
+    from trl_lite.parallel.fsdp import is_sharded, unsharded
+
     model = trainer.accelerator.unwrap_model(trainer.model)
     gathered = None
     if trainer.accelerator.distributed_type.name == "DEEPSPEED":
         import deepspeed
 
         gathered = deepspeed.zero.GatheredParameters(list(model.parameters()))  # a no-op below ZeRO-3
+    elif is_sharded(model):
+        gathered = unsharded(model)  # FSDP2 (accelerate's): the DTensor shards gathered whole
     with gathered if gathered is not None else torch.no_grad():
         return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
 
@@ -177,9 +181,23 @@ def compare_steps(plain_stats: dict, stats: dict, cosine: float, norm_ratio: flo
 
 
 def check_deepspeed(args) -> tuple[str, str]:
+    return check_launched_steps(args, ("deepspeed_zero2",) * args.full + ("deepspeed_zero3",), "DEEPSPEED")
+
+
+def check_fsdp2(args) -> tuple[str, str]:
+    """accelerate's own FSDP2 (accelerate_configs/fsdp2.yaml, one process, bf16): one step = the plain step."""
+    return check_launched_steps(args, ("fsdp2",), "FSDP")
+
+
+def check_launched_steps(args, configs: tuple[str, ...], distributed_type: str) -> tuple[str, str]:
+    """The bf16 step under each accelerate config of ``configs`` (one process) against the plain step (run once per
+    output directory: a later row reads the plain step an earlier one wrote)."""
     runs = {}
-    for name in ("plain", *(("deepspeed_zero2",) if args.full else ()), "deepspeed_zero3"):
+    for name in ("plain", *configs):
         weights = args.output_dir / f"step_{name}.pt"
+        if name == "plain" and (args.output_dir / "step_plain.json").exists() and weights.exists():
+            runs[name] = (json.loads((args.output_dir / "step_plain.json").read_text()), torch.load(weights))
+            continue
         command = [sys.executable, GPU_CHECK, "--worker", "step", "--worker-output", str(weights)]
         if name != "plain":
             launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
@@ -190,9 +208,11 @@ def check_deepspeed(args) -> tuple[str, str]:
         result = worker_result(run_process(command, log, args.time_left()))
         if result is None:
             return "FAIL", f"the {name} step failed or ran out of time (log: {log})"
-        if name != "plain" and result["distributed_type"] != "DEEPSPEED":
-            return "FAIL", f"the {name} run was not under DeepSpeed ({result['distributed_type']}; log: {log})"
+        if name != "plain" and result["distributed_type"] != distributed_type:
+            return "FAIL", f"the {name} run was not under {distributed_type} ({result['distributed_type']}; log: {log})"
         runs[name] = (result["stats"], torch.load(weights))
+        if name == "plain":
+            (args.output_dir / "step_plain.json").write_text(json.dumps(result["stats"]))
     plain_stats, plain_weights = runs.pop("plain")
     details, failed = [], False
     for name, (stats, weights) in runs.items():

@@ -9,6 +9,10 @@ Run by ``test_reliability.py`` in fresh processes, so that resuming is checked a
 ``--resume`` loads ``DIR`` first; the state at the end goes to ``FILE``. ``--hang-at K`` makes the
 save after step K stop for good (after writing part of the temporary directory, or between its two
 renames), after creating ``--marker``, so that the test can kill the process there.
+
+Under ``accelerate launch`` with several processes (``test_distributed_fsdp.py`` runs it under
+accelerate_configs/fsdp2.yaml) every process writes its own state: process ``r > 0`` to ``FILE.rankR`` (and
+``FILE.stepK.rankR``), its FSDP2 shards (``DTensor``) as its local tensors.
 """
 
 import argparse
@@ -37,10 +41,13 @@ def collate(rows: list[dict]) -> dict:
     return {"input_ids": [row["input_ids"] for row in rows]}
 
 
-def build_trainer() -> PPOTrainer:
+def build_trainer(grouped: bool = False) -> PPOTrainer:
     """A trainer with everything that carries state between steps: dropout, AdamW, a scheduler,
-    score scaling and normalisation, adaptive KL, several mini-batches and a shuffled dataset."""
+    score scaling and normalisation, adaptive KL, several mini-batches and a shuffled dataset. ``grouped``: GRPO
+    groups of 2 rows per prompt without dropout, the settings left automatic (prefix sharing on, epochs by prompt)."""
+    grouped_options = dict(advantage_estimator="grpo", num_samples_per_query=2, disable_dropout=True)
     config = PPOConfig(
+        **(grouped_options if grouped else {}),
         batch_size=BATCH_SIZE,
         mini_batch_size=2,
         ppo_epochs=2,
@@ -73,12 +80,33 @@ def reward(response: torch.Tensor) -> float:
     return float((response == REWARD_TOKEN).sum()) + 0.1 * len(response) + 0.01 * random.random()
 
 
+def _local(value):
+    """``value`` with every FSDP2 shard (``DTensor``) replaced by a copy of this process's local tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.to_local().detach().clone()
+    if isinstance(value, dict):
+        return {k: _local(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_local(v) for v in value)
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _per_process(path: str) -> str:
+    rank = int(os.environ.get("RANK", "0"))
+    return path if rank == 0 else f"{path}.rank{rank}"
+
+
 def trainer_state(trainer: PPOTrainer, last_stats: dict | None) -> dict:
     """Everything that must match between a straight and a resumed run."""
+    from trl_lite.parallel.fsdp import reshard
+
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    reshard(unwrapped)  # FSDP2: the shards, also of a root still gathered after a forward
     return {
-        "model": {k: v.detach().clone() for k, v in unwrapped.state_dict().items()},
-        "optimizer": trainer.optimizer.state_dict(),
+        "model": _local(unwrapped.state_dict()),
+        "optimizer": _local(trainer.optimizer.state_dict()),
         "scheduler": trainer.lr_scheduler.state_dict(),
         "kl_coef": trainer.kl_ctl.value,
         "running": trainer.running.state_dict(),
@@ -116,15 +144,23 @@ def install_hang(trainer: PPOTrainer, mode: str, marker: str) -> None:
         os.rename = rename_once_then_hang
 
 
+def step_queries(batch: dict, grouped: bool) -> list:
+    """The step's queries: the batch's, or with ``grouped`` its first 2 queries, each 3 times over, twice (groups)."""
+    queries = batch["input_ids"]
+    if not grouped:
+        return queries
+    return [torch.cat([q, q, q]) for q in queries[: BATCH_SIZE // 2] for _ in range(2)]
+
+
 def run(args) -> None:
-    trainer = build_trainer()
+    trainer = build_trainer(args.grouped)
     if args.resume:
         trainer.load_checkpoint(args.checkpoint)
     length_sampler = LengthSampler(2, 6)  # numpy random: the numpy state matters too
     stats = None
     while trainer.current_step < args.steps:
         for batch in trainer.dataloader:
-            queries = batch["input_ids"]
+            queries = step_queries(batch, args.grouped)
             responses = trainer.generate(
                 queries, length_sampler=length_sampler, batch_size=BATCH_SIZE, return_prompt=False, do_sample=True
             )
@@ -134,10 +170,13 @@ def run(args) -> None:
                 install_hang(trainer, args.hang_mode, args.marker)
             if step in args.save_at:
                 trainer.save_checkpoint(args.checkpoint)
-                torch.save(trainer_state(trainer, stats), f"{args.out}.step{step}")
+                torch.save(trainer_state(trainer, stats), _per_process(f"{args.out}.step{step}"))
             if step >= args.steps:
                 break
-    torch.save(trainer_state(trainer, stats), args.out)
+    torch.save(trainer_state(trainer, stats), _per_process(args.out))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        trainer.accelerator.wait_for_everyone()
+        os._exit(0)  # see tests/distributed/common.py: finish
 
 
 def main() -> None:
@@ -150,6 +189,7 @@ def main() -> None:
     parser.add_argument("--hang-at", type=int)
     parser.add_argument("--hang-mode", choices=("write", "rename"), default="write")
     parser.add_argument("--marker")
+    parser.add_argument("--grouped", action="store_true", help="GRPO groups, prefix sharing and epoch order automatic")
     run(parser.parse_args())
 
 

@@ -18,7 +18,7 @@ import torch
 from nbclient import NotebookClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from trl_lite import AutoModelForCausalLMWithValueHead
+from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "examples" / "scripts"
@@ -103,12 +103,35 @@ def test_ppo_sentiment_loads_models_and_data_by_name(tmp_path):
     result = run_script(
         "ppo_sentiment.py", *SMALL_RUN, "--steps", "2", "--output_dir", str(out),
         "--model_name", str(tmp_path / "models" / "sft_model"),
-        "--reward_model", str(tmp_path / "models" / "reward_model"),
-        "--dataset_name", str(data_dir),
+        "--reward_model", "sentiment-analysis:" + str(tmp_path / "models" / "reward_model"),
+        "--query_dataset", str(data_dir),
     )  # fmt: skip
     assert "SFT stage" not in result.stdout  # nothing was trained offline
     assert not (out / "offline_models").exists()
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]
+
+
+def test_ppo_sentiment_flags_keep_ppo_configs_meaning():
+    """--reward_model is PPOConfig's `task:model` (a bare name: the sentiment-analysis task); --dataset_name is
+    --query_dataset's other name, and the two given differently are refused, not one silently overwritten."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import ppo_sentiment
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    assert ppo_sentiment.reward_task_and_model("sentiment-analysis:lvwerra/distilbert-imdb") == (
+        "sentiment-analysis", "lvwerra/distilbert-imdb")
+    assert ppo_sentiment.reward_task_and_model("text-classification:dir") == ("text-classification", "dir")
+    assert ppo_sentiment.reward_task_and_model("lvwerra/distilbert-imdb") == (
+        "sentiment-analysis", "lvwerra/distilbert-imdb")
+    with pytest.raises(ValueError, match="reward_model must be 'task:model'"):
+        ppo_sentiment.reward_task_and_model("sentiment-analysis:")
+    args = ppo_sentiment.ScriptArguments(dataset_name="a")
+    assert ppo_sentiment.query_dataset(args, PPOConfig(query_dataset=None)) == "a"
+    assert ppo_sentiment.query_dataset(args, PPOConfig(query_dataset="a")) == "a"
+    assert ppo_sentiment.query_dataset(ppo_sentiment.ScriptArguments(), PPOConfig(query_dataset="b")) == "b"
+    with pytest.raises(ValueError, match="--dataset_name .* and --query_dataset .* give one of them"):
+        ppo_sentiment.query_dataset(args, PPOConfig(query_dataset="b"))
 
 
 def test_ppo_sentiment_trains_a_separate_critic(tmp_path):

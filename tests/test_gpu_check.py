@@ -286,3 +286,19 @@ def test_the_gqa_row_compares_unrepeated_and_repeated_calls(monkeypatch, takes_u
         assert len(result) == 4 and max(result) <= gpu_check_kernels.GQA_RTOL
     else:
         assert "number of heads in key/value" in result
+
+
+def test_the_fsdp2_row_launches_the_step_under_fsdp2_yaml_and_reuses_the_plain_step(monkeypatch, tmp_path):
+    """After the deepspeed row (its plain step's statistics and weights in the output directory) the fsdp2 row starts
+    only the step under accelerate_configs/fsdp2.yaml, one process, bf16."""
+    commands = []
+    monkeypatch.setattr(gpu_check_processes, "run_process", lambda command, log, timeout: commands.append(command))
+    args = gpu_check.parse_args(["--output-dir", str(tmp_path)])
+    args.time_left = lambda: 60.0
+    (tmp_path / "step_plain.json").write_text("{}")
+    torch.save({}, tmp_path / "step_plain.pt")
+    assert gpu_check_processes.check_fsdp2(args)[0] == "FAIL"  # no worker answered
+    (command,) = commands
+    assert command[command.index("--config_file") + 1].endswith("accelerate_configs/fsdp2.yaml")
+    assert command[command.index("--num_processes") + 1] == "1" and "bf16" in command
+    assert str(SCRIPT) in command and gpu_check.ROW_BY_NAME["fsdp2"].needs == ()

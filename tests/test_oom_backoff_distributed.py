@@ -5,7 +5,7 @@ backward reduces the gradients), the backward of a pass under ``no_sync``, the f
 under ZeRO-2 - is agreed on by both processes, which redo the backward batch with the same halved budget and
 take the step of the run without the failure. A failure that cannot be redone (inside the gradient-reducing
 backward under DDP, after a ZeRO-2 backward of the same backward batch, any forward of a sequence-parallel
-group) ends both processes with an error, not a hang; a plain error there is reported as it is, not as a lack of
+group or under FSDP2) ends both processes with an error, not a hang; a plain error there is reported as it is, not as a lack of
 memory. After a back-off, the classic batched_forward_pass runs on one process alone. Script:
 tests/distributed/oom_backoff_step.py.
 """
@@ -88,6 +88,8 @@ def test_a_failure_on_one_process_is_redone_by_both_with_the_same_step(tmp_path)
         ("multi_gpu", ("--inject", "backward", "--call", "1"), "Process 0 failed inside a collective of a training backward",
          6),
         ("deepspeed_zero2", ("--inject", "forward", "--call", "1"), "cannot be redone", 6),
+        # FSDP2: every forward gathers the blocks' shards, every backward reduce-scatters (as ZeRO-3).
+        ("fsdp2", ("--inject", "forward", "--call", "0"), "Process 0 failed inside a collective of a training forward", 9),
         # Sequence parallelism: every forward exchanges attention inputs within the group (of 2 processes that
         # share the 8 rows: the failed first pass held 18 tokens).
         ("deepspeed_sequence_parallel", ("--inject", "forward", "--call", "0", "--sp_size", "2"),

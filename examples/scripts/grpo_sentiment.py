@@ -57,8 +57,11 @@ class ScriptArguments:
     """Flags of the demo besides PPOConfig's (which gives --model_name, --reward_model, --steps, ...)."""
 
     dataset_name: str | None = field(
-        default=None, metadata={"help": "Dataset with a 'text' column; default: the offline reviews."}
-    )
+        default=None,
+        metadata={"help": "Another name for --query_dataset (PPOConfig's, classic TRL's name), which it sets: a "
+                  "dataset with a 'text' column; default: the offline reviews. Giving both with different values "
+                  "is an error."},
+    )  # fmt: skip
     output_dir: str = field(default="outputs/grpo_sentiment", metadata={"help": "Where metrics, plot and model go."})
     reward_label: str = field(default="POSITIVE", metadata={"help": "Classifier label whose logit is the reward."})
     input_min_text_length: int = field(default=2, metadata={"help": "Shortest prompt, in tokens."})

@@ -9,7 +9,7 @@ transformers `pipeline` (the reward is the classifier's positive logit), and tra
     python examples/scripts/ppo_sentiment.py
     # the classic setup from the model hub
     python examples/scripts/ppo_sentiment.py --model_name lvwerra/gpt2-imdb \
-        --reward_model lvwerra/distilbert-imdb --dataset_name stanfordnlp/imdb \
+        --reward_model sentiment-analysis:lvwerra/distilbert-imdb --query_dataset stanfordnlp/imdb \
         --learning_rate 1.41e-5 --batch_size 128 --mini_batch_size 128 --steps 195 --generation_batch_size 16
     # a separate critic (DeepSpeed-Chat/OpenRLHF style), initialised from a one-label reward model
     # that reads the policy's tokens (e.g. RewardTrainer's output); written to model/value_model
@@ -24,8 +24,10 @@ transformers `pipeline` (the reward is the classifier's positive logit), and tra
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml --num_processes 2 \
         examples/scripts/ppo_sentiment.py
 
-Each of --model_name, --reward_model and --dataset_name that is not given comes from the offline
-default. Every PPOConfig field is a flag too (--ppo_epochs, --init_kl_coef, --target, ...). Written to
+Each of --model_name, --reward_model and --query_dataset that is not given comes from the offline
+default. --reward_model has PPOConfig's (classic TRL's) meaning, `task:model`
+(sentiment-analysis:lvwerra/distilbert-imdb); a bare model name means the sentiment-analysis task.
+--dataset_name is another name for --query_dataset (give one; both, different, is an error). Every PPOConfig field is a flag too (--ppo_epochs, --init_kl_coef, --target, ...). Written to
 --output_dir: metrics.jsonl (one line per step), training_curves.png (redrawn as training goes),
 model/ (the tuned policy with its value head, and the tokenizer; the critic in model/value_model), runs/ (with --log_with tensorboard),
 checkpoint/ (with --save_every) and offline_models/ (the cached SFT and reward models).
@@ -61,6 +63,7 @@ from trl_lite import (  # noqa: E402
 from trl_lite.rollouts import AsyncRollouts  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run_record import load_average, record_run  # noqa: E402
 from tiny_sentiment import OfflineModels, build_offline_models, load_reviews  # noqa: E402
 
 
@@ -70,8 +73,10 @@ class ScriptArguments:
 
     dataset_name: str | None = field(
         default=None,
-        metadata={"help": "Dataset with a 'text' column (hub name or local path); default: the offline reviews."},
-    )
+        metadata={"help": "Another name for --query_dataset (PPOConfig's, classic TRL's name), which it sets: a "
+                  "dataset with a 'text' column (hub name or local path); default: the offline reviews. Giving "
+                  "both with different values is an error."},
+    )  # fmt: skip
     output_dir: str = field(
         default="outputs/ppo_sentiment", metadata={"help": "Where metrics, curves and the model go."}
     )
@@ -103,6 +108,11 @@ class ScriptArguments:
     max_staleness: int = field(
         default=1, metadata={"help": "With --async_rollouts: steps a batch's policy may lag behind (0: synchronous)."}
     )
+    record_results: str | None = field(
+        default=None,
+        metadata={"help": "Also write the printed results, with the command, commit, date, machine and load, as "
+                  "this command's section of a markdown file (e.g. benchmarks/RESULTS.md)."},
+    )  # fmt: skip
 
     def __post_init__(self):
         minimums = (("plot_every", 1), ("num_samples", 1), ("save_every", 0), ("sft_steps", 1), ("max_staleness", 0))
@@ -138,6 +148,27 @@ def load_policy(config: PPOConfig, offline: OfflineModels | None):
     return AutoModelForCausalLMWithValueHead.from_pretrained(config.model_name), tokenizer
 
 
+def reward_task_and_model(reward_model: str) -> tuple[str, str]:
+    """PPOConfig's `reward_model`, classic TRL's `task:model` (`sentiment-analysis:lvwerra/distilbert-imdb`), as
+    (task, model); a bare model name (no ':') means the sentiment-analysis task."""
+    task, colon, model = reward_model.partition(":")
+    if not colon:
+        return "sentiment-analysis", reward_model
+    if not task or not model:
+        raise ValueError(f"reward_model must be 'task:model' or a model name, got {reward_model!r}.")
+    return task, model
+
+
+def query_dataset(args: ScriptArguments, config: PPOConfig) -> str | None:
+    """The prompts' dataset: --query_dataset, or --dataset_name, its other name; both, different: a ValueError."""
+    if args.dataset_name is not None and config.query_dataset is not None and args.dataset_name != config.query_dataset:
+        raise ValueError(
+            f"--dataset_name ({args.dataset_name!r}) and --query_dataset ({config.query_dataset!r}) name the same "
+            "setting, the prompts' dataset; give one of them."
+        )
+    return config.query_dataset if config.query_dataset is not None else args.dataset_name
+
+
 def load_reward_pipeline(config: PPOConfig, offline: OfflineModels | None, label: str, device):
     """The sentiment classifier as a `pipeline`: from `config.reward_model`, else the offline one."""
     if config.reward_model is None:
@@ -145,7 +176,8 @@ def load_reward_pipeline(config: PPOConfig, offline: OfflineModels | None, label
             "sentiment-analysis", model=offline.reward_model, tokenizer=offline.reward_tokenizer, device=device
         )
     else:
-        pipe = pipeline("sentiment-analysis", model=config.reward_model, device=device)
+        task, model = reward_task_and_model(config.reward_model)
+        pipe = pipeline(task, model=model, device=device)
     labels = list(pipe.model.config.id2label.values())
     if label not in labels:
         raise ValueError(f"reward_label={label!r} is not a label of the reward model; accepted: {labels}.")
@@ -401,13 +433,14 @@ def start_run(args, config: PPOConfig, main: bool):
     """What every demo run does first: quiet progress bars, the seed, the offline stages (when
     asked for), the policy with its tokenizer and the prompt dataset. Returns ``(offline, model,
     tokenizer, prompts)``."""
+    config.query_dataset = query_dataset(args, config)  # a conflict is refused before anything is trained
     # One progress bar, the training one: none for dataset maps or weight files.
     disable_progress_bars()
     transformers_logging.disable_progress_bar()
     set_seed(config.seed)
     offline = offline_stages(args, config, main)
     model, tokenizer = load_policy(config, offline)
-    reviews = load_review_texts(args.dataset_name)
+    reviews = load_review_texts(config.query_dataset)
     prompts = build_prompt_dataset(reviews, tokenizer, args.input_min_text_length, args.input_max_text_length)
     return offline, model, tokenizer, prompts
 
@@ -421,11 +454,10 @@ def first_and_last_rewards(records: list[dict]) -> tuple[int, float, float]:
 
 def run(args: ScriptArguments, config: PPOConfig) -> None:
     """The three stages, `config.steps` PPO steps, the saved model and the before/after table."""
-    start_time = time.perf_counter()
+    start_time, load_at_start = time.perf_counter(), load_average()
     main = is_main_process()
     output_dir = Path(args.output_dir)
     config.project_kwargs.setdefault("logging_dir", str(output_dir / "runs"))
-    config.query_dataset = args.dataset_name
     offline, model, tokenizer, prompts = start_run(args, config, main)
     samples = [prompts[i]["input_ids"] for i in range(min(args.num_samples, len(prompts)))]
 
@@ -459,6 +491,10 @@ def run(args: ScriptArguments, config: PPOConfig) -> None:
             print(f"mean reward: first {n} steps {first:+.3f}, last {n} steps {last:+.3f}")
         seconds = time.perf_counter() - start_time
         print(f"wrote metrics.jsonl, training_curves.png and model/ to {output_dir} in {seconds:.0f} s")
+        if args.record_results is not None and len(records) >= 2:
+            kl = records[-1]["objective/kl"]
+            lines = [f"mean reward: first {n} steps {first:+.3f}, last {n} steps {last:+.3f}; KL at the end {kl:.2f}"]
+            record_run(args.record_results, lines, load_at_start, seconds)
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ import importlib.util
 import json
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,7 @@ from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer, s
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ppo_sentiment import build_prompt_dataset, first_and_last_rewards, format_table, plot_curves, step_record  # noqa: E402
 from smollm2 import load_smollm2, vllm_cpu_options  # noqa: E402
+from run_record import load_average, record_run  # noqa: E402
 from tiny_sentiment import load_reviews  # noqa: E402
 
 
@@ -59,6 +61,11 @@ class ScriptArguments:
         default=64, metadata={"help": "Held-out prompts (not trained on) whose mean reward is measured before and after."}
     )
     eval_samples: int = field(default=4, metadata={"help": "Continuations of each held-out prompt, before and after."})
+    record_results: str | None = field(
+        default=None,
+        metadata={"help": "Also write the printed results, with the command, commit, date, machine and load, as "
+                  "this command's section of a markdown file (e.g. benchmarks/RESULTS.md)."},
+    )  # fmt: skip
 
     def __post_init__(self):
         for name in ("lora_rank", "response_length", "num_samples", "num_eval", "eval_samples"):
@@ -113,7 +120,7 @@ def main() -> None:
     parser = HfArgumentParser((ScriptArguments, PPOConfig))
     parser.set_defaults(**DEFAULTS)
     args, config = parser.parse_args_into_dataclasses()
-    start = time.perf_counter()
+    start, load_at_start = time.perf_counter(), load_average()
     disable_progress_bars()
     transformers_logging.disable_progress_bar()
     transformers_logging.set_verbosity_error()
@@ -165,7 +172,11 @@ def main() -> None:
             if trainer.current_step >= config.steps:
                 break
     progress.close()
-    trainer.save_pretrained(str(output_dir / "model"))
+    with warnings.catch_warnings():
+        # PEFT looks for the base model's config.json to tell whether the vocabulary changed; the GGUF file's
+        # directory has none, and the LoRA adapter here leaves the embeddings alone: nothing to act on.
+        warnings.filterwarnings("ignore", message="Could not find a config file", category=UserWarning)
+        trainer.save_pretrained(str(output_dir / "model"))
 
     after = evaluate(trainer, tokenizer, held_out, rewards_of, gen_kwargs, args.eval_samples)
     table = sample_table(tokenizer, held_out, before, after, args.eval_samples, args.num_samples)
@@ -176,14 +187,19 @@ def main() -> None:
     (output_dir / "samples.txt").write_text(table + "\n" + summary + "\n")
     print(table)
     print(summary)
+    lines = [summary, f"KL at the end {records[-1]['objective/kl']:.2f}"] if records else [summary]
     if len(records) >= 2:
         n, first, last = first_and_last_rewards(records)
-        print(f"mean reward: first {n} steps {first:+.3f}, last {n} steps {last:+.3f}")
+        lines.append(f"mean reward: first {n} steps {first:+.3f}, last {n} steps {last:+.3f}")
+        print(lines[-1])
     generation = sum(r.get("time/rollout/generate", 0.0) for r in records)
     step_time = sum(r["time/ppo/total"] for r in records)
-    print(f"time in the {len(records)} steps: generation {generation:.0f} s, step() {step_time:.0f} s")
-    print(f"wrote metrics.jsonl, training_curves.png, samples.txt and model/ to {output_dir} "
-          f"in {time.perf_counter() - start:.0f} s")  # fmt: skip
+    lines.append(f"time in the {len(records)} steps: generation {generation:.0f} s, step() {step_time:.0f} s")
+    print(lines[-1])
+    seconds = time.perf_counter() - start
+    print(f"wrote metrics.jsonl, training_curves.png, samples.txt and model/ to {output_dir} in {seconds:.0f} s")
+    if args.record_results is not None:
+        record_run(args.record_results, lines, load_at_start, seconds)
 
 
 if __name__ == "__main__":

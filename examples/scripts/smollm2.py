@@ -10,6 +10,7 @@ trl_lite itself names no model: the examples and tests find the file here.
 """
 
 import importlib.util
+import logging
 from pathlib import Path
 
 import torch
@@ -37,7 +38,16 @@ def load_smollm2(model_class=AutoModelForCausalLM, **kwargs):
     """
     directory, gguf_file = smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
-    return model_class.from_pretrained(directory, gguf_file=gguf_file, **kwargs), tokenizer
+    # A pretrained chat model has no value head, so a value-head class initialises one: expected here, and
+    # the "No v_head weights found" warning (meant for a checkpoint that lost its head) says nothing to act on.
+    quiet = logging.getLogger("trl_lite.models.modeling_base")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        model = model_class.from_pretrained(directory, gguf_file=gguf_file, **kwargs)
+    finally:
+        quiet.setLevel(level)
+    return model, tokenizer
 
 
 def has_native_bf16(cpuinfo: str | None = None) -> bool:
@@ -56,7 +66,8 @@ def vllm_cpu_options(cpuinfo: str | None = None) -> dict:
     """PPOConfig fields for rollouts on the vLLM-CPU engine, as measured fastest for this model on two cores.
 
     - `vllm_dtype="bfloat16"` where the CPU multiplies bfloat16 in hardware (`has_native_bf16`), else float32:
-      the engine then decodes 1.9x faster than in float32 (benchmarks/bench_loop.py --smollm2); the trainer keeps
+      the engine then decodes 1.48x (32 prompts) to 1.64x (128 prompts) faster than in float32 (vLLM bf16 against
+      fp32, eager, `benchmarks/bench_loop.py --smollm2`, 2026-11-28, load 0.6-1.8: benchmarks/RESULTS.md); the trainer keeps
       float32 weights and computes its own log-probs of the rollouts.
     - `vllm_lora_sync=False`: the merged model is pushed after each update (0.3 s for 135M parameters) and the
       engine decodes without LoRA kernels - 32 x 16 tokens took 0.8 s against 2.6 s with the adapter served,

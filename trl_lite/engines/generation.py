@@ -14,10 +14,11 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
+from ..parallel.fsdp import is_sharded, unsharded
 from .base import GenerationEngine
 from .lora_sync import AdapterSpec, AdapterSync, AdapterUpdate, ByteTally, adapter_spec, resolve_lora_sync
 from .temperature import Sampling, resolve_sampling_kwargs
@@ -41,14 +42,17 @@ class RolloutGeneration:
         version: counts policy updates; None for an engine that needs no pushes.
         push: takes ``policy_weights()`` to the engine; default ``engine.load_weights`` (see
             :func:`build_generation` for adapter pushes and a server shared by several processes).
+        full_weights: a context-manager factory around each push (FSDP2: the policy's shards gathered whole
+            for it, :func:`~trl_lite.parallel.fsdp.unsharded`); default none.
 
     ``last_push_bytes``: the bytes of the tensors the last push read (0 before any).
     """
 
     def __init__(self, engine: GenerationEngine, reference_engine: GenerationEngine, timer,
                  policy_weights: Callable | None = None, version: WeightVersion | None = None,
-                 push: Callable | None = None):  # fmt: skip
+                 push: Callable | None = None, full_weights: Callable = nullcontext):  # fmt: skip
         self.engine = engine
+        self.full_weights = full_weights
         self.reference_engine = reference_engine
         self.timer = timer
         self.policy_weights = policy_weights
@@ -119,8 +123,9 @@ class RolloutGeneration:
     @torch.no_grad()  # merged LoRA weights are computed for the push, not for a backward pass
     def _push(self) -> None:
         tally = ByteTally()
-        weights = self.policy_weights()
-        self.push(weights.counted(tally) if isinstance(weights, AdapterUpdate) else tally.wrap(weights))
+        with self.full_weights():
+            weights = self.policy_weights()
+            self.push(weights.counted(tally) if isinstance(weights, AdapterUpdate) else tally.wrap(weights))
         self.last_push_bytes = tally.bytes
         self._held_version = self.version.version
 
@@ -247,8 +252,9 @@ def _build_generation(config, model, unwrapped, accelerator, tokenizer, pad_toke
                                   sampling=Sampling.of(config), halve_on_oom=config.oom_backoff)  # fmt: skip
 
     reference = transformers_engine(reference_context)
+    full_weights = (lambda: unsharded(model)) if is_sharded(model) else nullcontext  # FSDP2: a push sends whole tensors
     if not config.use_vllm:
-        return RolloutGeneration(transformers_engine(policy_context), reference, timer)
+        return RolloutGeneration(transformers_engine(policy_context), reference, timer, full_weights=full_weights)
     require_vllm()
     lm = unwrapped.pretrained_model
     transformers_model = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
@@ -300,7 +306,8 @@ def _build_generation(config, model, unwrapped, accelerator, tokenizer, pad_toke
                     pass
             accelerator.wait_for_everyone()
 
-    return RolloutGeneration(engine, reference, timer, policy_weights, WeightVersion(optimizer), push=push)
+    return RolloutGeneration(engine, reference, timer, policy_weights, WeightVersion(optimizer), push=push,
+                             full_weights=full_weights)  # fmt: skip
 
 
 def _server_lora_blocker(client, spec: AdapterSpec) -> str | None:

@@ -10,6 +10,7 @@ from contextlib import AbstractContextManager, contextmanager
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from ..parallel.fsdp import is_sharded, unsharded
 from .base import GenerationEngine, trim_rows
 from .temperature import Sampling, resolve_sampling_kwargs
 
@@ -86,13 +87,16 @@ class TransformersEngine(GenerationEngine):
 
     @contextmanager
     def _generation_model(self):
-        """The unwrapped model in eval mode with full weights: under ZeRO-3 gathered once for the whole call."""
+        """The unwrapped model in eval mode with full weights: under ZeRO-3 or FSDP2 gathered once for the whole call."""
         with self.model_context() as model, eval_mode(model):
             unwrapped = self.accelerator.unwrap_model(model)
             if self.is_zero3:
                 import deepspeed
 
                 with deepspeed.zero.GatheredParameters(list(unwrapped.parameters())):
+                    yield unwrapped
+            elif is_sharded(model):
+                with unsharded(model):  # FSDP2: gathered for the call, resharded after
                     yield unwrapped
             else:
                 yield unwrapped

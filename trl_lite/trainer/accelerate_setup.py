@@ -7,16 +7,19 @@ project's ENVIRONMENT.md; everything else is plain accelerate.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import os
 import warnings
+from contextlib import contextmanager
 
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
 
+from ..parallel import fsdp
 from .ppo_config import PPOConfig
 
 
@@ -118,7 +121,60 @@ def build_accelerator(config, sync_with_dataloader: bool = False, **defaults) ->
             "train alone on all of its data. Build the trainer before any PartialState()/Accelerator() of the "
             "script, or make those for the launch (accelerate's state is shared: the first one made decides)."
         )
+    if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
+        unregister_zero3_config_when_init_off(accelerator.state.deepspeed_plugin)
+    destroy_process_group_at_exit()
     return accelerator
+
+
+_DESTROY_REGISTERED = []
+
+
+def destroy_process_group_at_exit() -> None:
+    """End torch's process groups when the interpreter exits, while it can still run Python (once per process).
+
+    A script that never calls ``destroy_process_group()`` (classic TRL's examples end after their last step)
+    leaves gloo's worker threads holding finished collectives and their tensors. When such a thread frees a
+    tensor after interpreter finalization has begun it cannot take the GIL, is unwound and the process aborts
+    ("terminate called without an active exception", exit -6) although its work is done. An ``atexit`` handler
+    runs before finalization; registered here, after torch's and accelerate's imports, it runs before theirs.
+    A script that destroyed the group itself (``accelerator.end_training()``) makes it a no-op.
+    """
+    if _DESTROY_REGISTERED or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return
+    _DESTROY_REGISTERED.append(True)
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def unregister_zero3_config_when_init_off(plugin) -> None:
+    """Make ``plugin.zero3_init_context_manager(enable=False)`` load models whole, as its name says.
+
+    accelerate 1.x's context manager turns ``zero3_init_flag`` off but then registers transformers' DeepSpeed
+    config again (``set_deepspeed_weakref`` registers it whatever the flag), so under a ZeRO-3 config
+    ``from_pretrained`` inside it still builds the model partitioned: classic TRL's ``ppo.py`` loads its reward
+    classifier there and its forward fails. The instance's context manager is wrapped so that inside it the
+    config is unregistered; leaving it registers the config again (accelerate's own exit). Idempotent.
+    """
+    if getattr(plugin.zero3_init_context_manager, "_trl_lite_unregisters", False):
+        return
+    accelerate_context = plugin.zero3_init_context_manager
+
+    @contextmanager
+    def zero3_init_context_manager(enable=False):
+        with accelerate_context(enable=enable):
+            if not plugin.zero3_init_flag:
+                from transformers.integrations import unset_hf_deepspeed_config
+
+                unset_hf_deepspeed_config()
+            yield
+
+    zero3_init_context_manager._trl_lite_unregisters = True
+    plugin.zero3_init_context_manager = zero3_init_context_manager
 
 
 def fill_deepspeed_config(accelerator: Accelerator, config: PPOConfig) -> None:
@@ -149,6 +205,12 @@ def fill_deepspeed_batch_config(
 GATHER = object()
 
 
+def full_state_dict(accelerator: Accelerator, model) -> dict | None:
+    """A prepared model's full state dict for saving (collective): gathered from FSDP2 or ZeRO-3 shards onto the
+    main process (empty or None elsewhere), the model's own elsewhere."""
+    return fsdp.full_state_dict(model) if fsdp.is_sharded(model) else accelerator.get_state_dict(model)
+
+
 def save_full_model(
     accelerator: Accelerator, model, tokenizer, save_directory: str, state_dict=GATHER, plain: bool = False
 ) -> None:
@@ -159,7 +221,7 @@ def save_full_model(
     here when not given; ``plain``: the wrapped transformers model alone (a policy given as a plain LM).
     """
     if state_dict is GATHER:
-        state_dict = accelerator.get_state_dict(model)
+        state_dict = full_state_dict(accelerator, model)
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
         if plain:

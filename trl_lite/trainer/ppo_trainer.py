@@ -35,11 +35,13 @@ from ..engines.generation import build_generation
 from ..models import PreTrainedModelWrapper, as_value_model, create_reference_model
 from ..models.dropout import disable_dropout_in_model
 from ..models.reference import reference_context
+from ..parallel import fsdp
 from ..parallel.sequence_parallel import SequenceParallel, configure_deepspeed, preparing_again
 from .accelerate_setup import (
     build_accelerator,
     default_optimizer,
     fill_deepspeed_config,
+    full_state_dict,
     prepare_deepspeed_reference,
     save_full_model,
 )
@@ -193,9 +195,11 @@ class PPOTrainer(ClassicHelpersMixin):
         if self.is_deepspeed_enabled:
             configure_deepspeed(accelerator, model, self.critic)
             fill_deepspeed_config(accelerator, config)
+        self.cpu_sharding = fsdp.cpu_sharding(accelerator)  # FSDP2 without GPUs: models sharded by trl_lite
+        preparer = self.cpu_sharding or accelerator
         to_prepare = [model, self.optimizer] + ([dataloader] if dataloader is not None else [])
         to_prepare += [lr_scheduler] if lr_scheduler is not None else []
-        prepared = list(accelerator.prepare(*to_prepare))
+        prepared = list(preparer.prepare(*to_prepare))
         self.model, self.optimizer = prepared[0], prepared[1]
         self.dataloader = ResumableLoader(prepared[2], self._data_generator) if dataloader is not None else None
         if lr_scheduler is not None:
@@ -205,12 +209,13 @@ class PPOTrainer(ClassicHelpersMixin):
             learning_rate = config.critic_learning_rate or config.learning_rate
             optimizer = critic_optimizer or default_optimizer(self.critic, learning_rate)
             with preparing_again(accelerator):
-                self.critic, self.critic_optimizer = accelerator.prepare(self.critic, optimizer)
+                self.critic, self.critic_optimizer = preparer.prepare(self.critic, optimizer)
         if self.ref_model is not None:
             if self.is_deepspeed_enabled:
                 self.ref_model = prepare_deepspeed_reference(self.ref_model, accelerator)
             else:
-                self.ref_model = accelerator.prepare_model(self.ref_model, evaluation_mode=True)
+                self.ref_model = preparer.prepare_model(self.ref_model, evaluation_mode=True)
+        self.is_fsdp = fsdp.keep_roots_gathered(self.model, self.critic, self.ref_model)  # the fused head runs after
 
     def _build_parts(self) -> None:
         """The parts ``step()`` calls, each from explicit inputs (see the module docstring)."""
@@ -219,12 +224,12 @@ class PPOTrainer(ClassicHelpersMixin):
         # The run's one back-off, shared by the rollouts, the learner and the checkpoints. Forwards that gather
         # parameters (ZeRO-3) or exchange attention inputs (sequence parallelism) cannot be redone alone.
         self.memory = MemoryBackoff(accelerator, config.max_tokens_per_minibatch, config.oom_backoff,
-                                    collective_forwards=self._is_zero3 or self.sequence.cuts)  # fmt: skip
+                                    collective_forwards=self._is_zero3 or self.is_fsdp or self.sequence.cuts)  # fmt: skip
         self.forward = ForwardPass.build(accelerator, self.model, self.ref_model, self.critic, self.tokenizer, config,
                                          self._pack, self.memory, self.sequence)  # fmt: skip
         unwrapped = self.forward.unwrapped(self.model)
         self._vocab_size = unwrapped.pretrained_model.get_input_embeddings().num_embeddings
-        self._reference = functools.partial(reference_context, self.ref_model, self.model, unwrapped)
+        self._reference = fsdp.resharding(functools.partial(reference_context, self.ref_model, self.model, unwrapped))
         self._ema = PolicyEMA(unwrapped, config.ema_decay) if config.ema_decay is not None else None
         self.experience_maker = ExperienceMaker(
             config, accelerator, self.forward, self.model, self._reference, self.critic, self.kl_ctl, self.running,
@@ -236,7 +241,7 @@ class PPOTrainer(ClassicHelpersMixin):
             sequence=self.sequence,
         )  # fmt: skip
         self.statistics = StepStatistics(config, accelerator, self.sequence)
-        self.checkpointer = Checkpointer(accelerator, {"memory": self.memory})
+        self.checkpointer = Checkpointer(accelerator, {"memory": self.memory}, self.cpu_sharding)
         self.generation = build_generation(
             config, model=self.model, unwrapped=unwrapped, accelerator=accelerator, tokenizer=self.tokenizer,
             pad_token_id=self.forward.layout.pad_id, is_encoder_decoder=self.is_encoder_decoder,
@@ -436,7 +441,7 @@ class PPOTrainer(ClassicHelpersMixin):
             raise ValueError("save_pretrained(save_value_model=True) needs a separate critic: pass value_model.")
         # Under ZeRO-3 both gathers are collectives, and DeepSpeed returns the consolidated state dict
         # on the main process only (None elsewhere): each runs exactly once on every process.
-        state_dict = self.accelerator.get_state_dict(self.model)
+        state_dict = full_state_dict(self.accelerator, self.model)
         if ema:
             state_dict = self._ema.averaged_state_dict(state_dict)
         accelerator, tokenizer = self.accelerator, self.tokenizer

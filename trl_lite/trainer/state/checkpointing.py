@@ -24,12 +24,16 @@ class Checkpointer:
     their own, by name - each offers ``state_dict()`` (JSON-serialisable, the same on every process) and
     ``load_state_dict(state)``, and is saved beside the counters under its name and restored by :meth:`load`
     (``{"memory": MemoryBackoff}`` for ``PPOTrainer``: a resumed run starts with the token budget its
-    out-of-memory failures left).
+    out-of-memory failures left). ``sharded``: models and optimizers accelerate did not prepare (FSDP2 applied
+    by the trainer without GPUs), an object with ``save(directory)`` / ``load(directory)`` that every process
+    calls (:class:`~trl_lite.parallel.fsdp.CPUSharding`: ``torch.distributed.checkpoint``, each process its own
+    shards).
     """
 
-    def __init__(self, accelerator, parts: dict | None = None):
+    def __init__(self, accelerator, parts: dict | None = None, sharded=None):
         self.accelerator = accelerator
         self.parts = dict(parts or {})
+        self.sharded = sharded
 
     def save(self, path: str, state: dict, tensors: dict | None = None) -> None:
         """Save what accelerate holds, the trainer's ``state`` (JSON) and this process's ``tensors``.
@@ -44,6 +48,8 @@ class Checkpointer:
             shutil.rmtree(tmp)
         accelerator.wait_for_everyone()
         accelerator.save_state(tmp, safe_serialization=True)
+        if self.sharded is not None:
+            self.sharded.save(tmp)
         if tensors:
             tensors = {key: value.detach().cpu().contiguous() for key, value in tensors.items()}
             save_file(tensors, os.path.join(tmp, _TRAINER_TENSORS.format(rank=accelerator.process_index)))
@@ -86,6 +92,8 @@ class Checkpointer:
                 f"this run has {self.accelerator.num_processes}. Resume with the same number of processes."
             )
         self.accelerator.load_state(path)
+        if self.sharded is not None:
+            self.sharded.load(path)
         for name, part in self.parts.items():
             if name in state:  # a checkpoint from before the part existed (the back-off's) has none
                 part.load_state_dict(state[name])

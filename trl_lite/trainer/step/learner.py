@@ -15,6 +15,7 @@ import warnings
 from contextlib import ExitStack, contextmanager
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ...core import (
     entropy_from_logits,
@@ -24,6 +25,7 @@ from ...core import (
     ppo_value_loss,
     truncated_importance_weights,
 )
+from ...parallel.fsdp import is_sharded
 from ..layout.rows import to_compact
 from ..memory.oom_backoff import MemoryBackoff, PassOutOfMemory, drop_gradients
 from ..memory.prefix_sharing import epoch_order
@@ -77,6 +79,7 @@ class Learner:
         self.memory = memory
         self.sequence = sequence
         self.is_deepspeed = getattr(accelerator.state, "deepspeed_plugin", None) is not None
+        self.is_fsdp = is_sharded(model)
         self.skipped_minibatches = 0
         self._scale = None  # the fp16 grad scaler's scale after the last update
         self._critic_engine = None
@@ -394,7 +397,9 @@ class Learner:
         accelerator, memory = self.accelerator, self.memory
         # A DeepSpeed engine keeps what a backward accumulated, and on several processes the boundary's backward
         # reduces the gradients: an out-of-memory error there cannot be redone (docs/out_of_memory.md).
-        recoverable = not self.is_deepspeed and (accelerator.num_processes == 1 or not accelerator.sync_gradients)
+        # FSDP2 reduce-scatters every backward's gradients: the same holds there.
+        recoverable = not self.is_deepspeed and (accelerator.num_processes == 1 or not (accelerator.sync_gradients
+                                                                                         or self.is_fsdp))  # fmt: skip
         with memory.attempt(recoverable, what="a training backward"):
             memory.discardable = not self.is_deepspeed
             # The policy's backward first: it holds the vocabulary-sized gradient of the LM head, and
@@ -460,6 +465,7 @@ class Learner:
                 params = [p for group in optimizer.param_groups for p in group["params"]]
                 sums = [p.grad.sum(dtype=torch.float32) for p in params if p.grad is not None]
                 total = torch.stack(sums).sum() if sums else torch.zeros((), device=self.forward.device)
+            total = total.full_tensor() if isinstance(total, DTensor) else total  # FSDP2: over every shard
             totals.append(torch.as_tensor(total, dtype=torch.float32))
         return bool(torch.isfinite(torch.stack(totals)).all().item())
 
