@@ -366,12 +366,10 @@ class PPOTrainer(ClassicHelpersMixin):
         transformers). With ``return_logprobs=True`` (a list only) the last returned element is one
         1-D float tensor per row: the log-probability of each generated token (prompt excluded) under
         ``softmax(logits / PPOConfig.temperature)`` of the generating model, untruncated by top-k/top-p,
-        ready for ``step(..., generation_logprobs=...)``. Sampling is from ``PPOConfig``'s distribution
-        (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``), the model's
-        ``generation_config`` overridden with a warning; on the transformers engine a sampling kwarg that differs
-        from it samples as given, as classic TRL did, with one warning per run: the trainer still scores under ``PPOConfig``'s distribution (set
-        the field to score what was sampled; :func:`~trl_lite.engines.resolve_sampling_kwargs`,
-        docs/truncated_sampling.md). ``use_vllm``, ``run_episodes``, ``AsyncRollouts`` and the engines refuse it.
+        ready for ``step(..., generation_logprobs=...)``. Sampling is from ``PPOConfig``'s distribution, the
+        model's ``generation_config`` overridden with a warning; a kwarg that differs samples as given on the
+        transformers engine, as classic TRL did, with one warning per run (the trainer scores under ``PPOConfig``'s
+        distribution; docs/truncated_sampling.md); ``use_vllm`` and the engines' own entry points refuse it.
 
         The transformers engine (default) generates in chunks of ``batch_size`` queries and draws
         ``length_sampler`` once per chunk; under ZeRO-3 generation is collective (every process calls
