@@ -17,7 +17,11 @@ METHODS = ("step", "step-padded", "floor")
 # Methods only some workloads have, never run by default: "step-every-pass" (grpo-beta0) forces both passes;
 # "step-one-buffer" (the value-head workloads) is "step" with lm_head_chunk_size=0, the LM head's path before
 # issue 42: one (tokens x vocabulary) buffer per pass, whatever its size.
-EXTRA_METHODS = ("step-every-pass", "step-one-buffer")
+# "step-truncated" (the value-head workloads) is "step" sampling truncated as instruction-tuned models ship it
+# (top-k 20, top-p 0.8, min-p 0.0): every policy pass scores log pi_T^K over the rollout's kept sets (PPO_SPEC
+# section 23), against "step" what truncated scoring costs.
+EXTRA_METHODS = ("step-every-pass", "step-one-buffer", "step-truncated")
+TRUNCATED = {"top_k": 20, "top_p": 0.8}
 # The critic-free workloads (`shared_prefix`) stepped with PPOConfig.prefix_sharing True, False and None (automatic):
 # docs/prefix_sharing.md. They report the share of the step's tokens the passes ran (`tokens run`).
 PREFIX_METHODS = {"step-prefix-on": True, "step-prefix-off": False, "step-prefix-auto": None}
@@ -46,7 +50,7 @@ def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtyp
     if method in PREFIX_METHODS and getattr(workload, "advantage_estimator", "gae") == "gae":
         raise ValueError(f"method {method!r} applies to the critic-free workloads (shared_prefix), not {workload.name!r}")
     one_buffer_unsupported = isinstance(workload, CriticFreeWorkload) or workload.name in CRITIC_WORKLOADS
-    if method == "step-one-buffer" and one_buffer_unsupported:
+    if method in ("step-one-buffer", "step-truncated") and one_buffer_unsupported:
         raise ValueError(f"method {method!r} exists for the value-head workloads, not {workload.name!r}")
     if method == PACKED_FLOOR and not packed_floor_supported(workload):
         raise ValueError(f"method {PACKED_FLOOR!r} exists for the value-head workloads, not {workload.name!r}")
@@ -69,6 +73,8 @@ def make_step_fn(method: str, workload: Workload, device: str, dtype: torch.dtyp
     with_generation_logprobs = options.pop("generation_logprobs", False)
     if method == "step-one-buffer":
         options["lm_head_chunk_size"] = 0
+    if method == "step-truncated":
+        options.update(TRUNCATED)
     config = PPOConfig(
         batch_size=workload.batch_size,
         mini_batch_size=workload.mini_batch_size,

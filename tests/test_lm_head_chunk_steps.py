@@ -19,7 +19,7 @@ from test_step_reference import assert_stats_close, assert_weights_close, make_b
 from tiny_models import make_gpt2, make_qwen2, make_t5, make_tokenizer, random_batch
 
 import trl_lite.core.lm_head as lm_head_module
-import trl_lite.trainer.step.forward as forward_module
+import trl_lite.trainer.step.head_path as forward_module  # the module that applies the LM head
 from trl_lite import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOConfig, PPOTrainer
 from trl_lite.trainer.memory.oom_backoff import PassOutOfMemory
 
@@ -204,7 +204,7 @@ def test_default_is_one_buffer_while_small_and_chunks_above(monkeypatch):
     monkeypatch.setattr(lm_head_module, "_CHUNK_BYTES", {"cpu": 4 * vocab * 5, "cuda": 4 * vocab * 5})
     trainer = _trainer(make_gpt2, dict(batch_size=4, ppo_epochs=1, keep_freed_cpu_memory=True), None)
     assert trainer.step(*batch)["memory/lm_head_chunk_size"] == 5
-    assert trainer.forward._logits_buffer is None  # chunked passes made no (N, V) buffer to keep either
+    assert trainer.forward.head._logits_buffer is None  # chunked passes made no (N, V) buffer to keep either
 
 
 def test_a_step_after_a_back_off_stays_chunked(monkeypatch):

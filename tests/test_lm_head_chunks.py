@@ -298,11 +298,13 @@ def test_chunked_backward_holds_no_weight_sized_temporary(dtype):
     (one_peak, one_grad), (chunk_peak, chunk_grad) = step(0), step(32)
     assert chunk_peak < one_peak
     # Besides the gradient itself: the (32, V) work buffer and its cache-sized piece, the chunk's cast, grad_hidden.
-    assert chunk_peak < grad_mb + 3 * 32 * vocab * 4 / 2**20 + rows * hidden_size * 4 / 2**20
+    # A bfloat16 gradient is summed over the chunks in float32 (issue 59 item 2): that sum is twice its bytes.
+    sum_mb = 2 * grad_mb if dtype == torch.bfloat16 else grad_mb
+    assert chunk_peak < sum_mb + 3 * 32 * vocab * 4 / 2**20 + rows * hidden_size * 4 / 2**20
     ref_lp, ref_entropy, leaves = _plain(hidden, weight, None, labels, 1.0)
     (want,) = torch.autograd.grad(ref_lp.sum() + 0.1 * ref_entropy.sum(), leaves[1])
     assert chunk_grad.dtype == dtype
-    # float32: summation order only. bf16: the product of bf16 inputs, and 8 chunks summed in bf16 (8 roundings).
+    # float32: summation order only. bf16: the product of bf16 inputs, 8 chunks summed in float32, one cast.
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-5, atol=2e-2)
     torch.testing.assert_close(chunk_grad.double(), want, **tol)
     torch.testing.assert_close(one_grad.double(), want, **tol)

@@ -215,7 +215,7 @@ def _build_pair(case: dict, trainer_options: dict | None = None, reference_optio
     optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=config.learning_rate)
     trainer = PPOTrainer(config, policy, ref_model=ref, tokenizer=tokenizer, optimizer=optimizer)
     if case.get("unfused"):
-        trainer.forward.linear_head = lambda model: None  # the logits path of the LM head
+        trainer.forward.head.linear_head = lambda model: None  # the logits path of the LM head
     plain = PlainObjectivesPPO(
         plain_policy, plain_ref, reference_config, pad_id=tokenizer.pad_token_id,
         optimizer_cls=lambda params, lr: torch.optim.SGD(params, lr=lr),

@@ -2,8 +2,9 @@
 temperature 1.0 too: a model whose generation_config samples at 0.7 with top-k 20, top-p 0.8 and a repetition
 penalty (as Qwen2.5-Instruct's does) is sampled from the untruncated softmax(z) by a default run - checked against
 a float64 softmax of the model's logits and seed for seed against transformers' untruncated sampler - with one
-warning naming both sides; a kwarg that disagrees with PPOConfig is refused on every path, and the classic
-neutral kwargs pass silently."""
+warning naming both sides; a kwarg that disagrees with PPOConfig is refused on the engines' own paths (classic
+PPOTrainer.generate samples with it, tests/test_classic_sampling_kwargs.py), and the classic neutral kwargs pass
+silently."""
 
 import copy
 import warnings
@@ -110,7 +111,7 @@ def test_seed_for_seed_every_engine_draws_what_transformers_untruncated_sampler_
     assert row.tolist() == draws[0]
 
 
-def test_a_run_that_asks_for_truncation_gets_it_and_logprobs_stay_untruncated():
+def test_a_run_that_asks_for_truncation_gets_it_and_logprobs_are_renormalised_over_the_warpers_set():
     trainer = instruct_trainer(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05)
     lm = trainer.model.pretrained_model
     torch.manual_seed(0)
@@ -123,16 +124,17 @@ def test_a_run_that_asks_for_truncation_gets_it_and_logprobs_stay_untruncated():
     assert float(instruct[tokens].min()) > 0  # only tokens the truncated sampler keeps
     counts = torch.bincount(tokens, minlength=VOCAB_SIZE).double() / len(tokens)
     assert 0.5 * float((counts - instruct).abs().sum()) < 0.04
-    # generation_logprobs: log_softmax(z / 0.7), not the truncated distribution nor the penalised logits.
+    # generation_logprobs: log pi_T^K (PPO_SPEC section 23) - z / 0.7 renormalised over the set the warpers kept
+    # (after the penalty), not the penalised logits themselves, nor the full vocabulary.
     lm64 = copy.deepcopy(lm).double().eval()
     with torch.no_grad():
         z = lm64(input_ids=QUERY[None]).logits[0, -1]
-    expected = torch.log_softmax(z / 0.7, -1)[tokens]
+    expected = torch.log_softmax((z / 0.7).masked_fill(instruct == 0, float("-inf")), -1)[tokens]
     assert float((torch.stack([lp[0] for lp in logprobs]).double() - expected).abs().max()) < 1e-5
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_a_sampling_kwarg_that_disagrees_with_ppoconfig_is_refused_on_every_path(temperature):
+def test_a_sampling_kwarg_that_disagrees_with_ppoconfig_is_refused_on_the_engines_own_paths(temperature):
     trainer = instruct_trainer(temperature=temperature)
     state = torch.get_rng_state()
     for kwargs, message in (
@@ -142,10 +144,9 @@ def test_a_sampling_kwarg_that_disagrees_with_ppoconfig_is_refused_on_every_path
         (dict(repetition_penalty=1.05), "got repetition_penalty=1.05, but PPOConfig.repetition_penalty=1.0"),
         (dict(typical_p=0.9), "got typical_p=0.9, but PPOConfig, which has no typical_p setting"),
     ):  # fmt: skip
+        # (classic PPOTrainer.generate samples with it: tests/test_classic_sampling_kwargs.py)
         with pytest.raises(ValueError, match=message):
-            trainer.generate([QUERY], do_sample=True, max_new_tokens=2, **kwargs)
-        with pytest.raises(ValueError, match=message):
-            trainer.generate(QUERY, do_sample=True, max_new_tokens=2, **kwargs)
+            trainer.generation.generate([QUERY], do_sample=True, max_new_tokens=2, **kwargs)  # async rollouts' path
         with pytest.raises(ValueError, match=message):
             trainer.generation.engine.generate([QUERY], dict(do_sample=True, **kwargs), None, 1, True, True, False)
         with pytest.raises(ValueError, match=message):

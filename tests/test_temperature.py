@@ -99,16 +99,21 @@ def test_transformers_engine_logprobs_are_those_of_logits_over_the_temperature_f
     assert worst_gap(greedy_rows, greedy_logprobs, lm64, QUERIES, 1, 1.0) > 1e-2
 
 
-def test_with_top_k_and_top_p_the_logprobs_are_the_untruncated_distribution_not_transformers_processed_scores():
-    # The choice TIS needs (docs/temperature.md): the distribution the trainer scores, log_softmax(z / T) over the
-    # whole vocabulary - not the renormalised top-k/top-p one that output_scores hold.
+def test_with_top_k_and_top_p_the_logprobs_are_renormalised_over_the_warpers_kept_set_not_penalised_scores():
+    # PPO_SPEC section 23: the distribution that sampled, log pi_T^K - softmax(z / T) renormalised over the set the
+    # warpers kept (a float64 brute force of the rule), which a full-vocabulary log-prob is not.
+    from test_truncated_step import brute_logprobs
+
     trainer = make_trainer(temperature=T, top_k=5, top_p=0.8)
     lm = trainer.model.pretrained_model
     lm64 = copy.deepcopy(lm).double().cpu().eval()
     torch.manual_seed(1)
-    rows, logprobs = trainer.generate(QUERIES, batch_size=4, return_prompt=True, return_logprobs=True,
+    rows, logprobs = trainer.generate(QUERIES, batch_size=4, return_prompt=False, return_logprobs=True,
                                       max_new_tokens=5, do_sample=True)  # fmt: skip
-    assert worst_gap(rows, logprobs, lm64, QUERIES, 1, T) < 1e-5
+    for query, row, got in zip(QUERIES, rows, logprobs):
+        truncated, full = brute_logprobs(lm, query, row, dict(top_k=5, top_p=0.8))
+        assert torch.allclose(got.double(), truncated, atol=1e-5)
+        assert bool((truncated > full + 1e-3).all())
     query = QUERIES[0][None]
     torch.manual_seed(2)
     out = lm.generate(input_ids=query, attention_mask=torch.ones_like(query), do_sample=True, temperature=T, top_k=5,
@@ -163,14 +168,15 @@ def test_a_call_that_leaves_sampling_to_the_models_generation_config_samples_at_
     assert row.tolist() == draw(temperature=T) != draw()  # the model's own 0.3 draws otherwise
 
 
-def test_a_different_temperature_kwarg_is_refused_on_every_path_before_anything_is_generated():
+def test_a_different_temperature_kwarg_is_refused_on_the_engines_paths_before_anything_is_generated():
+    # (classic PPOTrainer.generate samples at it, with one warning: tests/test_classic_sampling_kwargs.py)
     trainer = make_trainer(temperature=T)
     message = r"got temperature=1.2, but PPOConfig.temperature=0.7"
     state = torch.get_rng_state()
     with pytest.raises(ValueError, match=message):
-        trainer.generate(QUERIES, do_sample=True, temperature=1.2, return_logprobs=True)
+        trainer.generation.generate(QUERIES, do_sample=True, temperature=1.2, return_logprobs=True)
     with pytest.raises(ValueError, match=message):
-        trainer.generate(QUERIES[0], do_sample=True, temperature=1.2)
+        trainer.generation.generate(QUERIES[0], do_sample=True, temperature=1.2)
     with pytest.raises(ValueError, match=message):
         trainer.generation.engine.generate(QUERIES, {"do_sample": True, "temperature": 1.2}, None, 2, True, True, True)
     assert torch.equal(torch.get_rng_state(), state)  # nothing was sampled
@@ -233,10 +239,15 @@ def test_vllm_engine_samples_at_the_config_temperature_and_refuses_logprobs_it_c
     assert [p["temperature"] for p in backend.params] == [T, T] and backend.params[0]["logprobs"] == 0
     assert [r.tolist() for r in rows] == [[4, 1]] * 2 and [lp.tolist() for lp in logprobs] == [[-0.5, -0.25]] * 2
     backend.params = None
-    # A run that truncates: vLLM's processed log-probs would be the truncated distribution's.
+    # A run that truncates: vLLM's processed log-probs are the truncated distribution's, log pi_T^K - what the
+    # trainer scores (PPO_SPEC section 23); its raw ones are untruncated, and refused.
     truncating = VLLMEngine(backend, 1, 0, GenerationConfig(), sampling=Sampling(T, top_k=50))
-    with pytest.raises(ValueError, match=r"top_k=50"):
-        truncating.generate(QUERIES, {"do_sample": True, "max_new_tokens": 2}, None, 2, False, True, True)
+    truncating.generate(QUERIES[:1], {"do_sample": True, "max_new_tokens": 2}, None, 2, False, True, True)
+    assert backend.params[0]["top_k"] == 50
+    backend.params = None
+    raw = VLLMEngine(_RecordingBackend("raw_logprobs"), 1, 0, GenerationConfig(), sampling=Sampling(1.0, top_p=0.8))
+    with pytest.raises(ValueError, match=r"PPOConfig's top_p=0.8: this vLLM engine returns logprobs_mode='raw_logprobs'"):
+        raw.generate(QUERIES, {"do_sample": True, "max_new_tokens": 2}, None, 2, False, True, True)
     with pytest.raises(ValueError, match="greedy decoding"):
         engine.generate(QUERIES, {"do_sample": False, "max_new_tokens": 2}, None, 2, False, True, True)
     with pytest.raises(ValueError, match="got temperature=1.0, but PPOConfig.temperature=0.7"):
@@ -250,7 +261,9 @@ def test_vllm_engine_samples_at_the_config_temperature_and_refuses_logprobs_it_c
 def test_which_vllm_logprobs_are_log_softmax_of_logits_over_the_temperature():
     sampled = {"temperature": T, "top_k": 0, "top_p": 1.0}
     assert vllm_logprobs_mode(1.0) == "raw_logprobs" and vllm_logprobs_mode(T) == "processed_logprobs"
+    assert vllm_logprobs_mode(1.0, truncates=True) == "processed_logprobs"  # log pi_T^K at T = 1 too
     check_vllm_logprobs(sampled, T, "processed_logprobs")
+    check_vllm_logprobs({**sampled, "top_p": 0.9}, T, "processed_logprobs", Sampling(T, top_p=0.9))  # the run's cut
     check_vllm_logprobs({"temperature": 1.3, "top_k": 50}, 1.0, "raw_logprobs")  # raw: always temperature 1's
     check_vllm_logprobs({"temperature": 0.0}, 1.0, "processed_logprobs")  # greedy at 1: processed = raw
     with pytest.raises(ValueError, match="logprobs_mode='raw_logprobs', the log-probs at temperature 1"):

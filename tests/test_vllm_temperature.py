@@ -26,12 +26,12 @@ T = 0.7
 QUERIES = [torch.tensor(q) for q in ([5, 6, 7, 8, 9], [10], [11, 12, 13], [14, 15])]
 
 
-def colocated_trainer(generation_config: GenerationConfig | None = None) -> PPOTrainer:
+def colocated_trainer(generation_config: GenerationConfig | None = None, **sampling) -> PPOTrainer:
     """A run at T=0.7 with a float32 colocated vLLM engine (close its generation when done); ``generation_config``:
-    the model's, if given."""
+    the model's, if given; ``sampling``: PPOConfig's top_k/top_p/min_p."""
     config = PPOConfig(
         batch_size=4, mini_batch_size=2, use_vllm=True, vllm_kv_cache_gb=1, vllm_max_model_len=64,
-        vllm_dtype="float32", vllm_enable_sleep_mode=False, temperature=T,
+        vllm_dtype="float32", vllm_enable_sleep_mode=False, temperature=T, **sampling,
     )  # fmt: skip
     lm = make_gpt2(seed=1, n_embd=64)
     if generation_config is not None:
@@ -107,5 +107,24 @@ def test_a_step_on_vllm_rows_at_the_run_temperature_shows_only_vllms_own_gap():
         stats = trainer.step(QUERIES, list(responses), [torch.tensor(1.0)] * 4, generation_logprobs=list(logprobs))
         assert stats["rollout/logprob_diff/max"] < 1e-4
         assert stats["rollout/logprob_diff/mean"] < 1e-5
+    finally:
+        trainer.generation.close()
+
+
+def test_a_truncated_vllm_run_returns_log_pi_t_k_and_the_trainer_scores_the_same():
+    """PPOConfig truncating (top-k 8, top-p 0.8): vLLM's processed log-probs are log pi_T^K over the set its sampler
+    kept; vLLM 0.32 returns that set only with Model Runner V2 (not on the CPU), so the trainer re-derives it from
+    its rollout pass's logits in vLLM's order (min-p, top-k, top-p): lp_old equals the engine's log-probs to vLLM's
+    float32 noise (PPO_SPEC section 23), where a full-vocabulary lp_old would be off by log pi_T(K)."""
+    trainer = colocated_trainer(top_k=8, top_p=0.8)
+    try:
+        assert trainer.generation.engine.backend.logprobs_mode == "processed_logprobs"
+        assert trainer.forward.truncation.order == "vllm"
+        responses, logprobs = trainer.generate(QUERIES, return_prompt=False, max_new_tokens=8, do_sample=True,
+                                               return_logprobs=True)  # fmt: skip
+        stats = trainer.step(QUERIES, list(responses), [torch.tensor(1.0)] * 4, generation_logprobs=list(logprobs))
+        assert stats["rollout/logprob_diff/max"] < 1e-4
+        full = torch.cat([torch.as_tensor(lp) for lp in logprobs])
+        assert float(full.max()) <= 0.0
     finally:
         trainer.generation.close()

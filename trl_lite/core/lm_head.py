@@ -9,7 +9,8 @@ recomputes them from the saved head inputs and each token's log-sum-exp, over sl
 many logits when the pass has fewer tokens than the vocabulary, else chunk by chunk). Either way the vocabulary
 work (log-softmax, exponential, entropy, gradient) runs over cache-sized pieces of rows, and one gradient formula
 (:func:`softmax_grad_`) serves every path, the logits' one of :mod:`.logprobs` included. ``dW`` is formed in the
-weight's own gradient, slice by slice or chunk after chunk in place: no weight-sized temporary. With a sampling
+weight's own gradient, slice by slice or chunk after chunk in place: no weight-sized temporary (a half-precision
+weight's running sums, ``grad_hidden`` over slices and ``dW`` over chunks, are float32: issue 59 item 2). With a sampling
 temperature ``T`` every number is that of ``softmax(z / T)`` (docs/algorithm.md section 20); ``T = 1`` runs no
 division.
 
@@ -328,6 +329,7 @@ def _backward_by_tokens(hidden, weight, bias, labels, saved, entropy, grad_logpr
                 grad_weight = grad_z.t() @ hidden
         elif want_weight:
             grad_weight = _add_weight_grad(grad_weight, grad_z, hidden[rows], weight)
+    grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)  # a float32 sum cast once
     return grad_hidden, grad_weight, grad_bias.to(bias.dtype) if want_bias else None
 
 
@@ -345,13 +347,13 @@ def _backward_by_vocabulary(hidden, weight, bias, labels, log_sum_exp, entropy, 
     buffer = torch.empty(n * width, dtype=dtype, device=weight.device)
     budget = _CACHE_BYTES.get(weight.device.type, _DEFAULT_CACHE_BYTES) // buffer.element_size()
     scratch = buffer.new_empty(max(width, min(budget, n * width)))
-    # The products write into their results (no temporaries) in the weight's dtype - a bfloat16 weight's gradients
-    # are then summed in bfloat16, as _add_weight_grad sums them. Under autocast a float32 weight's operands are
-    # first rounded to its dtype, as the model's product rounds them, and summed over the slices in float32
-    # (half-precision partial sums would add a rounding per slice, not the model's one).
+    # The products run in the weight's dtype. Under autocast a float32 weight's operands are first rounded to its
+    # dtype, as the model's product rounds them. grad_hidden is summed over the slices in float32 whatever the
+    # weight's dtype: a half-precision running sum adds a rounding per slice (hundreds on a GPU), a float32 one
+    # about the one rounding of each slice's product (issue 59 item 2).
     half = autocast[1] if autocast[2] and weight.dtype == dtype else None
     hidden_w = hidden.to(weight.dtype) if half is None else hidden.to(half).to(dtype)
-    grad_hidden = torch.zeros_like(hidden_w) if want_hidden else None
+    grad_hidden = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device) if want_hidden else None
     grad_weight = torch.empty_like(weight) if want_weight else None
     grad_bias = torch.empty(vocab, dtype=dtype, device=weight.device) if want_bias else None
     for start in range(0, vocab, width):
@@ -372,25 +374,31 @@ def _backward_by_vocabulary(hidden, weight, bias, labels, log_sum_exp, entropy, 
         with torch.autocast(weight.device.type, enabled=False):
             if want_weight:
                 torch.mm(grad_z.t(), hidden_w, out=grad_weight[cols])
-            if want_hidden:
+            if want_hidden and w_slice.dtype == dtype:
                 grad_hidden.addmm_(grad_z, w_slice)
+            elif want_hidden:
+                grad_hidden += torch.mm(grad_z, w_slice)  # the half-precision product, summed in float32
     grad_hidden = grad_hidden.to(hidden.dtype) if want_hidden else None
     return grad_hidden, grad_weight, grad_bias.to(bias.dtype) if want_bias else None
 
 
 def _add_weight_grad(total: torch.Tensor | None, grad_z: torch.Tensor, hidden: torch.Tensor, weight) -> torch.Tensor:
-    """``total + grad_z^T hidden`` ``(V, H)`` in the weight's dtype, in place after the first chunk.
+    """``total + grad_z^T hidden`` ``(V, H)``, in place after the first chunk: in the weight's dtype for a float32
+    weight, in float32 for a half-precision one (the caller casts the sum once).
 
     Outside autocast: under mixed precision the float32 weight's gradient is summed in float32 by one float32
-    product per chunk rather than made in bfloat16 and upcast (a weight-sized temporary per chunk; CPU and
-    CUDA have no in-place bfloat16 product into float32). A bfloat16 weight's gradient is summed in bfloat16,
-    as gradient accumulation over passes sums it.
+    product per chunk rather than made in bfloat16 and upcast. A bfloat16 (float16) weight's chunk products run in
+    its dtype and are summed in a float32 ``(V, H)`` total: a half-precision running sum would add one rounding per
+    chunk (hundreds of chunks on a GPU; issue 59 item 2); this costs one float32 weight-sized buffer per backward.
     """
     grad_z, hidden = grad_z.to(weight.dtype), hidden.to(weight.dtype)
+    wide = weight.dtype in (torch.float32, torch.float64)
     with torch.autocast(weight.device.type, enabled=False):
         if total is None:
-            return torch.mm(grad_z.t(), hidden)  # the first chunk's product is the gradient itself
-        return total.addmm_(grad_z.t(), hidden)
+            # The first chunk's product is the gradient itself (float32 weights), or the float32 sum's start.
+            product = torch.mm(grad_z.t(), hidden)
+            return product if wide else product.float()
+        return total.addmm_(grad_z.t(), hidden) if wide else total.add_(torch.mm(grad_z.t(), hidden))
 
 
 def linear_head(hidden, weight, bias, labels, chunk_size: int = 0, temperature: float = 1.0,

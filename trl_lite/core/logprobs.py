@@ -8,18 +8,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import lm_head
 from .lm_head import check_head_options, linear_head, linear_head_logprobs, softmax_grad_
 
-# Vocabulary-sized work runs a few rows at a time. On CPU a chunk of about 2 MiB stays in cache,
-# which makes the softmax kernels about twice as fast as one pass over a (rows, V) tensor, and the
-# transient float32 copies stay small; accelerators get large chunks (few kernel launches).
-_CHUNK_BYTES = {"cpu": 2 << 20}
-_DEFAULT_CHUNK_BYTES = 256 << 20
 
 
 def _chunk_rows(logits: torch.Tensor) -> int:
-    """How many ``(V,)`` rows of ``logits`` one chunk of the vocabulary reductions holds."""
-    budget = _CHUNK_BYTES.get(logits.device.type, _DEFAULT_CHUNK_BYTES)
+    """How many ``(V,)`` float32 rows of ``logits`` one cache-sized piece of the vocabulary reductions holds: the
+    LM head's cache bytes (:data:`.lm_head._CACHE_BYTES`; on CPU about 2 MiB stays in cache, which makes the softmax
+    kernels about twice as fast as one pass over a ``(rows, V)`` tensor; accelerators take large pieces). The one
+    ``_CHUNK_BYTES`` is the LM head's tokens-per-chunk rule."""
+    budget = lm_head._CACHE_BYTES.get(logits.device.type, lm_head._DEFAULT_CACHE_BYTES)
     return max(1, budget // (4 * logits.shape[-1]))
 
 

@@ -49,7 +49,8 @@ class GenerationEngine(ABC):
         Returns the rows and, with ``return_logprobs``, one 1-D float tensor per row holding the
         log-probability of each generated token (the prompt excluded; ``len(row) - len(query)``
         entries with ``return_prompt``) under ``softmax(z / temperature)`` of the engine's model's logits
-        ``z``, untruncated by top-k/top-p; else None.
+        ``z`` - when ``PPOConfig`` truncates (top-k/top-p/min-p), renormalised over the sampler's kept set
+        (``log pi_T^K``, PPO_SPEC section 23); else None.
         """
 
     @abstractmethod

@@ -12,6 +12,7 @@ with the first push and the adapter alone after that.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 
@@ -60,6 +61,7 @@ class RolloutGeneration:
         self._held_version = None
         self.last_push_bytes = 0
         self._awake_depth = 0  # nesting of awake()
+        self._warned_kwargs: set[str] = set()  # classic kwargs that differ from PPOConfig, warned once per run
         # The trainer's sequence-parallel part, whose group's processes return the same generations (see build_generation).
         self.sequence = None
         if engine.sleeps:
@@ -135,19 +137,21 @@ class RolloutGeneration:
     @torch.no_grad()
     def generate(self, query_tensor, length_sampler=None, batch_size: int = 4, return_prompt: bool = True,
                  generate_ref_response: bool = False, remove_padding: bool = True, return_logprobs: bool = False,
-                 **generation_kwargs):  # fmt: skip
-        """See :meth:`PPOTrainer.generate`."""
+                 classic: bool = False, **generation_kwargs):  # fmt: skip
+        """See :meth:`PPOTrainer.generate`. ``classic``: on a transformers engine, a sampling kwarg that differs from
+        ``PPOConfig`` samples as given, with one warning per run and kwarg (classic ``PPOTrainer.generate``, PPO_SPEC
+        section 23); else (vLLM, and the engines' own entry points) it is refused: ``PPOConfig`` is the one source."""
 
         def generate(queries):
             return self._generate(queries, length_sampler, batch_size, return_prompt, generate_ref_response,
-                                  remove_padding, return_logprobs, **generation_kwargs)  # fmt: skip
+                                  remove_padding, return_logprobs, classic, **generation_kwargs)  # fmt: skip
 
         if self.sequence is None:
             return generate(query_tensor)
         return self.sequence.generate(generate, query_tensor, check=_check_queries)
 
     def _generate(self, query_tensor, length_sampler, batch_size, return_prompt, generate_ref_response, remove_padding,
-                  return_logprobs, **generation_kwargs):  # fmt: skip
+                  return_logprobs, classic, **generation_kwargs):  # fmt: skip
         if not isinstance(return_logprobs, bool):
             raise TypeError(f"return_logprobs must be a bool, got {return_logprobs!r}.")
         if isinstance(query_tensor, (list, tuple)):
@@ -159,8 +163,12 @@ class RolloutGeneration:
             )
         elif return_logprobs:
             raise ValueError("return_logprobs=True needs a list of queries; pass [query_tensor].")
-        # A sampling kwarg other than the run's is refused before any weight push or wake-up.
-        generation_kwargs = resolve_sampling_kwargs(generation_kwargs, self.engine.sampling)
+        # A sampling kwarg other than the run's is refused (classic: kept, and named once) before any weight push
+        # or wake-up. Resolved once here: the engines add the model's defaults only.
+        # vLLM (use_vllm) keeps PPOConfig as the one source: only transformers' generate samples as classic did.
+        classic = classic and isinstance(self.engine, TransformersEngine)
+        generation_kwargs = resolve_sampling_kwargs(generation_kwargs, self.engine.sampling, classic=classic)
+        self._warn_differing(generation_kwargs.differing)
         with self.awake(), self.timer("rollout/generate"):
             if not isinstance(query_tensor, (list, tuple)):
                 if length_sampler is not None:
@@ -177,6 +185,30 @@ class RolloutGeneration:
             if return_logprobs:
                 out.append(logprobs)
             return out[0] if len(out) == 1 else tuple(out)
+
+    def _warn_differing(self, differing) -> None:
+        """One warning per run for the classic kwargs, each named once, that sample other than ``PPOConfig``."""
+        new = [(name, given) for name, given in differing if name not in self._warned_kwargs]
+        if not new:
+            return
+        self._warned_kwargs.update(name for name, _ in new)
+        sampling = self.engine.sampling
+        config = ", ".join(
+            f"PPOConfig.{name}={getattr(sampling, name)!r}" if name in Sampling.__dataclass_fields__
+            else f"PPOConfig has no {name} setting"
+            for name, _ in new
+        )  # fmt: skip
+        given = ", ".join(f"{name}={value!r}" for name, value in new)
+        fields = [name for name, _ in new if name in Sampling.__dataclass_fields__]
+        fix = (f"Set {', '.join(f'PPOConfig.{name}={value!r}' for name, value in new if name in fields)} to score "
+               "what was sampled" if fields else "PPOConfig cannot express it; drop the kwarg to score what is sampled")
+        warnings.warn(
+            f"generate() got {given}, but {config}: it samples with the kwargs, as classic TRL did, while the trainer "
+            f"scores the rollouts (log-probs, ratio, KL) under PPOConfig's distribution (temperature="
+            f"{sampling.temperature!r}, top_k={sampling.top_k!r}, top_p={sampling.top_p!r}, min_p={sampling.min_p!r}). "
+            f"{fix} (docs/truncated_sampling.md). Warned once per run.",
+            stacklevel=6,  # the caller of PPOTrainer.generate
+        )
 
     def close(self) -> None:
         self.engine.close()

@@ -7,7 +7,9 @@ distribution - another temperature, or a top-k/top-p/min-p cut, or a repetition 
 would be scored as another policy's, with nothing to show it. :func:`resolve_sampling_kwargs` is the one rule
 every generating path applies - the trainer's ``generate``, both engines, ``run_episodes``, ``AsyncRollouts`` and
 ``BestOfNSampler``: a call's kwarg that disagrees with ``PPOConfig`` is refused (the caller wrote it), and a
-model default that does is overridden with one warning naming both (the caller did not).
+model default that does is overridden with one warning naming both (the caller did not). The one exception is
+classic ``PPOTrainer.generate(**kwargs)``, which samples as its kwargs say, as classic TRL did, and warns once per
+run (PPO_SPEC section 23, docs/truncated_sampling.md).
 """
 
 from __future__ import annotations
@@ -88,15 +90,25 @@ def _run_value(sampling: Sampling, name: str) -> str:
     return f"PPOConfig, which has no {name} setting (it samples without one, {name}={_SHAPING[name][0]!r})"
 
 
-def resolve_sampling_kwargs(generation_kwargs: dict, sampling: Sampling, defaults=None) -> dict:
-    """``generation_kwargs`` (transformers ``generate`` keyword arguments) that draw from ``sampling``; a new dict.
+class SamplingKwargs(dict):
+    """generate() keyword arguments :func:`resolve_sampling_kwargs` has checked: passed to it again (an engine with
+    the model's defaults), the call's own settings are not checked twice. ``differing``: the classic kwargs kept
+    although they differ from the run's (``classic=True``), as ``(name, given)`` pairs."""
+
+    differing: tuple = ()
+
+
+def resolve_sampling_kwargs(generation_kwargs: dict, sampling: Sampling, defaults=None, classic: bool = False) -> dict:
+    """``generation_kwargs`` (transformers ``generate`` keyword arguments) that draw from ``sampling``; a new
+    :class:`SamplingKwargs`.
 
     ``sampling``: the run's (:meth:`Sampling.of` a ``PPOConfig``); ``defaults``: the model's ``GenerationConfig``
     (None: transformers' own defaults). At every temperature, 1.0 included:
 
     - a kwarg that shapes the distribution (temperature, top_k, top_p, min_p, typical_p, the repetition
       penalties, ...; None is absent) must equal the run's value, in any spelling (``top_k=0.0`` is
-      ``top_k=0``), else ``ValueError`` naming both;
+      ``top_k=0``), else ``ValueError`` naming both - or, with ``classic`` (classic ``PPOTrainer.generate``,
+      PPO_SPEC section 23), it is kept as given and named in the result's ``differing`` (the caller warns);
     - a sampling call (``do_sample``, else the model's ``do_sample``) gets the run's temperature, top_k and top_p
       written out, and any other setting the run asks for;
     - a model default that would shape the distribution otherwise (the settings greedy decoding uses too -
@@ -104,24 +116,31 @@ def resolve_sampling_kwargs(generation_kwargs: dict, sampling: Sampling, default
       (per message and process, as ``warnings`` does) naming both.
 
     A greedy call gets no sampling settings: its tokens do not depend on them, and transformers warns about
-    settings it does not use.
+    settings it does not use. Kwargs this function returned are not checked again (their ``differing`` kept).
     """
     if not isinstance(sampling, Sampling):
         raise TypeError(f"sampling must be a trl_lite.engines.Sampling (Sampling.of(config)), got {sampling!r}.")
-    kwargs = dict(generation_kwargs)
-    for name, given in generation_kwargs.items():
+    kwargs = SamplingKwargs(generation_kwargs)
+    checked = isinstance(generation_kwargs, SamplingKwargs)
+    kwargs.differing = generation_kwargs.differing if checked else ()
+    for name, given in () if checked else generation_kwargs.items():
         if name not in _SHAPING or given is None:
             continue
         _check_number(name, given)
-        if _normal(name, given) != _normal(name, _wanted(sampling, name)):
-            hint = (f"Drop the {name} kwarg (generate() then uses the run's), or set PPOConfig.{name}={given!r}"
-                    if name in Sampling.__dataclass_fields__ else f"Drop the {name} kwarg")  # fmt: skip
-            raise ValueError(
-                f"generate() got {name}={given!r}, but {_run_value(sampling, name)}: PPOConfig is the one source of "
-                f"the sampling distribution, and the trainer scores the rollouts under logits / "
-                f"{sampling.temperature!r}, untruncated unless PPOConfig truncates. {hint}. (For greedy decoding "
-                "pass do_sample=False.)"
-            )
+        if _normal(name, given) == _normal(name, _wanted(sampling, name)):
+            continue
+        if classic:
+            kwargs.differing += ((name, given),)
+            continue
+        hint = (f"Drop the {name} kwarg (generate() then uses the run's), or set PPOConfig.{name}={given!r}"
+                if name in Sampling.__dataclass_fields__ else f"Drop the {name} kwarg")  # fmt: skip
+        raise ValueError(
+            f"generate() got {name}={given!r}, but {_run_value(sampling, name)}: PPOConfig is the one source of "
+            f"the sampling distribution, and the trainer scores the rollouts under logits / "
+            f"{sampling.temperature!r}, truncated only where PPOConfig truncates. {hint}. (For greedy decoding "
+            "pass do_sample=False; classic PPOTrainer.generate(**kwargs) on transformers, without use_vllm, samples as its "
+            "kwargs say.)"
+        )
     do_sample = kwargs.get("do_sample")
     if do_sample is None:
         do_sample = getattr(defaults, "do_sample", None)
@@ -147,25 +166,40 @@ def resolve_sampling_kwargs(generation_kwargs: dict, sampling: Sampling, default
     return kwargs
 
 
-def vllm_logprobs_mode(temperature: float) -> str:
-    """The ``logprobs_mode`` a colocated vLLM engine starts with for a run at ``temperature``.
+def vllm_logprobs_mode(temperature: float, truncates: bool = False) -> str:
+    """The ``logprobs_mode`` a colocated vLLM engine starts with for a run at ``temperature`` (``truncates``: the
+    run's ``PPOConfig`` sets top-k, top-p or min-p).
 
     vLLM's ``raw_logprobs`` (its default) are ``log_softmax(z)``, taken before any sampling processor: the
     log-probs at temperature 1, kept for the classic run. ``processed_logprobs`` are taken after them all -
-    penalties, the temperature, then min-p, top-k and top-p truncation - and equal ``log_softmax(z / T)`` only
-    for a row sampled at ``T`` without any of the others (:func:`check_vllm_logprobs`).
+    penalties, the temperature, then min-p, top-k and top-p truncation: ``log_softmax(z / T)`` for a row sampled
+    at ``T`` without a cut, and ``log pi_T^K`` (renormalised over the set vLLM kept, PPO_SPEC section 23) for a
+    row sampled with the run's cut (:func:`check_vllm_logprobs`).
     """
-    return "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
+    return "raw_logprobs" if temperature == 1.0 and not truncates else "processed_logprobs"
 
 
-def check_vllm_logprobs(params: dict, temperature: float, logprobs_mode: str) -> None:
-    """Refuse a vLLM request whose returned log-probs would not be ``log_softmax(z / temperature)`` of the sampled
-    tokens (the untruncated distribution the trainer scores with; docs/temperature.md).
+def check_vllm_logprobs(params: dict, temperature: float, logprobs_mode: str, sampling: Sampling | None = None) -> None:
+    """Refuse a vLLM request whose returned log-probs would not be those the trainer scores the sampled tokens
+    with: ``log_softmax(z / temperature)``, or under a run whose ``sampling`` truncates, ``log pi_T^K`` over the
+    set vLLM's sampler kept (docs/truncated_sampling.md).
 
     ``params``: one prompt's ``vllm.SamplingParams`` arguments (:func:`~.vllm_engine.sampling_params`);
-    ``logprobs_mode``: the engine's (``'raw_logprobs'``, ``'processed_logprobs'``, ...).
+    ``logprobs_mode``: the engine's (``'raw_logprobs'``, ``'processed_logprobs'``, ...); ``sampling``: the run's
+    (None: untruncated).
     """
+    cut = {} if sampling is None else {
+        name: value for name, value in (("top_k", sampling.top_k), ("top_p", sampling.top_p), ("min_p", sampling.min_p))
+        if value not in (0, 1.0)
+    }  # fmt: skip
     if logprobs_mode == "raw_logprobs":
+        if cut:
+            raise ValueError(
+                f"return_logprobs=True with PPOConfig's {', '.join(f'{n}={v!r}' for n, v in cut.items())}: this vLLM "
+                "engine returns logprobs_mode='raw_logprobs', untruncated, not the truncated distribution that "
+                "sampled. Start it with logprobs_mode='processed_logprobs' (a vLLM server: python -m "
+                "trl_lite.vllm_server ... -- --logprobs-mode processed_logprobs)."
+            )
         if temperature != 1.0:
             raise ValueError(
                 f"return_logprobs=True with PPOConfig.temperature={temperature!r}: this vLLM engine returns "
@@ -181,8 +215,10 @@ def check_vllm_logprobs(params: dict, temperature: float, logprobs_mode: str) ->
         )
     sampled_at = params.get("temperature", 1.0)
     # What vLLM's processed log-probs went through besides logits / temperature, each one named.
+    # The run's own cut is what sampled (vLLM's processed log-probs are then log pi_T^K); anything else is in the way.
     extra = [f"{name}={params[name]!r}" for name, off in (("top_k", (0, -1)), ("top_p", (1.0,)), ("min_p", (0.0,)),
-             ("repetition_penalty", (1.0,))) if params.get(name) is not None and params[name] not in off]  # fmt: skip
+             ("repetition_penalty", (1.0,))) if params.get(name) is not None and params[name] not in off
+             and params[name] != cut.get(name)]  # fmt: skip
     if sampled_at == 0.0 and temperature != 1.0:
         extra.insert(0, "greedy decoding (vLLM takes a greedy row's log-probs at temperature 1)")
     elif sampled_at not in (0.0, temperature):
@@ -192,6 +228,6 @@ def check_vllm_logprobs(params: dict, temperature: float, logprobs_mode: str) ->
             "return_logprobs=True on vLLM (logprobs_mode='processed_logprobs') gives the log-probs after every "
             f"sampling processor, and this request has {', '.join(extra)}: they would not be "
             f"log_softmax(logits / {temperature!r}) of the sampled tokens, the distribution the trainer scores "
-            "with. Sample (do_sample=True) with PPOConfig's top_k=0, top_p=1.0, min_p=0.0 and repetition_penalty=1.0 "
-            "(the defaults), or generate with use_vllm=False (whose log-probs are always the untruncated ones)."
+            "with. Sample (do_sample=True) with PPOConfig's own top_k, top_p and min_p and repetition_penalty=1.0 "
+            "(the default), or generate with use_vllm=False."
         )

@@ -82,6 +82,8 @@ class TransformersEngine(GenerationEngine):
         self.is_zero3 = is_zero3
         self.sampling = sampling
         self.halve_on_oom = halve_on_oom
+        # Whether PPOConfig truncates: returned log-probs are then log pi_T^K over the warpers' kept sets.
+        self.truncates = sampling.top_k > 0 or sampling.top_p < 1.0 or sampling.min_p > 0.0
 
     @contextmanager
     def _generation_model(self):
@@ -120,9 +122,9 @@ class TransformersEngine(GenerationEngine):
         The queries are sorted by length before being cut into chunks, so a chunk holds queries of
         similar length and little left padding is computed (at every decoding step, too: the padding
         stays in the key/value cache). Log-probs are ``log_softmax(z / temperature)`` of the raw logits
-        ``generate`` returns (``output_logits``), the engine's temperature applied and nothing else: not
-        transformers' processed scores (``output_scores``), which a top-k/top-p warper truncates
-        (docs/temperature.md).
+        ``generate`` returns (``output_logits``), the engine's temperature applied and nothing else - when
+        ``PPOConfig`` truncates, renormalised over the set its warpers kept (the tokens finite in
+        ``output_scores``), ``log pi_T^K`` (PPO_SPEC section 23, docs/truncated_sampling.md).
 
         Devices: the queries may sit on the CPU (a tokenizer's output) or on the accelerator's device;
         each chunk is padded where its queries are and moved in one copy. The responses and log-probs are
@@ -139,6 +141,8 @@ class TransformersEngine(GenerationEngine):
                 # generate's per-step logits follow the beams, not the sequences it returns.
                 raise ValueError(f"return_logprobs=True needs num_beams=1, got num_beams={kwargs['num_beams']!r}.")
             kwargs.update(output_logits=True, return_dict_in_generate=True)
+            if self.truncates:
+                kwargs.update(output_scores=True)  # the warpers' output: -inf outside each step's kept set
         # transformers returns the k sequences of each prompt next to each other (repeat_interleave).
         per_query = int(kwargs.get("num_return_sequences") or 1)
         outputs = [None] * (len(queries) * per_query)
@@ -193,7 +197,10 @@ class TransformersEngine(GenerationEngine):
         sequences = generated.sequences if return_logprobs else generated
         row_lengths = [n for n in lengths for _ in range(per_query)]
         trimmed = self.trim(sequences, input_ids.shape[1], row_lengths, return_prompt, remove_padding)
-        chunk_logprobs = _sampled_logprobs(sequences, generated.logits, self.temperature) if return_logprobs else None
+        chunk_logprobs = None
+        if return_logprobs:
+            kept = generated.scores if self.truncates else None  # greedy rows: no warper, every token kept
+            chunk_logprobs = _sampled_logprobs(sequences, generated.logits, self.temperature, kept)
         for index, generation in enumerate(trimmed):
             slot = rows[index // per_query] * per_query + index % per_query
             outputs[slot] = generation
@@ -243,11 +250,20 @@ def _generation_defaults(model):
     return config if config is not None else getattr(getattr(model, "pretrained_model", None), "generation_config", None)
 
 
-def _sampled_logprobs(sequences: torch.Tensor, logits: tuple[torch.Tensor, ...], temperature: float) -> torch.Tensor:
+def _sampled_logprobs(sequences: torch.Tensor, logits: tuple[torch.Tensor, ...], temperature: float,
+                      kept: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:  # fmt: skip
     """Log-probabilities ``(n, T)`` of the T generated tokens (the last T columns of ``sequences (n, S)``)
     under ``softmax(z / temperature)`` of the raw per-step logits ``z`` (T tensors ``(n, V)``), in float32 or
-    wider. Dividing by 1.0 changes no bit: the classic run's log-probs are those of the raw logits."""
+    wider. Dividing by 1.0 changes no bit: the classic run's log-probs are those of the raw logits.
+
+    ``kept``: the warpers' scores of each step (``output_scores``, -inf outside the kept set): the log-probs are
+    then ``log pi_T^K``, ``softmax(z / temperature)`` renormalised over the set the sampler kept (PPO_SPEC
+    section 23) - the raw logits over the recorded set, not the processed scores (a penalty is not scored)."""
     steps = torch.stack(logits, dim=1)
     steps = steps.to(torch.promote_types(steps.dtype, torch.float32)) / temperature
     tokens = sequences[:, sequences.shape[1] - len(logits) :]
+    if kept is not None:
+        outside = torch.stack(kept, dim=1) == -float("inf")
+        outside.scatter_(-1, tokens.unsqueeze(-1), False)  # the sampled token is in its set
+        steps = steps.masked_fill(outside, -float("inf"))
     return torch.log_softmax(steps, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -178,7 +178,8 @@ class VLLMEngine(GenerationEngine):
         params = sampling_params(kwargs, lengths, self.generation_defaults, self.eos_token_id, return_logprobs)
         if return_logprobs and params:
             # The prompts' parameters differ in lengths and seeds only.
-            check_vllm_logprobs(params[0], self.temperature, getattr(self.backend, "logprobs_mode", "raw_logprobs"))
+            mode = getattr(self.backend, "logprobs_mode", "raw_logprobs")
+            check_vllm_logprobs(params[0], self.temperature, mode, self.sampling)
         if length_sampler is not None:
             for p in params:
                 p["max_tokens"] = int(length_sampler())
@@ -491,5 +492,6 @@ def build_vllm_backend(config, model_config, generation_config, *, policy_dtype:
         model_config, generation_config, dtype=dtype, max_model_len=config.vllm_max_model_len,
         enforce_eager=config.vllm_enforce_eager, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
         kv_cache_gb=config.vllm_kv_cache_gb, seed=config.seed, placement=placement, enable_sleep_mode=sleep,
-        max_lora_rank=max_lora_rank, logprobs_mode=vllm_logprobs_mode(config.temperature),
+        max_lora_rank=max_lora_rank, logprobs_mode=vllm_logprobs_mode(
+            config.temperature, config.top_k > 0 or config.top_p < 1.0 or config.min_p > 0.0),
     )  # fmt: skip

@@ -284,7 +284,7 @@ class AutoModelForCausalLMWithValueHead(_ValueHeadModel):
         head = parts[1] if parts is not None else None
         # Exactly nn.Linear: subclasses (quantised layers) and adapters compute something else from
         # their weight. A ZeRO-3 head (its weight a shard outside the module's forward) is returned too: the
-        # trainer calls the module itself, so DeepSpeed's hooks gather the weight (ForwardPass.apply_head).
+        # trainer calls the module itself, so DeepSpeed's hooks gather the weight (HeadPath.apply, trainer/step/head_path.py).
         if type(head) is not nn.Linear:
             return None
         return head

@@ -366,10 +366,10 @@ class PPOTrainer(ClassicHelpersMixin):
         transformers). With ``return_logprobs=True`` (a list only) the last returned element is one
         1-D float tensor per row: the log-probability of each generated token (prompt excluded) under
         ``softmax(logits / PPOConfig.temperature)`` of the generating model, untruncated by top-k/top-p,
-        ready for ``step(..., generation_logprobs=...)``. Sampling is from ``PPOConfig``'s distribution alone
-        (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``): a kwarg that disagrees is
-        refused, the model's ``generation_config`` overridden with a warning
-        (:func:`~trl_lite.engines.resolve_sampling_kwargs`, docs/temperature.md).
+        ready for ``step(..., generation_logprobs=...)``. Sampling is from ``PPOConfig``'s distribution, the
+        model's ``generation_config`` overridden with a warning; a kwarg that differs samples as given on the
+        transformers engine, as classic TRL did, with one warning per run (the trainer scores under ``PPOConfig``'s
+        distribution; docs/truncated_sampling.md); ``use_vllm`` and the engines' own entry points refuse it.
 
         The transformers engine (default) generates in chunks of ``batch_size`` queries and draws
         ``length_sampler`` once per chunk; under ZeRO-3 generation is collective (every process calls
@@ -386,7 +386,7 @@ class PPOTrainer(ClassicHelpersMixin):
                              "made: pass ref_model=... or set PPOConfig.compute_reference_kl=True.")  # fmt: skip
         return self.generation.generate(
             query_tensor, length_sampler, batch_size, return_prompt, generate_ref_response, remove_padding,
-            return_logprobs, **generation_kwargs,
+            return_logprobs, classic=True, **generation_kwargs,
         )  # fmt: skip
 
     def timed(self, phase: str):

@@ -87,7 +87,8 @@ class Rows:
     float; ``shift``: 1 for encoder-decoders (column k predicts decoder token k + 1), else 0;
     ``buffer_rows``: the most token slots any mini-batch (or pass under a token budget) of these rows
     can have (the LM-head buffers of the step are sized to it); ``prompt_ids``: per row the first row with
-    its query tokens when packed passes share prompts (:mod:`.prefix_sharing`), else None.
+    its query tokens when packed passes share prompts (:mod:`.prefix_sharing`), else None; ``kept``: under
+    truncated sampling the kept sets of the ``(B, L)`` positions (PPO_SPEC section 23), else None.
     """
 
     queries: list
@@ -99,6 +100,7 @@ class Rows:
     shift: int
     buffer_rows: int
     prompt_ids: tuple | None = None
+    kept: object = None  # truncated sampling: the positions' kept sets (trl_lite.core.kept_sets.KeptSets), else None
 
     def __len__(self) -> int:
         return len(self.queries)

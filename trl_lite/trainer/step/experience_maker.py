@@ -103,10 +103,14 @@ class ExperienceMaker:
         rows = self.forward.make_rows(batch.queries, batch.responses, batch.response_masks, prompts)
         mask = rows.action_mask
         logprobs, ref_logprobs, values, full_kl = self.passes(rows)
+        # Truncated sampling: the rows carry the rollout's kept sets to every training pass (PPO_SPEC section 23).
+        rows, untruncated_entropy = self.forward.with_kept(rows)
         generation = self.generation_columns(batch.generation_logprobs, mask, rows.shift)
         gap_stats, token_weights = {}, None
         if logprobs is not None:
             gap_stats, token_weights = self.generation_gap(logprobs, generation, mask)
+        if untruncated_entropy is not None:
+            gap_stats["policy/entropy_untruncated"] = masked_mean(untruncated_entropy, mask)
         timings["time/ppo/forward_pass"] = (t, self.clock.mark())
 
         # Section 4: KL-shaped rewards; with kl_in_reward=False the KL goes to the loss (section 12)

@@ -2,8 +2,8 @@
 section 3) and for training (with grad), and the classic ``batched_forward_pass``.
 
 :class:`ForwardPass` owns what every pass needs and nothing else: the input layout (pad id, padding
-side, position ids), whether passes are packed and which models attend per row, the logits buffer of
-the fused LM head, and the prepared-to-unwrapped model map. The trainer hands it the run's out-of-memory
+side, position ids), whether passes are packed and which models attend per row, the LM head's path
+(:class:`~.head_path.HeadPath`), truncated sampling's kept sets, and the prepared-to-unwrapped model map. The trainer hands it the run's out-of-memory
 back-off and its sequence-parallel part.
 """
 
@@ -16,8 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ...core import full_kl_from_hidden, full_kl_from_logits, logprobs_and_entropy_from_logits, logprobs_from_logits
-from ...core.lm_head import call_head, linear_head, linear_head_logprobs, lm_head_chunk_size
+from ...core.kept_sets import KeptSets, Truncation
 from ...models.dropout import has_dropout
 from ...models.packed_attention import ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths, without_cudnn
 from ...models.varlen_attention import packed_rows
@@ -25,6 +24,7 @@ from ..layout.rows import InputLayout, Rows, at_positions, make_rows, pad_token_
 from ..memory.oom_backoff import MemoryBackoff
 from ..memory.prefix_sharing import PrefixSharing, Schedule, obstacle, units_passes
 from ..memory.token_budget import split_by_tokens
+from .head_path import HeadChoice, HeadPath
 
 
 class ForwardPass:
@@ -45,22 +45,26 @@ class ForwardPass:
             :func:`~trl_lite.models.packed_attention.takes_row_lengths`); others attend through
             transformers' block-diagonal mask, to the same result.
         reuse_logits_buffer: whether the fused LM head writes into one buffer kept between passes
-            (CPU with ``keep_freed_cpu_memory``, see :meth:`logits_out`).
+            (CPU with ``keep_freed_cpu_memory``, see :meth:`.head_path.HeadPath.logits_out`).
         sequence: the trainer's sequence-parallel part: the :class:`~trl_lite.parallel.SequenceParallel` group
             packed passes are cut over (see :meth:`gather_slots`), or a :class:`~trl_lite.parallel.NoSequenceParallel`.
-        lm_head_chunk_size: ``PPOConfig.lm_head_chunk_size`` (None: automatic; see :meth:`head_chunk_size`).
+        lm_head_chunk_size: ``PPOConfig.lm_head_chunk_size`` (None: automatic; see :meth:`.head_path.HeadPath.choose`).
         temperature: ``PPOConfig.temperature``: log-probs and full KL under ``logits / temperature`` (section 20).
         prefix_sharing: ``PPOConfig.prefix_sharing`` (None: automatic), decided for every step and pass by
             :attr:`prefix`, a :class:`~.prefix_sharing.PrefixSharing` built from this part's passes, ``critic`` (the
             prepared separate critic, or None), ``dropout`` (a trained model has dropout above 0) and ``schedule``
             (a :class:`~.prefix_sharing.Schedule`).
+        truncation: ``PPOConfig``'s top-k/top-p/min-p cut (:meth:`~trl_lite.core.kept_sets.Truncation.of`), or None:
+            the policy's log-probs are then ``log pi_T^K`` over each position's kept set, made in the rollout pass
+            and replayed by every training pass (PPO_SPEC section 23, :meth:`with_kept`).
     """
 
     def __init__(self, accelerator, models: list[tuple], layout: InputLayout, *, is_encoder_decoder: bool,
                  mini_batch_size: int, memory: MemoryBackoff, sequence, pack: bool = False,
                  row_attention: dict | None = None, reuse_logits_buffer: bool = False,
                  lm_head_chunk_size: int | None = None, temperature: float = 1.0, prefix_sharing: bool | None = None,
-                 critic=None, dropout: bool = False, schedule: Schedule | None = None):  # fmt: skip
+                 critic=None, dropout: bool = False, schedule: Schedule | None = None,
+                 truncation: Truncation | None = None):  # fmt: skip
         self.accelerator = accelerator
         self.device = accelerator.device
         self.models = models
@@ -69,19 +73,22 @@ class ForwardPass:
         self.mini_batch_size = mini_batch_size
         self.pack = pack
         self.row_attention = row_attention or {}
-        self.reuse_logits_buffer = reuse_logits_buffer
         self.memory = memory
-        self._logits_buffer = None
         self._warned_long_row = False
         self.sequence = sequence
         self._sequence_pass = None  # this process's slice of the last packed pass (sequence parallelism)
-        self.lm_head_chunk_size = lm_head_chunk_size
-        self._warned_no_chunks = False
         self.temperature = temperature
         models_of_passes = {"policy": models[0][0], "reference": models[1][0] if len(models) > 1 else None, "critic": critic}
         not_attending = [name for name, m in models_of_passes.items() if m is not None and id(m) not in self.row_attention]
         why_not = obstacle(pack, is_encoder_decoder, self.sequence.cuts, not_attending)
         self.prefix = PrefixSharing(prefix_sharing, why_not, dropout, schedule)  # the one decider of sharing
+        self.truncation = truncation
+        # The LM head's path of every pass, decided in one place (head_path.py).
+        self.head = HeadPath(self.unwrapped, memory, lm_head_chunk_size, temperature, truncation, accelerator.autocast,
+                             reuse_logits_buffer)  # fmt: skip
+        self._kept_passes = None  # the rollout's policy passes' kept sets: (keys, ids, counts) per pass
+        self._rollout_kept = None  # (KeptSets, untruncated entropy (B, L)) of the last rollout
+        self._said_rederived = False
 
     @classmethod
     def build(cls, accelerator, policy, reference, critic, tokenizer, config, pack: bool, memory: MemoryBackoff,
@@ -111,7 +118,14 @@ class ForwardPass:
                       lm_head_chunk_size=config.lm_head_chunk_size, temperature=config.temperature,
                       prefix_sharing=config.prefix_sharing, critic=critic,
                       dropout=has_dropout(policy, critic),
-                      schedule=Schedule.of(config, (reference is not None) + 1))  # fmt: skip
+                      schedule=Schedule.of(config, (reference is not None) + 1),
+                      truncation=Truncation.of(config, order="vllm" if config.use_vllm else "transformers"))  # fmt: skip
+        if forward.truncation is not None and sequence.cuts:
+            raise ValueError(
+                f"top_k={config.top_k}, top_p={config.top_p}, min_p={config.min_p} (truncated sampling, scored over "
+                "each position's kept set) is not available with sequence parallelism yet: the kept sets are not cut "
+                "over the group's processes. Sample untruncated (the defaults) or run without sequence parallelism."
+            )
         return forward
 
     @property
@@ -210,105 +224,20 @@ class ForwardPass:
             return per_slot
         return self._sequence_pass.gather_slots(*per_slot)
 
-    def linear_head(self, model) -> torch.nn.Linear | None:
-        """The model's LM head when the pass may fuse it with the log-softmax (:meth:`apply_head`), else None.
-
-        Asked every pass: the head may be replaced (``resize_token_embeddings``) after the trainer is made.
-        """
-        inner = self.unwrapped(model)
-        head = inner.linear_lm_head()
-        # A head partitioned by ZeRO-3 is applied too (:func:`call_head` gathers it); another model's own head
-        # is the path it was built with.
-        if head is None and self.lm_head_chunk_size and not self._warned_no_chunks:
-            self._warned_no_chunks = True
-            reason = (
-                "its LM head is not a plain nn.Linear the trainer may apply itself (an encoder-decoder, whose "
-                "head input the model rescales; logits the model post-processes, e.g. soft-capping; an adapter "
-                "or quantised head)"
-            )  # fmt: skip
-            warnings.warn(
-                f"lm_head_chunk_size={self.lm_head_chunk_size} does not apply to {type(inner).__name__}: {reason}, so "
-                "its passes take the model's own (tokens x vocabulary) float32 logits, as without chunks "
-                "(memory/lm_head_chunk_size -1); bound them with max_tokens_per_minibatch.",
-                stacklevel=3,
-            )
-        return head
-
-    def head_chunk_size(self, tokens: int, head: torch.nn.Linear) -> int:
-        """Tokens per chunk of the fused ``head`` in passes of up to ``tokens`` token slots; 0: one buffer.
-
-        ``PPOConfig.lm_head_chunk_size`` as given, or when None the automatic rule of
-        :func:`~trl_lite.core.lm_head_chunk_size` (one buffer while it is small on this device, and never
-        after an out-of-memory back-off).
-        """
-        weight = head.weight
-        vocab = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3: the full head, not this process's shard
-        return lm_head_chunk_size(tokens, vocab, weight.device.type, self.lm_head_chunk_size,
-                                  self.memory.backed_off, weight.dtype)  # fmt: skip
-
-    def step_chunk_size(self, rows: Rows, model) -> int:
-        """The head path ``model``'s passes over ``rows`` take (the statistic ``memory/lm_head_chunk_size``): its
-        tokens per chunk, 0 for one ``(N, V)`` buffer, -1 for the model's own logits (no head the trainer applies)."""
-        head = self.unwrapped(model).linear_lm_head()
-        return OWN_LOGITS if head is None else self.head_chunk_size(self.buffer_rows(rows), head)
-
-    def apply_head(self, head: torch.nn.Linear | None, outputs: torch.Tensor, targets: torch.Tensor, tokens: int,
-                   rows: Rows | None = None, temperature: float | None = None):  # fmt: skip
-        """The LM head of every pass (rollout, training, PTX, the classic pass): log-probs of ``targets`` ``(N,)`` and,
-        when grad flows, the entropy ``(N,)`` (else None), under ``softmax(z / temperature)`` (default the config's).
-
-        ``outputs``: the head's inputs ``(N, H)`` when ``head`` is the model's linear head (:meth:`linear_head`),
-        applied here in one buffer or chunks by :meth:`head_chunk_size` for passes of up to ``tokens`` slots (one
-        buffer: at least ``tokens`` rows; with the step's ``rows``, the shared :meth:`logits_out`); else the model's
-        own logits ``(N, V)``.
-        """
-        temperature = self.temperature if temperature is None else temperature
-        if head is None:
-            if torch.is_grad_enabled() and outputs.requires_grad:
-                return logprobs_and_entropy_from_logits(outputs, targets, temperature)
-            return logprobs_from_logits(outputs, targets, temperature=temperature), None
-        chunk = self.head_chunk_size(tokens, head)
-        partitioned = hasattr(head.weight, "ds_id")  # ZeRO-3: the weight has its shape only inside the call
-        out = None if chunk or rows is None or partitioned else self.logits_out(rows, head)  # chunks: no (N, V) buffer
-        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (outputs, head.weight, head.bias))
-
-        def head_pass(hidden):
-            with self.head_autocast():
-                if grad:
-                    return linear_head(hidden, head.weight, head.bias, targets, chunk, temperature, tokens, out)
-                return linear_head_logprobs(hidden, head.weight, head.bias, targets, chunk, temperature, tokens, out), None
-
-        return call_head(head, head_pass, outputs) if partitioned else head_pass(outputs)
-
-    def head_autocast(self):
-        """The autocast state of the models' forward, for the LM head the passes apply outside the model.
-
-        accelerate runs only ``model.forward`` under mixed precision and hands back float32 outputs; the
-        fused head is the step's largest product and must run in the autocast dtype too (the log-softmax
-        after it is float32 whatever the product's dtype). Without mixed precision: no autocast.
-        """
-        return self.accelerator.autocast()
-
-    def logits_out(self, rows: Rows, head: torch.nn.Linear) -> torch.Tensor | None:
-        """The ``(R, V)`` buffer the fused LM head of this pass writes its logits into, or None (a fresh one).
-
-        Only with ``reuse_logits_buffer``: one buffer, made at the first fused pass, grown when a step
-        needs more rows and kept between steps, so no vocabulary-sized block is freed and allocated
-        again per mini-batch. glibc splits freed blocks for later small allocations, and a block that
-        no longer fits in what is left grows the heap. Each pass is done with the buffer before the
-        next begins (a training pass after its backward). Elsewhere each pass allocates its own: GPU
-        caching allocators reuse blocks of one size well.
-        """
-        if not self.reuse_logits_buffer:
+    def kept_of(self, rows: Rows, idx: torch.Tensor, slots: tuple):
+        """The kept sets ``(ids (N, K), counts (N,))`` of a pass's slots ``(b, k)`` over rows ``idx``, or None for
+        rows that carry none (an untruncated run)."""
+        if rows.kept is None:
             return None
-        buffer = _fitting(self._logits_buffer, head)
-        if buffer is None or buffer.shape[0] < rows.buffer_rows:
-            self._logits_buffer = None  # freed before its successor is allocated
-            dtype = torch.promote_types(head.weight.dtype, torch.float32)
-            self._logits_buffer = buffer = torch.empty(
-                (rows.buffer_rows, head.weight.shape[0]), dtype=dtype, device=head.weight.device
-            )
-        return buffer
+        return rows.kept.for_slots(idx[slots[0]], slots[1])
+
+    def with_kept(self, rows: Rows) -> tuple[Rows, torch.Tensor | None]:
+        """``rows`` carrying the kept sets the last :meth:`rollout`'s policy passes made, and the policy's untruncated
+        entropy ``(B, L)`` there (the statistic beside the truncated one); ``rows`` and None when it made none."""
+        made, self._rollout_kept = self._rollout_kept, None
+        if made is None:
+            return rows, None
+        return dataclasses.replace(rows, kept=made[0]), made[1]
 
     # ------------------------------------------------------------------------------------------
     # Passes
@@ -373,7 +302,7 @@ class ForwardPass:
 
     def logprobs(self, model, rows: Rows, index: list[int], idx: torch.Tensor, return_logits: bool = False,
                  return_values: bool = True, critic=None, return_head_inputs: bool = False,
-                 gather_outputs: bool = True):  # fmt: skip
+                 gather_outputs: bool = True, truncated: bool = False, choice: HeadChoice | None = None):  # fmt: skip
         """Log-probs and values at the action positions of rows ``index``, without the entropy.
 
         Shapes: logprobs, values ``(b, L_mb)`` (log-probs 0 past each response; values None without
@@ -381,28 +310,29 @@ class ForwardPass:
         the slots (else None for both) - or with ``return_head_inputs`` (the model has a linear head)
         the head's inputs ``(N, H)`` there instead of the logits; and ``L_mb``. Under sequence parallelism
         ``gather_outputs=False`` keeps those logits or inputs to this process's slots (:meth:`gather_slots`
-        gathers what is computed from them).
+        gathers what is computed from them). ``truncated`` (the policy's rollout and classic passes of a truncating
+        run): log-probs under ``pi_T^K``, the kept sets made from the pass's logits and, in a rollout, recorded.
+        ``choice``: the head's path (default :meth:`~.head_path.HeadPath.choose`'s, the model's logits with
+        ``return_logits``).
         """
-        head = None if return_logits else self.linear_head(model)
+        if choice is None:
+            choice = self.head.choose(model, self.buffer_rows(rows), own_logits=return_logits)
         outputs, targets, values, slots, width = self.head_inputs(
-            model, rows, index, idx, lm_head_inputs=head is not None, return_values=return_values, critic=critic
+            model, rows, index, idx, lm_head_inputs=choice.fused, return_values=return_values, critic=critic
         )
-        logprobs, _ = self.apply_head(head, outputs, targets, self.buffer_rows(rows), rows)
+        if truncated and self.truncation is not None:
+            logprobs, _, entropy, ids, counts = self.head.truncated(choice, outputs, targets, self.temperature,
+                                                                    self.truncation)  # fmt: skip
+            if self._kept_passes is not None:
+                keys = idx[slots[0]] * rows.action_mask.shape[1] + slots[1]
+                self._kept_passes.append((keys, ids, counts, entropy))
+        else:
+            logprobs, _ = self.head.apply(choice, outputs, targets, self.buffer_rows(rows), rows)
         keep = return_logits or return_head_inputs
         logprobs, gathered = self.gather_slots(logprobs, outputs if keep and gather_outputs else None)
         logprobs = to_compact(logprobs, slots, len(index), width)
         outputs = gathered if gather_outputs else outputs
         return logprobs, values, (outputs if keep else None), (slots if keep else None), width
-
-    def kl_chunk_size(self, rows: Rows, policy, reference) -> int:
-        """Tokens per chunk of the rollout's full KL (``kl_penalty="full"``) from both models' head inputs, or 0:
-        both models' logits ``(N, V)`` one mini-batch at a time (one buffer, or a model without a linear head)."""
-        with reference() as ref:
-            ref_head = self.linear_head(ref)
-        head = self.linear_head(policy)
-        if head is None or ref_head is None or any(hasattr(h.weight, "ds_id") for h in (head, ref_head)):
-            return 0  # ZeRO-3 heads: the models' own logits (the chunked KL reads both weights, outside their calls)
-        return self.head_chunk_size(self.buffer_rows(rows), head)
 
     @torch.no_grad()
     def rollout(self, rows: Rows, policy, reference, critic=None, policy_values: bool = True, full_kl: bool = False,
@@ -413,7 +343,7 @@ class ForwardPass:
         log-probs. Returns logprobs, ref_logprobs, values ``(B, L)`` (values zero when neither
         ``policy_values`` nor a ``critic`` gives them) and, with ``full_kl``, the exact per-token KL
         ``(B, L)`` (else None). Full-KL logits live one mini-batch at a time, or one chunk of tokens at a
-        time (:meth:`kl_chunk_size`: from both models' head inputs). ``policy_pass`` /
+        time (:meth:`~.head_path.HeadPath.kl_choices`: from both models' head inputs). ``policy_pass`` /
         ``reference_pass`` False: that model does not run and its results are None (see
         :class:`~.rollout_plan.RolloutPlan`; ``full_kl`` needs both).
         """
@@ -423,70 +353,76 @@ class ForwardPass:
             critic.eval()
         models = (policy, reference, critic, policy_values, full_kl, policy_pass, reference_pass)
 
+        if self.truncation is not None and policy_pass and not self._said_rederived:
+            self._said_rederived = True
+            cut = self.truncation
+            warnings.warn(
+                f"PPOConfig truncates sampling (top_k={cut.top_k}, top_p={cut.top_p}, min_p={cut.min_p}): the trainer "
+                f"scores each token under pi_T renormalised over its position's kept set, re-derived from the rollout "
+                f"pass's logits by the {cut.order} sampler's rule and order (the sampler's own sets are not passed to "
+                "step()); where they differ at a cut-off or a tie, rollout/logprob_diff shows it. Said once per run "
+                "(docs/truncated_sampling.md).",
+                stacklevel=4,
+            )
+
         def passes():
             out = torch.zeros(4 if full_kl else 3, batch, width, device=self.device)
+            self._kept_passes = [] if self.truncation is not None and policy_pass else None
             # Asked per attempt: a back-off shrinks the passes, and with them the head's buffer.
-            kl_chunk = self.kl_chunk_size(rows, policy, reference) if full_kl else 0
+            kl_choices = self.head.kl_choices(policy, reference, self.buffer_rows(rows)) if full_kl else None
             with self.per_row_attention():
                 for index, idx in self.minibatches(rows):
                     self.memory.begin_pass(self.prefix.run_tokens(rows, index), len(index))  # as it runs
                     with self.memory.attempt(what="a rollout pass"):
-                        self.rollout_pass(out, rows, index, idx, *models, kl_chunk)
+                        self.rollout_pass(out, rows, index, idx, *models, kl_choices)
                     if self.memory.stop_early:
                         break
             return out
 
         # A pass that runs out of memory: every pass again with half the budget (see oom_backoff).
-        out = self.memory.until_done(passes)
+        try:
+            out = self.memory.until_done(passes)
+            if self._kept_passes is not None:
+                self._rollout_kept = self._kept_of_passes(batch, width)
+        finally:
+            self._kept_passes = None
         mask = rows.action_mask
         logprobs = out[0] * mask if policy_pass else None
         values = out[2] * mask if policy_pass else None
         return logprobs, (out[1] * mask if reference_pass else None), values, (out[3] * mask if full_kl else None)
 
+    def _kept_of_passes(self, batch: int, width: int) -> tuple[KeptSets, torch.Tensor]:
+        """The rollout's kept sets as one :class:`~trl_lite.core.kept_sets.KeptSets` over its ``(B, L)`` positions,
+        and the untruncated entropy ``(B, L)`` of the same passes."""
+        passes = self._kept_passes
+        entropy = torch.zeros(batch * width, device=self.device)
+        for keys, _, _, full in passes:
+            entropy[keys] = full.float()
+        kept = KeptSets.from_passes(batch, width, [(keys, ids, counts) for keys, ids, counts, _ in passes], self.device)
+        return kept, entropy.view(batch, width)
+
     def rollout_pass(self, out, rows: Rows, index: list[int], idx: torch.Tensor, policy, reference, critic,
                      policy_values: bool, full_kl: bool, policy_pass: bool, reference_pass: bool,
-                     kl_chunk: int) -> None:  # fmt: skip
+                     kl_choices: tuple | None) -> None:  # fmt: skip
         """One pass of :meth:`rollout` over rows ``index``: writes their log-probs, reference log-probs, values
-        (and exact KL, from head inputs ``kl_chunk`` tokens at a time when it is not 0) into ``out`` ``(3 or 4, B, L)``.
+        (and exact KL, by ``kl_choices``: both models' logits or head inputs) into ``out`` ``(3 or 4, B, L)``.
         Under sequence parallelism each process computes the KL of its slice's slots, then gathers it."""
-        kl_outputs = {"return_logits": full_kl and not kl_chunk, "return_head_inputs": bool(kl_chunk),
-                      "gather_outputs": False}  # fmt: skip
+        choice, ref_choice = kl_choices or (None, None)
+        kl_outputs = {"return_head_inputs": full_kl, "gather_outputs": False}
         if policy_pass:
             logprobs, values, logits, slots, w = self.logprobs(
-                policy, rows, index, idx, return_values=policy_values, critic=critic, **kl_outputs
-            )
+                policy, rows, index, idx, return_values=policy_values, critic=critic, truncated=True, choice=choice,
+                **kl_outputs,
+            )  # fmt: skip
             out[0, idx, :w] = logprobs
             if values is not None:
                 out[2, idx, :w] = values
         if reference_pass:
             with reference() as ref:
                 ref_logprobs, _, ref_logits, _, w = self.logprobs(
-                    ref, rows, index, idx, return_values=False, **kl_outputs
+                    ref, rows, index, idx, return_values=False, choice=ref_choice, **kl_outputs
                 )
-                ref_head = self.linear_head(ref) if kl_chunk else None
             out[1, idx, :w] = ref_logprobs
         if full_kl:
-            (kl,) = self.gather_slots(self.full_kl(logits, ref_logits, policy, ref_head, kl_chunk))
+            (kl,) = self.gather_slots(self.head.full_kl(logits, ref_logits, choice, ref_choice))
             out[3, idx, :w] = to_compact(kl, slots, len(index), w)
-
-    def full_kl(self, outputs, ref_outputs, policy, ref_head, chunk: int) -> torch.Tensor:
-        """Exact per-token KL of policy vs reference ``(N,)``: from their logits ``(N, V)`` (``chunk`` 0), or from
-        their head inputs ``(N, H)`` and heads, ``chunk`` tokens at a time (docs/algorithm.md section 4)."""
-        if not chunk:
-            return full_kl_from_logits(outputs, ref_outputs, self.temperature)
-        head = self.linear_head(policy)
-        with self.head_autocast():
-            return full_kl_from_hidden(
-                outputs, head.weight, head.bias, ref_outputs, ref_head.weight, ref_head.bias, chunk, self.temperature
-            )
-
-
-# memory/lm_head_chunk_size of a model whose passes take its own (N, V) logits: not 0, which is one buffer.
-OWN_LOGITS = -1
-
-
-def _fitting(buffer: torch.Tensor | None, head: torch.nn.Linear) -> torch.Tensor | None:
-    """``buffer`` if it can hold the logits of ``head`` (vocabulary and dtype), else None."""
-    if buffer is None or buffer.shape[1] != head.weight.shape[0]:
-        return None
-    return buffer if buffer.dtype == torch.promote_types(head.weight.dtype, torch.float32) else None

@@ -148,7 +148,9 @@ class Learner:
         if experience.kl_in_loss and experience.ref_logprobs is None:
             stats["ppo/policy/kl_loss"] = torch.tensor(float("nan"))  # its coefficient is 0: not measured
         stats["ppo/minibatches"] = torch.tensor(float(len(pass_tokens)))
-        stats["memory/lm_head_chunk_size"] = torch.tensor(float(self.forward.step_chunk_size(experience.rows, self.model)))
+        # The path the policy's training passes took (head_path.HeadPath.taken).
+        taken = self.forward.head.taken(self.model, self.forward.buffer_rows(experience.rows))
+        stats["memory/lm_head_chunk_size"] = torch.tensor(float(taken))
         stats["ppo/tokens_per_minibatch/mean"] = torch.tensor(sum(pass_tokens) / max(len(pass_tokens), 1))
         stats["ppo/tokens_per_minibatch/max"] = torch.tensor(float(max(pass_tokens, default=0)))
         stats.update(self.memory.step_stats())
@@ -219,11 +221,12 @@ class Learner:
     def pass_losses(self, experience: Experience, mb: Minibatch, plan: PassPlan, j: int):
         """Pass ``j``'s forward with grad: the policy's and critic's losses, statistics, log-probs, ``lp_old``."""
         rows, forward, shares = experience.rows, self.forward, plan.shares(j)
-        head = forward.linear_head(self.model)
+        path = forward.head.choose(self.model, forward.buffer_rows(rows), record=True)  # the pass's one head decision
         outputs, targets, vpreds, slots, width = forward.head_inputs(
-            self.model, rows, mb.index, mb.idx, head is not None, return_values=self.policy_values, critic=self.critic
+            self.model, rows, mb.index, mb.idx, path.fused, return_values=self.policy_values, critic=self.critic
         )
-        logprobs, entropy = forward.apply_head(head, outputs, targets, forward.buffer_rows(rows), rows)
+        kept = forward.kept_of(rows, mb.idx, slots)  # truncated sampling: the rollout's kept sets (section 23)
+        logprobs, entropy = forward.head.apply(path, outputs, targets, forward.buffer_rows(rows), rows, kept=kept)
         del outputs  # the logits, when the head ran in the model: the saved softmax replaces them
         logprobs, entropy = forward.gather_slots(logprobs, entropy)
         logprobs = to_compact(logprobs, slots, len(mb.index), width)

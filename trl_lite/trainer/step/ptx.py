@@ -29,8 +29,8 @@ def ptx_loss(forward: ForwardPass, model, seqs: list[torch.Tensor], denominator:
     if layout.pass_position_ids:
         inputs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     targets = input_ids[row, position + 1]
-    head = forward.linear_head(model)
-    outputs, _, _ = model(**inputs, return_lm_head_inputs=head is not None, return_values=False)
+    path = forward.head.choose(model, total)
+    outputs, _, _ = model(**inputs, return_lm_head_inputs=path.fused, return_values=False)
     # Not the forward part's shared logits buffer: it holds the PPO pass's softmax until the backward.
-    logprobs, _ = forward.apply_head(head, outputs, targets, total, temperature=1.0)
+    logprobs, _ = forward.head.apply(path, outputs, targets, total, temperature=1.0)
     return -logprobs.mean() if denominator is None else -logprobs.sum() / denominator

@@ -41,7 +41,9 @@ class RolloutPlan:
         # The exact KL of kl_penalty="full" needs the policy's logits next to the reference's.
         full_kl = reference and config.kl_penalty == "full"
         on_policy = config.critic_free and not kl_in_rewards and one_update_per_step(config) and not full_kl
-        return cls(reference=reference, policy=not on_policy)
+        # Truncated sampling: the policy's pass makes the kept sets every training pass replays (section 23).
+        truncates = config.top_k > 0 or config.top_p < 1.0 or config.min_p > 0.0
+        return cls(reference=reference, policy=not on_policy or truncates)
 
     @property
     def passes(self) -> int:

@@ -1,0 +1,224 @@
+"""Truncated sampling's kept sets (PPO_SPEC section 23, docs/truncated_sampling.md): the rule that makes them and
+the compact form they travel in.
+
+A sampler that truncates (``top_k > 0``, ``top_p < 1``, ``min_p > 0``) draws a position's token from
+``pi_T^K = pi_T / pi_T(K)`` over its kept set ``K``. :func:`kept_mask` applies the rule to ``z / T`` as the
+engine does - transformers' warpers in their order (top-k, then top-p on the top-k-renormalised mass, then
+min-p; ties at a boundary kept by top-k and min-p, top-p by its sort; at least one token), or vLLM's order
+(min-p, top-k, top-p). :class:`KeptSets` holds the sets of a step's token positions as CSR (token ids per
+position, int32), bounded: a set larger than :attr:`Truncation.max_kept` tokens (a top-p set without a top-k
+bound, over a flat distribution) keeps its ``max_kept`` most probable tokens and the sampled one.
+
+Shape names: ``R`` positions, ``V`` vocabulary, ``K`` the longest kept set of a pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+# The documented bound of a stored kept set (tokens per position); see Truncation.max_kept.
+MAX_KEPT = 1024
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """The cut of a run's sampler (``PPOConfig.top_k``, ``top_p``, ``min_p``) and the engine order it follows.
+
+    ``order``: ``'transformers'`` (top-k, top-p, min-p) or ``'vllm'`` (min-p, top-k, top-p). ``max_kept``: the
+    bound of one stored set (default :data:`MAX_KEPT`): a top-p set with no top-k bound that is larger keeps its
+    ``max_kept`` most probable tokens (and the sampled one); the dropped tail is below ``1 - top_p`` of the mass
+    plus what the bound cuts, which the run sees as ``policy/truncation/capped``.
+    """
+
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    order: str = "transformers"
+    max_kept: int = MAX_KEPT
+
+    def __post_init__(self):
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0: off), got {self.top_k!r}.")
+        for name, value in (("top_p", self.top_p), ("min_p", self.min_p)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}.")
+        if self.top_p == 0.0:
+            raise ValueError("top_p must be a number in (0, 1] (1.0: off), got 0.0.")
+        if self.order not in ("transformers", "vllm"):
+            raise ValueError(f"order must be 'transformers' or 'vllm', got {self.order!r}.")
+        if isinstance(self.max_kept, bool) or not isinstance(self.max_kept, int) or self.max_kept < 1:
+            raise ValueError(f"max_kept must be an int >= 1, got {self.max_kept!r}.")
+
+    @classmethod
+    def of(cls, sampling, **options) -> Truncation | None:
+        """The cut of a ``PPOConfig`` or :class:`~trl_lite.engines.Sampling`, or None when it does not truncate."""
+        cut = cls(int(sampling.top_k or 0), float(sampling.top_p), float(sampling.min_p or 0.0), **options)
+        return cut if cut.active else None
+
+    @property
+    def active(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
+    def bound(self) -> int:
+        """The most tokens one stored set holds, the sampled one aside (a top-k set holds k, and its ties)."""
+        return self.max_kept
+
+
+def _top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    k = min(max(k, 1), scores.shape[-1])
+    return scores.masked_fill(scores < torch.topk(scores, k).values[..., -1:], -math.inf)
+
+
+def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    # transformers' TopPLogitsWarper: ascending sort, drop the tokens whose cumulative mass is <= 1 - top_p.
+    ordered, order = torch.sort(scores, descending=False)
+    drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
+    drop[..., -1:] = False
+    return scores.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+
+
+def _min_p(scores: torch.Tensor, min_p: float) -> torch.Tensor:
+    probs = torch.softmax(scores, dim=-1)
+    drop = probs < min_p * probs.amax(dim=-1, keepdim=True)
+    drop.scatter_(-1, probs.argmax(dim=-1, keepdim=True), False)
+    return scores.masked_fill(drop, -math.inf)
+
+
+@torch.no_grad()
+def kept_mask(scores: torch.Tensor, truncation: Truncation) -> torch.Tensor:
+    """``(R, V)`` bool: the tokens each position's sampler keeps from ``scores`` ``(R, V)`` = ``z / T`` (any float
+    dtype; the rule runs in float32 or wider), in ``truncation.order``."""
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    candidates = _top_k_candidates(scores, truncation)
+    if candidates is not None:
+        columns, kept = candidates
+        return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, columns, kept)
+    return _cut(scores, truncation)
+
+
+def _top_k_candidates(scores: torch.Tensor, truncation: Truncation):
+    """With top-k first (transformers' order): ``(columns (R, W), kept (R, W))``, the top-k tokens and their ties and
+    which of them top-p and min-p keep - run on those columns alone (the rest are -inf to them), a sort of ``W``
+    values per position instead of the vocabulary's; None for another order or no top-k."""
+    k = truncation.top_k
+    if truncation.order != "transformers" or not 0 < k < scores.shape[-1]:
+        return None
+    values, columns = torch.topk(scores, min(k + 1, scores.shape[-1]))
+    threshold = values[..., k - 1 : k]
+    if bool((values[..., k:] >= threshold).any()):  # ties with the k-th token: all kept, however many
+        width = int((scores >= threshold).sum(-1).max())
+        values, columns = torch.topk(scores, width)
+    else:
+        values, columns = values[..., :k], columns[..., :k]
+    return columns, _cut(values.masked_fill(values < threshold, -math.inf), replace(truncation, top_k=0))
+
+
+def _cut(scores: torch.Tensor, truncation: Truncation) -> torch.Tensor:
+    steps = {"top_k": lambda s: _top_k(s, truncation.top_k), "top_p": lambda s: _top_p(s, truncation.top_p),
+             "min_p": lambda s: _min_p(s, truncation.min_p)}  # fmt: skip
+    order = ("top_k", "top_p", "min_p") if truncation.order == "transformers" else ("min_p", "top_k", "top_p")
+    for name, off in zip(order, [{"top_k": 0, "top_p": 1.0, "min_p": 0.0}[n] for n in order]):
+        if getattr(truncation, name) != off:
+            scores = steps[name](scores)
+    return scores > -math.inf
+
+
+@torch.no_grad()
+def kept_ids(scores: torch.Tensor, labels: torch.Tensor, truncation: Truncation) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept sets of ``scores`` ``(R, V)`` (``z / T``) in padded form: ids ``(R, K)`` int64 (padding: the
+    position's label) and counts ``(R,)``; each set holds its ``labels`` ``(R,)`` token (added when the rule, run
+    again on other logits than the sampler's, dropped it) and at most ``truncation.bound`` tokens besides."""
+    candidates = _top_k_candidates(scores.to(torch.promote_types(scores.dtype, torch.float32)), truncation)
+    if candidates is not None and candidates[0].shape[-1] <= truncation.bound:
+        return _compact(*candidates, labels.reshape(-1, 1))
+    keep = kept_mask(scores, truncation)
+    keep.scatter_(-1, labels.reshape(-1, 1), True)
+    counts = keep.sum(-1)
+    width = int(counts.max()) if counts.numel() else 1
+    bound = truncation.bound + 1
+    if width > bound:  # the most probable bound - 1 tokens and the label
+        ranked = scores.to(torch.float32).masked_fill(~keep, -math.inf)
+        ranked.scatter_(-1, labels.reshape(-1, 1), math.inf)
+        top = torch.topk(ranked, bound, dim=-1)
+        valid = top.values > -math.inf
+        return torch.where(valid, top.indices, labels.reshape(-1, 1)), valid.sum(-1)
+    # Row-major nonzero lists each row's ids in vocabulary order: CSR directly.
+    ids = labels.reshape(-1, 1).expand(-1, max(width, 1)).clone()
+    rows, cols = keep.nonzero(as_tuple=True)
+    starts = torch.cumsum(counts, 0) - counts
+    ids[rows, torch.arange(rows.numel(), device=rows.device) - starts[rows]] = cols
+    return ids, counts
+
+
+def _compact(columns: torch.Tensor, kept: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded sets from candidate ``columns`` ``(R, W)`` and which are ``kept``: the kept ones first, then the label
+    ``(R, 1)`` where it is not among them; padding: the label. (A top-k set: at most k tokens and ties.)"""
+    order = torch.argsort(kept.to(torch.int8), dim=-1, descending=True, stable=True)
+    ids = torch.cat([columns.gather(-1, order), labels], dim=-1)
+    counts = kept.sum(-1)
+    inside = torch.arange(ids.shape[1], device=ids.device) < counts.unsqueeze(-1)
+    missing = ~((ids == labels) & inside).any(-1)
+    ids.scatter_(-1, counts.unsqueeze(-1), labels)  # the label right after the kept ones (kept only if missing)
+    counts = counts + missing
+    inside = torch.arange(ids.shape[1], device=ids.device) < counts.unsqueeze(-1)
+    return torch.where(inside, ids, labels), counts
+
+
+@dataclass
+class KeptSets:
+    """The kept sets of a step's token positions: CSR over ``(row, compact position)`` keys ``row * width + k``.
+
+    ``offsets`` ``(B * width + 1,)`` int64, ``ids`` ``(nnz,)`` int32; a position with no set (padding, a prompt)
+    holds none. Built from padded passes by :meth:`from_passes`; a pass reads its slots' sets back padded by
+    :meth:`for_slots`.
+    """
+
+    offsets: torch.Tensor
+    ids: torch.Tensor
+    width: int
+
+    @classmethod
+    def from_passes(cls, rows: int, width: int, passes: list, device) -> KeptSets:
+        """``passes``: ``(keys (N,), ids (N, K), counts (N,))`` per pass, ``keys`` the flat ``row * width + k``."""
+        counts = torch.zeros(rows * width, dtype=torch.int64, device=device)
+        pieces = []
+        for keys, ids, n in passes:
+            counts[keys] = n
+            pieces.append((keys, ids, n))
+        offsets = torch.zeros(rows * width + 1, dtype=torch.int64, device=device)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        flat = torch.empty(int(offsets[-1]), dtype=torch.int32, device=device)
+        for keys, ids, n in pieces:
+            column = torch.arange(ids.shape[1], device=device)
+            inside = column < n.reshape(-1, 1)
+            flat[(offsets[keys].reshape(-1, 1) + column)[inside]] = ids[inside].to(torch.int32)
+        return cls(offsets, flat, width)
+
+    def for_slots(self, rows: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sets of the slots ``(rows[i], positions[i])`` ``(N,)`` padded: ids ``(N, K)`` int64 (padding: the
+        set's first id) and counts ``(N,)``."""
+        keys = rows.to(torch.int64) * self.width + positions.to(torch.int64)
+        starts, counts = self.offsets[keys], self.offsets[keys + 1] - self.offsets[keys]
+        width = max(1, int(counts.max())) if counts.numel() else 1
+        column = torch.arange(width, device=keys.device)
+        at = starts.reshape(-1, 1) + torch.minimum(column, (counts.reshape(-1, 1) - 1).clamp(min=0))
+        return self.ids[at.clamp(max=max(self.ids.numel() - 1, 0))].to(torch.int64), counts
+
+    def select_rows(self, index: torch.Tensor) -> KeptSets:
+        """The sets of rows ``index`` (a new batch of ``len(index)`` rows, the same width)."""
+        rows = index.to(torch.int64)
+        keys = (rows.reshape(-1, 1) * self.width + torch.arange(self.width, device=rows.device)).reshape(-1)
+        counts = self.offsets[keys + 1] - self.offsets[keys]
+        offsets = torch.zeros(keys.numel() + 1, dtype=torch.int64, device=rows.device)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        ids, _ = self.for_slots(keys // self.width, keys % self.width)
+        inside = torch.arange(ids.shape[1], device=rows.device) < counts.reshape(-1, 1)
+        return KeptSets(offsets, ids[inside].to(torch.int32), self.width)
+
+    @property
+    def nbytes(self) -> int:
+        return self.offsets.numel() * 8 + self.ids.numel() * 4
