@@ -1,3 +1,4 @@
+from .grpo import GRPOConfig, GRPOTrainer
 from .kl_controllers import AdaptiveKLController, FixedKLController
 from .ppo_config import PPOConfig
 from .ppo_trainer import PPOTrainer
@@ -8,6 +9,8 @@ from .step_inputs import NoDatasetWarning
 __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
+    "GRPOConfig",
+    "GRPOTrainer",
     "NoDatasetWarning",
     "PPOConfig",
     "PPOTrainer",
