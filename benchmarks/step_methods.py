@@ -149,7 +149,7 @@ def make_grpo_beta0_step_fn(method: str, workload: CriticFreeWorkload, device: s
     if method == "floor":
         return OnPolicyFloor(lm, workload.mini_batch_size, 1, workload.num_samples_per_query).step
     from trl_lite import PPOConfig, PPOTrainer
-    from trl_lite.trainer.rollout_plan import EVERY_PASS
+    from trl_lite.trainer.step.rollout_plan import EVERY_PASS
 
     config = PPOConfig(
         batch_size=workload.batch_size, mini_batch_size=workload.mini_batch_size, ppo_epochs=workload.ppo_epochs,

@@ -50,7 +50,7 @@ def sync_sites(records) -> Counter:
 
 def sync_verdict(total: int, minibatches: int, per_step: int = 0, budget: int = SYNC_BUDGET) -> tuple[str, float]:
     """``("PASS" or "FAIL", syncs per training mini-batch)``: the ``per_step`` syncs a step makes once
-    (``trl_lite.trainer.transfer.sync_budget``) set aside, FAIL above ``budget`` per mini-batch."""
+    (``trl_lite.trainer.step.transfer.sync_budget``) set aside, FAIL above ``budget`` per mini-batch."""
     per_minibatch = (total - per_step) / minibatches
     return ("PASS" if per_minibatch <= budget else "FAIL"), per_minibatch
 
@@ -91,7 +91,7 @@ def step_syncs(trainer, batch) -> Counter:
 
 
 def check_syncs(args) -> tuple[str, str]:
-    from trl_lite.trainer.transfer import sync_budget
+    from trl_lite.trainer.step.transfer import sync_budget
 
     runs = {
         "GAE": (shared_trainer(), make_batch()),

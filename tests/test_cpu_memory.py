@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 
-from trl_lite.trainer.cpu_memory import keep_freed_cpu_memory
+from trl_lite.trainer.memory.cpu_memory import keep_freed_cpu_memory
 
 # Runs in a fresh interpreter: the setting is process-wide and must not leak into other tests.
 # Like a mini-batch, each round allocates, touches and frees one and then three 20 MiB tensors
@@ -14,7 +14,7 @@ from trl_lite.trainer.cpu_memory import keep_freed_cpu_memory
 # thousands of page faults over the run); once freed blocks are kept, the pages are reused.
 CHILD = """
 import json, resource, torch
-from trl_lite.trainer.cpu_memory import keep_freed_cpu_memory
+from trl_lite.trainer.memory.cpu_memory import keep_freed_cpu_memory
 
 def faults():
     total = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -21,7 +21,7 @@ from trl_lite.engines import (
     resolve_sleep_mode,
 )
 from trl_lite.engines.generation import RolloutGeneration
-from trl_lite.trainer.timing import PhaseTimer
+from trl_lite.trainer.step.timing import PhaseTimer
 
 
 def _options(placement, **overrides):

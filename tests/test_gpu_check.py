@@ -63,12 +63,12 @@ def test_sync_warnings_are_counted_by_source_line_and_other_warnings_left_out():
         return warnings.WarningMessage(UserWarning(message), UserWarning, str(REPO / path), line)
 
     records = [
-        record("called a synchronizing CUDA operation", "trl_lite/trainer/learner.py", 40),
-        record("called a synchronizing CUDA operation", "trl_lite/trainer/learner.py", 40),
+        record("called a synchronizing CUDA operation", "trl_lite/trainer/step/learner.py", 40),
+        record("called a synchronizing CUDA operation", "trl_lite/trainer/step/learner.py", 40),
         record("Called a synchronizing CUDA operation", "trl_lite/core/stats.py", 7),
         record("PPOTrainer got no dataset", "trl_lite/trainer/ppo_trainer.py", 1),
     ]
-    assert gpu_check_kernels.sync_sites(records) == {"trl_lite/trainer/learner.py:40": 2, "trl_lite/core/stats.py:7": 1}
+    assert gpu_check_kernels.sync_sites(records) == {"trl_lite/trainer/step/learner.py:40": 2, "trl_lite/core/stats.py:7": 1}
 
 
 def test_the_summary_and_the_table():

@@ -6,7 +6,7 @@ is made and while the learner trains: one per mini-batch (the skip guard, a coll
 optimizer step (the gradients' finiteness after clipping), nothing per row or per token. Reads inside
 transformers are not counted here (``make gpu-check`` measures every sync on a GPU).
 
-A second test counts the whole step's traffic (trainer/transfer.py lists its budget): the batch's rows go
+A second test counts the whole step's traffic (trainer/step/transfer.py lists its budget): the batch's rows go
 to the device in one buffer and none on its own, and the statistics come back in one copy.
 """
 
@@ -54,7 +54,7 @@ def _prompt_reads(trainer) -> dict:
     """The one read of the user's host query tokens in a step, to find rows that share a prompt (where the
     trainer looks for them: automatic or on prefix sharing over packed passes, or a shuffle by prompt)."""
     looks = trainer.forward.prefix.shares_prompts or trainer.config.shuffle_by_prompt
-    return {("tolist", "trainer/prefix_sharing.py"): 1} if looks else {}
+    return {("tolist", "trainer/memory/prefix_sharing.py"): 1} if looks else {}
 
 
 def _host_reads(trainer) -> int:
@@ -86,8 +86,8 @@ def test_one_sync_per_minibatch_and_one_per_update(count_reads, padding_free, gr
     minibatches = config.ppo_epochs * config.batch_size // config.mini_batch_size
     updates = minibatches // gradient_accumulation_steps
     # Per epoch one more .tolist(): the permutation, drawn on the host by torch.randperm (no device read).
-    assert _by_site(count_reads) == {("tolist", "trainer/learner.py"): minibatches, ("item", "trainer/learner.py"): updates,
-                                     ("tolist", "trainer/prefix_sharing.py"): _host_reads(trainer)}  # fmt: skip
+    assert _by_site(count_reads) == {("tolist", "trainer/step/learner.py"): minibatches, ("item", "trainer/step/learner.py"): updates,
+                                     ("tolist", "trainer/memory/prefix_sharing.py"): _host_reads(trainer)}  # fmt: skip
 
 
 def _user_tensors(batch):
@@ -96,11 +96,11 @@ def _user_tensors(batch):
 
 @pytest.mark.parametrize("padding_free", [False, True])
 def test_a_step_moves_its_batch_in_one_copy_and_reads_its_statistics_back_in_one(monkeypatch, padding_free):
-    """The sync budget of trainer/transfer.py, counted by site over a whole step without its input checks:
+    """The sync budget of trainer/step/transfer.py, counted by site over a whole step without its input checks:
     per mini-batch the skip guard, per update the gradients' finiteness, per step one copy back. Reads of
     the host copy are free (host memory on a GPU too) and not counted; nor are host lists' ``.tolist()``."""
-    from trl_lite.trainer import statistics
-    from trl_lite.trainer import transfer
+    from trl_lite.trainer.step import statistics
+    from trl_lite.trainer.step import transfer
 
     config = PPOConfig(batch_size=8, mini_batch_size=2, ppo_epochs=2, max_grad_norm=1.0, padding_free=padding_free)
     trainer, batch = _trainer_and_batch(config)
@@ -139,10 +139,10 @@ def test_a_step_moves_its_batch_in_one_copy_and_reads_its_statistics_back_in_one
     # and one for the host scalars of the statistics; no row moved on its own.
     assert packs == [8 + 8 + 1 + 1, 1] and moves == []
     minibatches = config.ppo_epochs * config.batch_size // config.mini_batch_size
-    train_reads = {("tolist", "trainer/learner.py"): minibatches, ("item", "trainer/learner.py"): minibatches,
-                   ("tolist", "trainer/prefix_sharing.py"): _host_reads(trainer)}  # fmt: skip
+    train_reads = {("tolist", "trainer/step/learner.py"): minibatches, ("item", "trainer/step/learner.py"): minibatches,
+                   ("tolist", "trainer/memory/prefix_sharing.py"): _host_reads(trainer)}  # fmt: skip
     assert before == train_reads
-    assert reads == {**train_reads, ("cpu", "trainer/transfer.py"): 1}
+    assert reads == {**train_reads, ("cpu", "trainer/step/transfer.py"): 1}
     # The budget: at most 2 per training mini-batch (the permutations and the query tokens are host reads).
     assert (sum(before.values()) - _host_reads(trainer)) / minibatches <= 2
 
@@ -151,7 +151,7 @@ def test_a_step_moves_its_batch_in_one_copy_and_reads_its_statistics_back_in_one
 def test_sync_budget_covers_every_read_of_a_step(count_reads, options):
     """``sync_budget`` (what ``make gpu-check``'s sync row compares with) against the reads of trl_lite's
     own code in a step on the CPU: equal, but the host reads of :func:`_host_reads`."""
-    from trl_lite.trainer.transfer import sync_budget
+    from trl_lite.trainer.step.transfer import sync_budget
 
     config = PPOConfig(batch_size=8, mini_batch_size=2, ppo_epochs=2, max_grad_norm=1.0, target_kl=1e9, **options)
     trainer, batch = _trainer_and_batch(config)
@@ -204,7 +204,7 @@ from trl_lite.models.varlen_attention import VarlenKernel  # noqa: E402
 
 _SYNC_OPS = {"_local_scalar_dense", "nonzero", "_unique", "_unique2", "unique_dim", "unique_consecutive",
              "masked_select", "equal"}  # fmt: skip
-_ONE_COPY_SITES = ("trainer/transfer.py", "trainer/rows.py", "models/varlen_attention.py")
+_ONE_COPY_SITES = ("trainer/step/transfer.py", "trainer/layout/rows.py", "models/varlen_attention.py")
 _MARK = "_trl_lite_test_on_device"
 
 
@@ -370,7 +370,7 @@ _OPTIONS = {
 def test_every_synchronising_operation_of_a_step_is_in_the_sync_budget(count_device_syncs, estimator, options):
     """Every sync of ``step()`` counted at the dispatcher equals :func:`sync_budget`'s list: at most 2 per
     training mini-batch plus 1 per step (the statistics' copy back), score scaling included."""
-    from trl_lite.trainer.transfer import sync_budget
+    from trl_lite.trainer.step.transfer import sync_budget
 
     config = PPOConfig(batch_size=8, mini_batch_size=2, ppo_epochs=2, max_grad_norm=1.0, **_ESTIMATORS[estimator],
                        **_OPTIONS[options])  # fmt: skip

@@ -19,9 +19,9 @@ from test_step_reference import assert_stats_close, assert_weights_close, make_b
 from tiny_models import make_gpt2, make_qwen2, make_t5, make_tokenizer, random_batch
 
 import trl_lite.core.lm_head as lm_head_module
-import trl_lite.trainer.forward as forward_module
+import trl_lite.trainer.step.forward as forward_module
 from trl_lite import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOConfig, PPOTrainer
-from trl_lite.trainer.oom_backoff import PassOutOfMemory
+from trl_lite.trainer.memory.oom_backoff import PassOutOfMemory
 
 CHUNK = 3  # tokens: every pass of these batches spans several chunks
 

@@ -60,7 +60,7 @@ def test_timed_phases_and_generation_time_appear_in_the_next_step_only():
 def test_step_phases_are_timed_with_device_events_on_cuda(monkeypatch):
     """On CUDA a phase mark is a CUDA event recorded in stream order (no host sync when it is made); the
     seconds come from the events' own clock once they completed. A stand-in event class checks the calls."""
-    from trl_lite.trainer.timing import StepClock
+    from trl_lite.trainer.step.timing import StepClock
 
     calls = []
 

@@ -21,7 +21,7 @@ from tiny_models import make_gpt2, make_gpt2_critic, make_tokenizer, random_batc
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 from trl_lite.core import masked_mean, masked_var
-from trl_lite.trainer.pass_plan import combine_pass_stats
+from trl_lite.trainer.step.pass_plan import combine_pass_stats
 
 # Statistics that describe the passes themselves (their count and size) or the back-off: they differ by design.
 PASS_STATS = ("ppo/minibatches", "ppo/tokens_per_minibatch/mean", "ppo/tokens_per_minibatch/max", "memory/", "prefix_sharing/")
@@ -264,8 +264,8 @@ def test_the_checkpointer_saves_each_part_through_its_state_dict(tmp_path):
     load_state_dict(); a checkpoint without the part's name (written before it existed) leaves the part as it is."""
     from accelerate import Accelerator
 
-    from trl_lite.trainer.checkpointing import Checkpointer
-    from trl_lite.trainer.oom_backoff import MemoryBackoff, PassOutOfMemory
+    from trl_lite.trainer.state.checkpointing import Checkpointer
+    from trl_lite.trainer.memory.oom_backoff import MemoryBackoff, PassOutOfMemory
 
     accelerator = Accelerator(cpu=True)
     memory = MemoryBackoff(accelerator, None, enabled=True)

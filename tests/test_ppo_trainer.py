@@ -373,7 +373,7 @@ def test_lm_head_and_softmax_see_only_the_response_token_slots(monkeypatch, enco
     # (one fewer per row for encoder-decoders, whose first decoder token is the start token).
     # Decoder-only models go through the fused head (core._lm_head_logits), T5 through its own head.
     import trl_lite.core.lm_head as core_module
-    import trl_lite.trainer.forward as forward_module
+    import trl_lite.trainer.step.forward as forward_module
 
     if encoder_decoder:
         model = AutoModelForSeq2SeqLMWithValueHead.from_pretrained(make_t5())

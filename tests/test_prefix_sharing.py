@@ -15,7 +15,7 @@ from tiny_models import VOCAB_SIZE, make_gpt2, make_gpt2_critic, make_tokenizer
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 from trl_lite.core import LOSS_TYPES
-from trl_lite.trainer.prefix_sharing import epoch_order, prompt_ids
+from trl_lite.trainer.memory.prefix_sharing import epoch_order, prompt_ids
 
 COMPARED = ("objective/kl", "objective/entropy", "ppo/loss/policy", "ppo/loss/total", "ppo/policy/entropy",
             "ppo/policy/approxkl", "ppo/policy/policykl", "ppo/policy/clipfrac", "ppo/policy/advantages_mean")  # fmt: skip
@@ -142,7 +142,7 @@ def test_prefix_sharing_is_checked():
 
 
 def test_sequence_parallelism_refuses_prefix_sharing():
-    from trl_lite.trainer.prefix_sharing import check_sharing
+    from trl_lite.trainer.memory.prefix_sharing import check_sharing
 
     policy = object()
     with pytest.raises(ValueError, match="prefix_sharing=True is not supported with sequence parallelism"):

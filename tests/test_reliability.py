@@ -15,7 +15,7 @@ from peft import LoraConfig
 from tiny_models import VOCAB_SIZE, make_gpt2, make_tokenizer, random_batch
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
-from trl_lite.trainer.checkpointing import _TRAINER_STATE
+from trl_lite.trainer.state.checkpointing import _TRAINER_STATE
 
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resume_driver.py")
 BATCH = 4

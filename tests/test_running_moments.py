@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from trl_lite.trainer.running_moments import RunningMoments
+from trl_lite.trainer.state.running_moments import RunningMoments
 
 
 def _batches():

@@ -22,7 +22,7 @@ from trl_lite.core import (
     overlong_penalty,
     shape_scores,
 )
-from trl_lite.trainer.statistics import resolve_stop_token_ids
+from trl_lite.trainer.step.statistics import resolve_stop_token_ids
 
 EOS = 1  # the tiny tokenizer's <eos>
 

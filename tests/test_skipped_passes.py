@@ -23,7 +23,7 @@ from test_step_reference import BATCH_SIZE, make_batch, perturbed_copy
 from tiny_models import make_gpt2, make_tokenizer
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
-from trl_lite.trainer.rollout_plan import EVERY_PASS, RolloutPlan
+from trl_lite.trainer.step.rollout_plan import EVERY_PASS, RolloutPlan
 
 # GRPO with the KL at 0 and one optimizer step per step(): 4 mini-batches of 2 rows accumulated.
 ON_POLICY = dict(

@@ -1,10 +1,10 @@
-"""The split of rows into passes by a token budget (trl_lite/trainer/token_budget.py), against brute force."""
+"""The split of rows into passes by a token budget (trl_lite/trainer/memory/token_budget.py), against brute force."""
 
 import random
 
 import pytest
 
-from trl_lite.trainer.token_budget import first_fit_decreasing, split_by_tokens
+from trl_lite.trainer.memory.token_budget import first_fit_decreasing, split_by_tokens
 
 
 def _partitions(items):

@@ -12,9 +12,9 @@ from tiny_models import make_gpt2, make_gpt2_critic, make_t5, make_tokenizer, ra
 
 import trl_lite.trainer.ppo_trainer as ppo_trainer_module
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
-from trl_lite.trainer.classic_helpers import ClassicHelpersMixin
-from trl_lite.trainer.experience import Experience
-from trl_lite.trainer.rows import action_mask, actions_per_row
+from trl_lite.trainer.classic.helpers import ClassicHelpersMixin
+from trl_lite.trainer.step.experience import Experience
+from trl_lite.trainer.layout.rows import action_mask, actions_per_row
 
 
 def make_trainer(batch_size=4, mini_batch_size=2, value_model=None, **config_kwargs):
@@ -166,7 +166,7 @@ def test_ema_is_saved_and_restored_by_its_one_owner(tmp_path):
 
 
 def test_a_loaded_dataloader_position_is_saved_again_before_it_is_iterated():
-    from trl_lite.trainer.resumable_loader import ResumableLoader
+    from trl_lite.trainer.state.resumable_loader import ResumableLoader
 
     def loader():
         g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""A step's batch moved in one copy and its statistics read back in one (trl_lite.trainer.transfer).
+"""A step's batch moved in one copy and its statistics read back in one (trl_lite.trainer.step.transfer).
 
 The buffer is checked byte for byte: tensors of mixed dtypes and odd sizes go in, the same values,
 dtypes and shapes come out as views of one buffer; scalars keep their order; a step's batch keeps
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from trl_lite.trainer.experience import StepBatch
-from trl_lite.trainer.transfer import (
+from trl_lite.trainer.step.experience import StepBatch
+from trl_lite.trainer.step.transfer import (
     _ALIGN,
     _pack,
     _unpack,

@@ -30,8 +30,8 @@ from common import finish, full_named_parameters, gather_across_processes
 
 from tiny_models import make_gpt2, make_tokenizer, random_batch
 from trl_lite import PPOConfig, PPOTrainer, set_seed
-from trl_lite.trainer.rollout_plan import EVERY_PASS
-from trl_lite.trainer.token_budget import split_by_tokens
+from trl_lite.trainer.step.rollout_plan import EVERY_PASS
+from trl_lite.trainer.memory.token_budget import split_by_tokens
 
 GLOBAL_BATCH = 8
 

@@ -34,7 +34,7 @@ class RolloutGeneration:
     Args:
         engine: generates the policy's responses.
         reference_engine: generates the reference's responses (``generate_ref_response=True``).
-        timer: the trainer's :class:`~trl_lite.trainer.timing.PhaseTimer` (``rollout/generate``, ``rollout/weight_sync``).
+        timer: the trainer's :class:`~trl_lite.trainer.step.timing.PhaseTimer` (``rollout/generate``, ``rollout/weight_sync``).
         policy_weights: called for each push; yields the policy's ``(name, tensor)`` pairs, or gives an
             :class:`~.lora_sync.AdapterUpdate` (an adapter push).
         version: counts policy updates; None for an engine that needs no pushes.

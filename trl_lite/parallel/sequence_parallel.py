@@ -1,7 +1,7 @@
 """Sequence parallelism (Ulysses) for packed passes: the processes of one group share a batch, each
 holds a slice of every pass's token stream (docs/sequence_parallel.md, docs/algorithm.md section 21).
 
-A packed pass is one stream ``(1, N_total)`` of whole rows (:meth:`~trl_lite.trainer.rows.InputLayout.packed`).
+A packed pass is one stream ``(1, N_total)`` of whole rows (:meth:`~trl_lite.trainer.layout.rows.InputLayout.packed`).
 With ``sp`` processes in a group, the stream is padded to a multiple of ``sp`` with one row of padding
 and cut into ``sp`` equal slices; process ``k`` of the group runs the model on slice ``k``. Embeddings,
 MLPs and the LM head see only the local tokens. Around attention, DeepSpeed's Ulysses all-to-all
@@ -83,7 +83,7 @@ class SequencePass:
 
     ``parallel``: the :class:`SequenceParallel` group; ``start``/``stop``: the slice of the padded stream
     ``(1, sp * chunk)``; ``total``: the stream's tokens before padding; ``slot_counts``: the LM-head slots
-    (:func:`~trl_lite.trainer.rows.token_slots`) of each member's slice, host ints; ``rows``: the padded
+    (:func:`~trl_lite.trainer.layout.rows.token_slots`) of each member's slice, host ints; ``rows``: the padded
     stream's :class:`~trl_lite.models.varlen_attention.PackedRows` (the padding is a row of its own);
     ``position_ids``: ``(1, chunk)`` this slice's position ids (each row's own).
     """
@@ -260,7 +260,7 @@ class SequenceParallel:
     # ------------------------------------------------------------------------------------------
     def cut(self, inputs: dict, lengths: list[int], firsts: list[int], counts: list[int],
             pad_id: int) -> tuple[dict, SequencePass]:  # fmt: skip
-        """This process's slice of a packed pass's model ``inputs`` (:meth:`~trl_lite.trainer.rows.InputLayout.packed`).
+        """This process's slice of a packed pass's model ``inputs`` (:meth:`~trl_lite.trainer.layout.rows.InputLayout.packed`).
 
         ``lengths``: the rows' tokens; ``firsts``: the stream position of each row's first slot; ``counts``:
         each row's slots (host ints); ``pad_id``: the token id of the padding row. Returns the inputs of the

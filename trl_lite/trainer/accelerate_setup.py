@@ -8,7 +8,6 @@ project's ENVIRONMENT.md; everything else is plain accelerate.
 from __future__ import annotations
 
 import copy
-import gc
 import logging
 import os
 import warnings
@@ -203,10 +202,3 @@ def default_optimizer(model, learning_rate: float, weight_decay: float | None = 
     if weight_decay is None:
         return torch.optim.Adam(params, lr=learning_rate, fused=fused or None)
     return torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, fused=fused or None)
-
-
-def empty_device_cache() -> None:
-    """Collect garbage and return cached CUDA memory to the driver (``optimize_device_cache``)."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

@@ -319,7 +319,7 @@ class PPOConfig:
         metadata={
             "help": "When training on CPU under Linux/glibc, keep memory freed between mini-batches mapped in "
             "the process instead of returning it to the OS (a process-wide malloc setting, see "
-            "trl_lite.trainer.cpu_memory): saves the kernel's page faults on every vocabulary-sized tensor, "
+            "trl_lite.trainer.memory.cpu_memory): saves the kernel's page faults on every vocabulary-sized tensor, "
             "about a fifth of a step on the w1 benchmark. Resident memory stays at its peak. Also makes CPU steps "
             "reuse one LM-head logits buffer, kept between steps."
         },

@@ -31,6 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .. import core
 from ..core import flatten_dict
+from ..engines.generation import build_generation
 from ..models import PreTrainedModelWrapper, as_value_model, create_reference_model
 from ..models.dropout import disable_dropout_in_model
 from ..models.reference import reference_context
@@ -38,28 +39,27 @@ from ..parallel.sequence_parallel import SequenceParallel, configure_deepspeed, 
 from .accelerate_setup import (
     build_accelerator,
     default_optimizer,
-    empty_device_cache,
     fill_deepspeed_config,
     prepare_deepspeed_reference,
     save_full_model,
 )
-from .checkpointing import Checkpointer
-from .classic_helpers import ClassicHelpersMixin
-from .cpu_memory import keep_freed_cpu_memory
-from .ema import PolicyEMA
-from .experience import StepBatch
-from .experience_maker import ExperienceMaker
-from .forward import ForwardPass
-from ..engines.generation import build_generation
-from .kl_controllers import AdaptiveKLController, FixedKLController, update_kl_controller
-from .learner import Learner
-from .oom_backoff import MemoryBackoff
-from .objective import PolicyObjective
+from .classic.helpers import ClassicHelpersMixin
+from .memory.cpu_memory import keep_freed_cpu_memory
+from .memory.oom_backoff import MemoryBackoff, empty_device_cache
 from .ppo_config import PPOConfig
-from .resumable_loader import ResumableLoader
-from .rollout_plan import RolloutPlan
-from .running_moments import RunningMoments
-from .statistics import StepStatistics, resolve_stop_token_ids
+from .state.checkpointing import Checkpointer
+from .state.ema import PolicyEMA
+from .state.kl_controllers import AdaptiveKLController, FixedKLController, update_kl_controller
+from .state.resumable_loader import ResumableLoader
+from .state.running_moments import RunningMoments
+from .step.experience import StepBatch
+from .step.experience_maker import ExperienceMaker
+from .step.forward import ForwardPass
+from .step.learner import Learner
+from .step.objective import PolicyObjective
+from .step.rollout_plan import RolloutPlan
+from .step.statistics import StepStatistics, resolve_stop_token_ids
+from .step.timing import PhaseTimer
 from .step_inputs import (
     check_constructor_args,
     check_critic_args,
@@ -72,7 +72,6 @@ from .step_inputs import (
     warn_without_dataset,
     wrap_plain_model,
 )
-from .timing import PhaseTimer
 
 # Where save_pretrained(save_value_model=True) writes the critic, inside the policy's directory.
 VALUE_MODEL_SUBFOLDER = "value_model"

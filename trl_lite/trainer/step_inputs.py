@@ -22,8 +22,8 @@ from ..models import (
     ValueModel,
 )
 from ..models.modeling_base import is_peft_model
+from .layout.rows import actions_per_row, concat_by_device
 from .ppo_config import PPOConfig
-from .rows import actions_per_row, concat_by_device
 
 SUPPORTED_MODELS = (AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead)
 # Estimators whose baseline comes from the other responses to the same query.
@@ -323,13 +323,6 @@ def _all_hold(tensors: list, check) -> bool:
     """Whether ``check`` (elementwise, to booleans) holds for every value of ``tensors``: one read of
     the host per device the tensors are on (one when they share it), however many rows there are."""
     return all(bool(check(flat).all()) for flat in concat_by_device(tensors))
-
-
-def scores_tensor(scores, device) -> torch.Tensor:
-    """A list of B scalars (numbers or 0-d tensors), or a ``(B,)`` tensor, as a float32 ``(B,)`` tensor on ``device``."""
-    if isinstance(scores, torch.Tensor):
-        return scores.to(device=device, dtype=torch.float32).reshape(-1)
-    return torch.stack([torch.as_tensor(s, dtype=torch.float32).to(device).reshape(()) for s in scores])
 
 
 def validate_generation_logprobs(generation_logprobs, responses) -> None:

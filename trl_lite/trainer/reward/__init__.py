@@ -1,4 +1,8 @@
-"""The reward-model trainer: pairwise (Bradley-Terry) training of a sequence-classification model."""
+"""The reward-model trainer: pairwise (Bradley-Terry) training of a sequence-classification model.
+
+A face beside ``PPOTrainer``: may import the faces' set-up and checks, ``state/``, ``layout/`` and the
+packages outside the trainer.
+"""
 
 from .reward_config import RewardConfig
 from .reward_data import RewardDataCollatorWithPadding

@@ -29,8 +29,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 from ... import core
 from ...core import flatten_dict, pairwise_ranking_loss, preference_stats
 from ..accelerate_setup import build_accelerator, default_optimizer, fill_deepspeed_batch_config, save_full_model
-from ..checkpointing import Checkpointer
-from ..resumable_loader import ResumableLoader
+from ..state.checkpointing import Checkpointer
+from ..state.resumable_loader import ResumableLoader
 from .reward_config import RewardConfig
 from .reward_data import RewardDataCollatorWithPadding, prepare_pairs
 

@@ -13,12 +13,19 @@ what a user sees is in docs/out_of_memory.md.
 
 from __future__ import annotations
 
+import gc
 import warnings
 from contextlib import contextmanager
 
 import torch
 
-from .accelerate_setup import empty_device_cache
+
+def empty_device_cache() -> None:
+    """Collect garbage and return cached CUDA memory to the driver (``optimize_device_cache``)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
 
 # What to change when a single row does not fit, named in every message that gives up.
 _REMEDIES = (

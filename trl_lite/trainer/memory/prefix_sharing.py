@@ -15,8 +15,8 @@ import dataclasses
 
 import torch
 
-from ..models.shared_prefix_attention import shared_rows
-from .rows import Rows, to_device, token_slots
+from ...models.shared_prefix_attention import shared_rows
+from ..layout.rows import Rows, to_device, token_slots
 
 #: The automatic rule's threshold: sharing is on for a step when it saves at least this share of its tokens.
 AUTOMATIC_SAVING = 0.25

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .rows import to_device
+from ..layout.rows import to_device
 
 # Statistics that are a pass's share of its backward batch's loss under a token budget: summed over the passes.
 LOSS_STATS = ("loss/policy", "loss/value", "loss/total", "loss/ptx", "policy/kl_loss", "policy/entropy_loss")

@@ -11,8 +11,8 @@ import dataclasses
 
 import torch
 
-from .. import core
-from ..core import (
+from ... import core
+from ...core import (
     compute_gae,
     compute_kl_rewards,
     discounted_returns,
@@ -24,12 +24,11 @@ from ..core import (
     sequence_to_tokens,
     truncated_importance_weights,
 )
-from .experience import Experience, StepBatch
+from ..layout.rows import actions_per_row, to_device
+from ..memory.prefix_sharing import prompt_ids
+from .experience import Experience, StepBatch, scores_tensor
 from .forward import ForwardPass
-from .prefix_sharing import prompt_ids
 from .rollout_plan import EVERY_PASS, RolloutPlan
-from .rows import actions_per_row, to_device
-from .step_inputs import scores_tensor
 from .timing import StepClock
 from .transfer import batch_to_device
 

@@ -13,10 +13,11 @@ import os
 
 import torch
 
-from .. import __version__
-from ..core import compute_kl_rewards, full_kl_from_logits, kl_estimate, masked_mean
-from . import classic_forward
-from .step_inputs import scores_tensor, validate_step_inputs
+from ... import __version__
+from ...core import compute_kl_rewards, full_kl_from_logits, kl_estimate, masked_mean
+from ..step.experience import scores_tensor
+from ..step_inputs import validate_step_inputs
+from . import batched_forward as classic_forward
 
 _MODEL_CARD = """---
 license: apache-2.0

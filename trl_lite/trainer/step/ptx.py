@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from ..layout.rows import to_device
 from .forward import ForwardPass
-from .rows import to_device
 
 
 def ptx_loss(forward: ForwardPass, model, seqs: list[torch.Tensor], denominator: float | None = None) -> torch.Tensor:

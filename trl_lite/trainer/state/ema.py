@@ -13,7 +13,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from ..models.modeling_base import _WRAPPED_PREFIX as WRAPPED_PREFIX
+from ...models.modeling_base import _WRAPPED_PREFIX as WRAPPED_PREFIX
 
 
 def _is_partitioned(param: torch.Tensor) -> bool:

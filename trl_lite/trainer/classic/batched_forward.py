@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .forward import ForwardPass
-from .rows import Rows, to_compact
+from ..layout.rows import Rows, to_compact
+from ..step.forward import ForwardPass
 
 
 def prepare_model_inputs(forward: ForwardPass, queries: list[torch.Tensor], responses: list[torch.Tensor]) -> dict:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core import aggregate_loss, k3_kl, masked_mean, ppo_policy_loss
+from ...core import aggregate_loss, k3_kl, masked_mean, ppo_policy_loss
 
 
 @dataclass(frozen=True)

@@ -16,14 +16,14 @@ from contextlib import contextmanager
 
 import torch
 
-from ..core import full_kl_from_hidden, full_kl_from_logits, logprobs_and_entropy_from_logits, logprobs_from_logits
-from ..core.lm_head import call_head, linear_head, linear_head_logprobs, lm_head_chunk_size
-from ..models.packed_attention import ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths, without_cudnn
-from ..models.varlen_attention import packed_rows
-from .oom_backoff import MemoryBackoff
-from .prefix_sharing import PrefixSharing, check_sharing, units_passes
-from .rows import InputLayout, Rows, at_positions, make_rows, pad_token_id, to_compact, to_device
-from .token_budget import split_by_tokens
+from ...core import full_kl_from_hidden, full_kl_from_logits, logprobs_and_entropy_from_logits, logprobs_from_logits
+from ...core.lm_head import call_head, linear_head, linear_head_logprobs, lm_head_chunk_size
+from ...models.packed_attention import ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths, without_cudnn
+from ...models.varlen_attention import packed_rows
+from ..layout.rows import InputLayout, Rows, at_positions, make_rows, pad_token_id, to_compact, to_device
+from ..memory.oom_backoff import MemoryBackoff
+from ..memory.prefix_sharing import PrefixSharing, check_sharing, units_passes
+from ..memory.token_budget import split_by_tokens
 
 
 class ForwardPass:

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from accelerate.utils import gather_object
 
-from ..core import groups_with_equal_scores, masked_mean, stats_to_np
+from ...core import groups_with_equal_scores, masked_mean, stats_to_np
 from .transfer import Selected, stack_scalars, to_host_together
 
 # Statistics that are distributions (1-D arrays): concatenated over processes instead of averaged.

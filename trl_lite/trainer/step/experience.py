@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .rows import Rows, to_device
+from ..layout.rows import Rows, to_device
 
 
 @dataclass(frozen=True)
@@ -140,3 +140,10 @@ class Minibatch:
     token_weights: torch.Tensor | None
     generation: torch.Tensor | None
     ptx: list | None
+
+
+def scores_tensor(scores, device) -> torch.Tensor:
+    """A list of B scalars (numbers or 0-d tensors), or a ``(B,)`` tensor, as a float32 ``(B,)`` tensor on ``device``."""
+    if isinstance(scores, torch.Tensor):
+        return scores.to(device=device, dtype=torch.float32).reshape(-1)
+    return torch.stack([torch.as_tensor(s, dtype=torch.float32).to(device).reshape(()) for s in scores])

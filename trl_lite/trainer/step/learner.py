@@ -16,7 +16,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from ..core import (
+from ...core import (
     entropy_from_logits,
     importance_ratio,
     masked_mean,
@@ -24,13 +24,13 @@ from ..core import (
     ppo_value_loss,
     truncated_importance_weights,
 )
+from ..layout.rows import to_compact
+from ..memory.oom_backoff import MemoryBackoff, PassOutOfMemory, drop_gradients
+from ..memory.prefix_sharing import epoch_order
 from .experience import Experience, Minibatch
 from .forward import ForwardPass
-from .oom_backoff import MemoryBackoff, PassOutOfMemory, drop_gradients
 from .pass_plan import PassPlan, combine_pass_stats, plan_epoch
-from .prefix_sharing import epoch_order
 from .ptx import ptx_loss
-from .rows import to_compact
 from .transfer import Selected
 
 _POLICY_STAT_KEYS = (
