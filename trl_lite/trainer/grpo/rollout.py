@@ -42,7 +42,7 @@ def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     count = present.sum(dim).to(values.dtype)
     mean = torch.nanmean(values, dim=dim, keepdim=True)
     squares = torch.where(present, (values - mean) ** 2, torch.zeros_like(values)).sum(dim)
-    return (squares / (count - 1)).sqrt()
+    return torch.where(count > 1, squares / (count - 1).clamp(min=1), torch.full_like(squares, float("nan"))).sqrt()
 
 
 class GRPORollout:
