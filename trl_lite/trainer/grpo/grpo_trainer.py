@@ -176,10 +176,10 @@ class GRPOTrainer:
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Train for ``max_steps`` optimizer steps (or ``num_train_epochs``), resuming from a checkpoint path, or
         from the newest one in ``output_dir`` with ``True``; a resumed run ends bit-identical to an uninterrupted one."""
-        args, state = self.args, self.state
-        checkpoint = resolve_checkpoint(resume_from_checkpoint, args.output_dir)
+        checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
         if checkpoint is not None:
             self._load(checkpoint)
+        args, state = self.args, self.state
         state.max_steps, state.num_train_epochs = self.max_steps, args.num_train_epochs
         state.train_batch_size = args.per_device_train_batch_size
         for name in ("logging_steps", "eval_steps", "save_steps"):
