@@ -13,6 +13,7 @@ import os
 import warnings
 
 import torch
+from transformers.trainer_pt_utils import AcceleratorConfig
 
 from ..ppo_config import PPOConfig
 
@@ -61,7 +62,12 @@ def _default(f: dataclasses.Field):
 
 
 def _plain(value):
-    """An enum's value (TrainingArguments turns strategy strings into enums), else the value itself."""
+    """A value as given: what ``TrainingArguments.__post_init__`` made of it undone (strategy enums, ``debug``'s
+    list, the default ``AcceleratorConfig``), so that a config built again from a built one compares equal."""
+    if isinstance(value, AcceleratorConfig) and value == AcceleratorConfig():
+        return None
+    if isinstance(value, list) and not value:
+        return ""
     return getattr(value, "value", value)
 
 
