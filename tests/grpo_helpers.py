@@ -41,7 +41,8 @@ def count_good(prompts, completions, completion_ids, **kwargs):
 
 
 def length_reward(prompts, completions, completion_ids, **kwargs):
-    return [0.1 * len(ids) for ids in completion_ids]
+    """0.1 per token, plus the share of even token ids: varies within every group."""
+    return [0.1 * len(ids) + sum(i % 2 == 0 for i in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
 def config(output_dir, **overrides) -> GRPOConfig:
