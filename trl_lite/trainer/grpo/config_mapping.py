@@ -61,14 +61,19 @@ def _default(f: dataclasses.Field):
     return dataclasses.MISSING
 
 
+_OFF = object()
+
+
 def _plain(value):
-    """A value as given: what ``TrainingArguments.__post_init__`` made of it undone (strategy enums, ``debug``'s
-    list, the default ``AcceleratorConfig``), so that a config built again from a built one compares equal."""
+    """A value as given, with what ``TrainingArguments.__post_init__`` and ``HfArgumentParser`` make of it undone
+    (strategy enums, ``debug``'s list, the default ``AcceleratorConfig``; "off" spelt None, "", False, "no" or
+    an empty list), so that a default compares equal to itself however it was written."""
     if isinstance(value, AcceleratorConfig) and value == AcceleratorConfig():
-        return None
-    if isinstance(value, list) and not value:
-        return ""
-    return getattr(value, "value", value)
+        return _OFF
+    value = getattr(value, "value", value)
+    if value is None or value is False or (isinstance(value, (str, list, dict)) and value in ("", "no", [], {})):
+        return _OFF
+    return value
 
 
 def refused_fields(args) -> list[str]:
@@ -92,7 +97,7 @@ def check_grpo_config(args) -> None:
         raise ValueError(f"trl_lite's GRPOTrainer does not support {values}: leave {'it' if len(refused) == 1 else 'them'} "
                          "at TRL's default (docs/migrating_from_trl.md lists every field).")  # fmt: skip
     for name, accepted in ACCEPTED_VALUES.items():
-        if _plain(getattr(args, name)) not in accepted:
+        if getattr(getattr(args, name), "value", getattr(args, name)) not in accepted:
             raise ValueError(f"{name}={getattr(args, name)!r} is not supported by trl_lite's GRPOTrainer; accepted: {accepted}.")
     args.scale_rewards = {True: "group", False: "none"}.get(args.scale_rewards, args.scale_rewards)
     if args.bf16 is None:  # TRL: on unless fp16; here only where the device has bf16 (TRL's default fails on a CPU)
