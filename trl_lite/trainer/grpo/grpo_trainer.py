@@ -123,7 +123,7 @@ class GRPOTrainer:
         self.rollout = GRPORollout(self.ppo, processing_class, self.reward_funcs, args.num_generations,
                                    args.max_completion_length, args.mask_truncated_completions,
                                    logprobs=self.ppo_config.importance_sampling_correction is not None,
-                                   chat_template_kwargs=args.chat_template_kwargs)  # fmt: skip
+                                   chat_template_kwargs=args.chat_template_kwargs, keep_table=args.log_completions)  # fmt: skip
         self.state = TrainerState(is_local_process_zero=self.accelerator.is_local_main_process,
                                   is_world_process_zero=self.accelerator.is_main_process)  # fmt: skip
         self.control = TrainerControl()

@@ -8,8 +8,10 @@ nothing to the group's centred rewards.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .prompts import completions_of, prompt_ids
@@ -34,26 +36,17 @@ class Generation:
         return masks is None or any(bool(m.any()) for m in masks)
 
 
-def nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """The unbiased standard deviation over the non-NaN values (NaN with fewer than two). ``(..., n) -> (...)``."""
-    values = values if dim is not None else values.reshape(-1)
-    dim = -1 if dim is None else dim
-    present = ~torch.isnan(values)
-    count = present.sum(dim).to(values.dtype)
-    mean = torch.nanmean(values, dim=dim, keepdim=True)
-    squares = torch.where(present, (values - mean) ** 2, torch.zeros_like(values)).sum(dim)
-    return torch.where(count > 1, squares / (count - 1).clamp(min=1), torch.full_like(squares, float("nan"))).sqrt()
-
-
 class GRPORollout:
     """Makes :class:`Generation` s with a ``PPOTrainer`` (engine and accelerator), a tokenizer and the reward functions.
 
     ``num_generations``: completions per prompt; ``max_completion_length``: their most tokens; ``mask_truncated``:
-    TRL's ``mask_truncated_completions``; ``logprobs``: whether ``step()`` gets the engine's log-probs (TIS).
+    TRL's ``mask_truncated_completions``; ``logprobs``: whether ``step()`` gets the engine's log-probs (TIS);
+    ``keep_table``: whether each generation keeps its texts and rewards for ``log_completions``.
     """
 
     def __init__(self, ppo_trainer, tokenizer, rewards, num_generations: int, max_completion_length: int,
-                 mask_truncated: bool = False, logprobs: bool = False, chat_template_kwargs: dict | None = None):  # fmt: skip
+                 mask_truncated: bool = False, logprobs: bool = False, chat_template_kwargs: dict | None = None,
+                 keep_table: bool = False):  # fmt: skip
         self.ppo = ppo_trainer
         self.tokenizer = tokenizer
         self.rewards = rewards
@@ -62,6 +55,7 @@ class GRPORollout:
         self.mask_truncated = mask_truncated
         self.logprobs = logprobs
         self.chat_template_kwargs = chat_template_kwargs or {}
+        self.keep_table = keep_table
 
     def run(self, rows: list[dict], num_generations: int | None = None, **reward_kwargs) -> Generation:
         """Generate, decode and score ``num_generations`` (default: the run's) completions per row."""
@@ -85,37 +79,43 @@ class GRPORollout:
         dropped = torch.isnan(rewards) | (truncated if self.mask_truncated else torch.zeros_like(truncated))
         masks = [torch.full_like(r, 0 if drop else 1) for r, drop in zip(responses, dropped.tolist())] if dropped.any() else None
         metrics = self._metrics(per_func, rewards, responses, truncated, queries, k)
-        table = {"prompt": [self.tokenizer.decode(q, skip_special_tokens=True) for q in queries for _ in range(k)],
-                 "completion": texts, **{name: per_func[:, j].tolist() for j, name in enumerate(self.rewards.names)}}  # fmt: skip
+        table = {}
+        if self.keep_table:  # log_completions: the prompts and completions as text, with each function's reward
+            table = {"prompt": [text for text in self.tokenizer.batch_decode(queries, skip_special_tokens=True) for _ in range(k)],
+                     "completion": texts, **{name: per_func[:, j].tolist() for j, name in enumerate(self.rewards.names)}}  # fmt: skip
         return Generation([q for q in queries for _ in range(k)], responses, [torch.tensor(s) for s in scores.tolist()],
                           masks, engine_logprobs, metrics, table)  # fmt: skip
 
     def _metrics(self, per_func, rewards, responses, truncated, queries, k) -> dict[str, float]:
-        """TRL's generation metrics over every process's rows."""
-        gather = self.ppo.accelerator.gather
-        device = self.ppo.accelerator.device
-        lengths = gather(torch.tensor([len(r) for r in responses], device=device)).float().cpu()
-        truncated = gather(truncated.to(device)).cpu()
-        per_func = gather(per_func.to(device)).cpu()
-        rewards = gather(rewards.to(device)).cpu()
-        tokens = gather(torch.tensor(sum(len(q) for q in queries) * k + int(lengths.sum()), device=device)).sum()
+        """TRL's generation metrics over every process's rows (one gather of one ``(rows, 4 + functions)`` table)."""
+        lengths = torch.tensor([len(r) for r in responses], dtype=torch.float64)
+        tokens = torch.tensor([len(q) for q in queries], dtype=torch.float64).repeat_interleave(k) + lengths
+        table = torch.cat([torch.stack([lengths, truncated.double(), tokens, rewards.double()], 1), per_func.double()], 1)
+        table = self.ppo.accelerator.gather(table.to(self.ppo.accelerator.device)).cpu().numpy()
+        lengths, truncated, tokens, rewards, per_func = table[:, 0], table[:, 1] > 0, table[:, 2], table[:, 3], table[:, 4:]
         terminated = lengths[~truncated]
         metrics = {
-            "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.float().mean().item(),
-            "completions/mean_terminated_length": terminated.mean().item() if len(terminated) else 0.0,
-            "completions/min_terminated_length": terminated.min().item() if len(terminated) else 0.0,
-            "completions/max_terminated_length": terminated.max().item() if len(terminated) else 0.0,
+            "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
+            "completions/max_length": lengths.max(), "completions/clipped_ratio": truncated.mean(),
+            "completions/mean_terminated_length": terminated.mean() if len(terminated) else 0.0,
+            "completions/min_terminated_length": terminated.min() if len(terminated) else 0.0,
+            "completions/max_terminated_length": terminated.max() if len(terminated) else 0.0,
         }  # fmt: skip
         for j, name in enumerate(self.rewards.names):
-            metrics[f"rewards/{name}/mean"] = torch.nanmean(per_func[:, j]).item()
-            metrics[f"rewards/{name}/std"] = nanstd(per_func[:, j]).item()
-        metrics["reward"] = torch.nanmean(rewards).item()
-        metrics["reward_std"] = nanstd(rewards).item()
-        group_std = nanstd(rewards.view(-1, k), dim=1)
-        metrics["frac_reward_zero_std"] = torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item()
-        metrics["_tokens"] = float(tokens)
+            metrics[f"rewards/{name}/mean"], metrics[f"rewards/{name}/std"] = _nan_mean_std(per_func[:, j])
+        metrics["reward"], metrics["reward_std"] = _nan_mean_std(rewards)
+        group_std = [_nan_mean_std(group)[1] for group in rewards.reshape(-1, k)]
+        metrics["frac_reward_zero_std"] = sum(abs(std) < 1e-8 for std in group_std) / len(group_std)
+        metrics = {name: float(value) for name, value in metrics.items()}
+        metrics["_tokens"] = float(tokens.sum())
         return metrics
+
+
+def _nan_mean_std(values: np.ndarray) -> tuple[float, float]:
+    """Mean and unbiased standard deviation over the non-NaN values (NaN where there are too few)."""
+    present = values[~np.isnan(values)]
+    mean = present.mean() if len(present) else math.nan
+    return mean, (math.sqrt(((present - mean) ** 2).sum() / (len(present) - 1)) if len(present) > 1 else math.nan)
 
 
 def _scores_for_step(rewards: torch.Tensor, k: int) -> torch.Tensor:
