@@ -2,11 +2,13 @@
 max_completion_length, mask_truncated_completions, TRL's metric names in state.log_history, transformers' callbacks,
 epochs, evaluate(), save_model(), LoRA through peft_config, and a TRL 1.x script that runs after changing its import."""
 
+import math
 import os
 import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 from grpo_helpers import PROMPTS, config, count_good, dataset, length_reward, tokenizer, trainer, weights
@@ -185,3 +187,35 @@ def test_a_trl_1x_script_runs_after_changing_only_its_import(tmp_path):
     assert "'rewards/accuracy/mean'" in done.stdout and "'rewards/brevity/mean'" in done.stdout
     assert "checkpoint-2" in os.listdir(tmp_path / "out")
     AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+
+
+def test_the_logged_generation_metrics_match_a_float64_recount(tmp_path):
+    spy = Spy()
+
+    def maybe(prompts, completions, completion_ids, **kwargs):
+        return [None if len(ids) % 3 == 0 else float(ids[0] % 5) for ids in completion_ids]
+
+    run = trainer(tmp_path, reward_funcs=(spy, maybe), max_steps=1, reward_weights=[2.0, 0.5],
+                  max_completion_length=4, log_completions=True)  # fmt: skip
+    run.train()
+    logged = run.state.log_history[0]
+    ids = spy.calls[0]["completion_ids"]
+    eos = run.processing_class.eos_token_id
+    lengths = np.array([len(i) for i in ids], dtype=np.float64)
+    truncated = np.array([i[-1] != eos for i in ids])
+    first = np.array([0.1 * len(i) for i in ids])
+    second = np.array([math.nan if len(i) % 3 == 0 else float(i[0] % 5) for i in ids])
+    total = 2.0 * first + np.where(np.isnan(second), 0.0, 0.5 * second)  # NaN counts as absent
+    want = {
+        "completions/mean_length": lengths.mean(), "completions/max_length": lengths.max(),
+        "completions/clipped_ratio": truncated.mean(), "rewards/spy/mean": first.mean(),
+        "rewards/spy/std": first.std(ddof=1), "reward": total.mean(), "reward_std": total.std(ddof=1),
+        "frac_reward_zero_std": np.mean([np.std(g) < 1e-8 for g in total.reshape(-1, 4)]),
+        "num_tokens": float(sum(len(run.processing_class(p)["input_ids"]) for p in spy.calls[0]["prompts"]) + lengths.sum()),
+    }  # fmt: skip
+    present = second[~np.isnan(second)]
+    if len(present) > 1:
+        want["rewards/maybe/mean"], want["rewards/maybe/std"] = present.mean(), present.std(ddof=1)
+    assert {k: logged[k] for k in want} == pytest.approx(want, rel=1e-6, abs=1e-9)
+    # log_completions: the table of the last generation, with every function's rewards
+    assert run._last_table["completion"] and set(run._last_table) == {"prompt", "completion", "spy", "maybe"}
