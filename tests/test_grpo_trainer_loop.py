@@ -219,3 +219,20 @@ def test_the_logged_generation_metrics_match_a_float64_recount(tmp_path):
     assert {k: logged[k] for k in want} == pytest.approx(want, rel=1e-6, abs=1e-9)
     # log_completions: the table of the last generation, with every function's rewards
     assert run._last_table["completion"] and set(run._last_table) == {"prompt", "completion", "spy", "maybe"}
+
+
+def test_an_iterable_dataset_is_read_in_order_and_needs_max_steps(tmp_path):
+    from datasets import IterableDataset
+
+    def rows():
+        for prompt in PROMPTS[:6]:
+            yield {"prompt": prompt}
+
+    spy = Spy()
+    run = trainer(tmp_path, reward_funcs=(spy,), train_dataset=IterableDataset.from_generator(rows), max_steps=4)
+    run.train()
+    # 3 generations of 2 prompts per pass over the 6 rows, then the next pass from the start
+    assert [c["prompts"][0] for c in spy.calls] == [PROMPTS[0], PROMPTS[2], PROMPTS[4], PROMPTS[0]]
+    assert [c["prompts"][4] for c in spy.calls] == [PROMPTS[1], PROMPTS[3], PROMPTS[5], PROMPTS[1]]
+    with pytest.raises(ValueError, match="max_steps must be set"):
+        trainer(tmp_path, train_dataset=IterableDataset.from_generator(rows), max_steps=-1)
