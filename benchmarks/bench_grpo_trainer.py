@@ -67,9 +67,11 @@ def run_trainer(warmup: int, iterations: int, output_dir: str) -> list[tuple[flo
                           train_dataset=dataset(), processing_class=make_tokenizer(padding_side="left"))  # fmt: skip
     trainer.train()
     trainer.max_steps = 2 * (warmup + iterations)
+    tokens = trainer.state.num_input_tokens_seen
     wall, cpu = time.perf_counter(), time.process_time()
     trainer.train()
-    return [((time.perf_counter() - wall) / iterations, (time.process_time() - cpu) / iterations)]
+    wall, cpu = (time.perf_counter() - wall) / iterations, (time.process_time() - cpu) / iterations
+    return [(wall, cpu, (trainer.state.num_input_tokens_seen - tokens) / iterations)]
 
 
 def run_loop(warmup: int, iterations: int, output_dir: str) -> list[tuple[float, float]]:
@@ -81,6 +83,8 @@ def run_loop(warmup: int, iterations: int, output_dir: str) -> list[tuple[float,
         ppo = PPOTrainer(to_ppo_config(args, 1), lm, tokenizer=tokenizer, optimizer=_adamw(lm, args))
     order = PromptOrder(dataset(), PROMPTS_PER_GENERATION, 0, 1, args.seed)
 
+    tokens = []
+
     def iteration():
         prompts = [row["prompt"] for row in order.next_rows()]
         queries = prompt_ids(tokenizer, prompts)
@@ -89,13 +93,15 @@ def run_loop(warmup: int, iterations: int, output_dir: str) -> list[tuple[float,
         texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
         scores = good_words([p for p in prompts for _ in range(NUM_GENERATIONS)], texts, None)
         ppo.step([q for q in queries for _ in range(NUM_GENERATIONS)], responses, [torch.tensor(s) for s in scores])
+        tokens.append(NUM_GENERATIONS * sum(len(q) for q in queries) + sum(len(r) for r in responses))
 
     for _ in range(warmup):
         iteration()
     wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(iterations):
         iteration()
-    return [((time.perf_counter() - wall) / iterations, (time.process_time() - cpu) / iterations)]
+    wall, cpu = (time.perf_counter() - wall) / iterations, (time.process_time() - cpu) / iterations
+    return [(wall, cpu, sum(tokens[warmup:]) / iterations)]
 
 
 def main() -> None:
@@ -110,22 +116,24 @@ def main() -> None:
     if args.worker:  # one measurement in a fresh process, so neither method inherits the other's heap or caches
         disable_progress_bars()
         run = run_trainer if args.worker == "trainer" else run_loop
-        ((wall, cpu),) = run(args.warmup, args.iterations, f"/tmp/bench_grpo_trainer_{os.getpid()}")
-        print(f"RESULT {wall} {cpu}")
+        ((wall, cpu, tokens),) = run(args.warmup, args.iterations, f"/tmp/bench_grpo_trainer_{os.getpid()}")
+        print(f"RESULT {wall} {cpu} {tokens}")
         return
     machine = machine_description("cpu")
-    results = {"trainer": [], "loop": []}
+    results, work = {"trainer": [], "loop": []}, {"trainer": set(), "loop": set()}
     for r in range(args.rounds):
         for method in ("loop", "trainer") if r % 2 else ("trainer", "loop"):
             out = subprocess.run([sys.executable, __file__, "--worker", method, "--warmup", str(args.warmup),
                                   "--iterations", str(args.iterations)], capture_output=True, text=True,
                                  env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True).stdout  # fmt: skip
-            wall, cpu = map(float, out.strip().splitlines()[-1].split()[1:])
+            wall, cpu, tokens = map(float, out.strip().splitlines()[-1].split()[1:])
             results[method].append((wall, cpu))
-            print(f"round {r + 1} {method}: {wall:.4f} s wall, {cpu:.4f} s cpu per iteration", flush=True)
+            work[method].add(tokens)
+            print(f"round {r + 1} {method}: {wall:.4f} s wall, {cpu:.4f} s cpu, {tokens:.1f} tokens per iteration", flush=True)
     medians = {m: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for m, v in results.items()}
     loop_wall, loop_cpu = medians["loop"]
-    rows = [f"| {m} | {w:.4f} | {w / loop_wall - 1:+.1%} | {c:.4f} | {c / loop_cpu - 1:+.1%} |" for m, (w, c) in medians.items()]
+    rows = [f"| {m} | {w:.4f} | {w / loop_wall - 1:+.1%} | {c:.4f} | {c / loop_cpu - 1:+.1%} | {sorted(work[m])} |"
+            for m, (w, c) in medians.items()]  # fmt: skip
     commit = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     body = (
         f"Machine: {machine}\n\n`python benchmarks/bench_grpo_trainer.py --rounds {args.rounds} --warmup {args.warmup} "
@@ -135,7 +143,8 @@ def main() -> None:
         f"{NUM_GENERATIONS} completions of at most {MAX_NEW} tokens a generation (transformers engine), two "
         "optimizer steps of 16 completions each, beta 0.04 (a reference pass), logging every optimizer step. "
         "Per-iteration medians over rounds (each method in its own process, alternating first).\n\n"
-        "| method | wall s / iteration | vs loop | cpu s / iteration | vs loop |\n| --- | ---: | ---: | ---: | ---: |\n"
+        "| method | wall s / iteration | vs loop | cpu s / iteration | vs loop | tokens / iteration (each round) |\n"
+        "| --- | ---: | ---: | ---: | ---: | --- |\n"
         + "\n".join(rows)
     )
     print(body)
