@@ -39,11 +39,12 @@ WORDS = "the a this movie film story was is very good bad great awful i loved ha
 NUM_GENERATIONS, PROMPTS_PER_GENERATION, MAX_NEW = 4, 8, 16
 
 
-def workload_args(output_dir: str, max_steps: int) -> GRPOConfig:
+def workload_args(output_dir: str, max_steps: int, logging_steps: int = 1) -> GRPOConfig:
+    # a constant learning rate: the trainer's runs and the loop's sample the same completions, the same work
     return GRPOConfig(output_dir=output_dir, per_device_train_batch_size=16, steps_per_generation=2,
                       num_generations=NUM_GENERATIONS, max_completion_length=MAX_NEW, max_steps=max_steps,
-                      learning_rate=1e-4, beta=0.04, logging_steps=1, save_strategy="no", report_to="none",
-                      gradient_checkpointing=False, seed=0)  # fmt: skip
+                      learning_rate=1e-4, lr_scheduler_type="constant", beta=0.04, logging_steps=logging_steps,
+                      save_strategy="no", report_to="none", gradient_checkpointing=False, seed=0)  # fmt: skip
 
 
 def dataset(rows: int = 64) -> Dataset:
@@ -61,9 +62,9 @@ def model():
     return make_gpt2(n_layer=2, n_embd=128, n_head=2)
 
 
-def run_trainer(warmup: int, iterations: int, output_dir: str) -> list[tuple[float, float]]:
-    """Per-iteration (wall, cpu) seconds of GRPOTrainer.train() (each generation is 2 optimizer steps here)."""
-    trainer = GRPOTrainer(model(), [good_words], args=workload_args(output_dir, 2 * warmup),
+def run_trainer(warmup: int, iterations: int, output_dir: str, logging_steps: int) -> list[tuple[float, float, float]]:
+    """Per-iteration (wall, cpu) seconds and tokens of GRPOTrainer.train() (a generation is 2 optimizer steps)."""
+    trainer = GRPOTrainer(model(), [good_words], args=workload_args(output_dir, 2 * warmup, logging_steps),
                           train_dataset=dataset(), processing_class=make_tokenizer(padding_side="left"))  # fmt: skip
     trainer.train()
     trainer.max_steps = 2 * (warmup + iterations)
@@ -74,8 +75,8 @@ def run_trainer(warmup: int, iterations: int, output_dir: str) -> list[tuple[flo
     return [(wall, cpu, (trainer.state.num_input_tokens_seen - tokens) / iterations)]
 
 
-def run_loop(warmup: int, iterations: int, output_dir: str) -> list[tuple[float, float]]:
-    """Per-iteration (wall, cpu) seconds of the hand-written loop a step() user writes."""
+def run_loop(warmup: int, iterations: int, output_dir: str, logging_steps: int) -> list[tuple[float, float, float]]:
+    """Per-iteration (wall, cpu) seconds and tokens of the hand-written loop a step() user writes (no logging)."""
     args = workload_args(output_dir, 2 * (warmup + iterations))
     tokenizer, lm = make_tokenizer(padding_side="left"), model()
     with warnings.catch_warnings():
@@ -109,6 +110,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--logging_steps", type=int, default=1, help="The trainer logs every this many optimizer steps.")
     parser.add_argument("--output", default=str(HERE / "RESULTS.md"))
     parser.add_argument("--worker", choices=["trainer", "loop"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -116,7 +118,8 @@ def main() -> None:
     if args.worker:  # one measurement in a fresh process, so neither method inherits the other's heap or caches
         disable_progress_bars()
         run = run_trainer if args.worker == "trainer" else run_loop
-        ((wall, cpu, tokens),) = run(args.warmup, args.iterations, f"/tmp/bench_grpo_trainer_{os.getpid()}")
+        ((wall, cpu, tokens),) = run(args.warmup, args.iterations, f"/tmp/bench_grpo_trainer_{os.getpid()}",
+                                     args.logging_steps)
         print(f"RESULT {wall} {cpu} {tokens}")
         return
     machine = machine_description("cpu")
@@ -124,7 +127,7 @@ def main() -> None:
     for r in range(args.rounds):
         for method in ("loop", "trainer") if r % 2 else ("trainer", "loop"):
             out = subprocess.run([sys.executable, __file__, "--worker", method, "--warmup", str(args.warmup),
-                                  "--iterations", str(args.iterations)], capture_output=True, text=True,
+                                  "--iterations", str(args.iterations), "--logging_steps", str(args.logging_steps)], capture_output=True, text=True,
                                  env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True).stdout  # fmt: skip
             wall, cpu, tokens = map(float, out.strip().splitlines()[-1].split()[1:])
             results[method].append((wall, cpu))
@@ -137,18 +140,21 @@ def main() -> None:
     commit = subprocess.run(["git", "-C", str(HERE), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     body = (
         f"Machine: {machine}\n\n`python benchmarks/bench_grpo_trainer.py --rounds {args.rounds} --warmup {args.warmup} "
-        f"--iterations {args.iterations}`; commit {commit}; {date.today()}; load average at end "
+        f"--iterations {args.iterations} --logging_steps {args.logging_steps}`; commit {commit}; {date.today()}; load average at end "
         + " ".join(f"{x:.2f}" for x in os.getloadavg())
         + f"\n\nWorkload: GPT-2 2 x 128 over the tests' 58-word vocabulary, {PROMPTS_PER_GENERATION} prompts x "
         f"{NUM_GENERATIONS} completions of at most {MAX_NEW} tokens a generation (transformers engine), two "
-        "optimizer steps of 16 completions each, beta 0.04 (a reference pass), logging every optimizer step. "
+        "optimizer steps of 16 completions each, beta 0.04 (a reference pass), constant learning rate, the trainer "
+        f"logging every {args.logging_steps} "
+        "optimizer step(s) (the loop does not log). "
         "Per-iteration medians over rounds (each method in its own process, alternating first).\n\n"
         "| method | wall s / iteration | vs loop | cpu s / iteration | vs loop | tokens / iteration (each round) |\n"
         "| --- | ---: | ---: | ---: | ---: | --- |\n"
         + "\n".join(rows)
     )
     print(body)
-    write_results(Path(args.output), "cpu fp32: GRPOTrainer.train() against a hand-written step() loop, torch threads 1", body)
+    heading = f"cpu fp32: GRPOTrainer.train() against a hand-written step() loop, logging every {args.logging_steps}, torch threads 1"
+    write_results(Path(args.output), heading, body)
 
 
 if __name__ == "__main__":
