@@ -103,10 +103,8 @@ def worker(args) -> None:
         "heap_free_mb": heap_free, "cpu_seconds": cpu,
     }  # fmt: skip
     print(RESULT_MARKER + json.dumps(result), flush=True)
-    if trainer.accelerator.num_processes > 1:
-        trainer.accelerator.wait_for_everyone()
-        sys.stdout.flush()
-        os._exit(0)
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()  # destroys the process group: the interpreter then exits normally
 
 
 def resident_mb(field: str) -> float:

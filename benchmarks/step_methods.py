@@ -117,6 +117,7 @@ def make_critic_free_step_fn(method: str, workload: CriticFreeWorkload, device: 
     config = PPOConfig(
         batch_size=workload.batch_size,
         mini_batch_size=workload.mini_batch_size,
+        gradient_accumulation_steps=workload.gradient_accumulation_steps,
         ppo_epochs=workload.ppo_epochs,
         learning_rate=LEARNING_RATE,
         init_kl_coef=KL_COEF,

@@ -308,6 +308,7 @@ class CriticFreeWorkload(Workload):
 
     num_samples_per_query: int = 4
     advantage_estimator: str = "grpo"
+    gradient_accumulation_steps: int = 1
 
 
 GRPO_W1 = CriticFreeWorkload("grpo-w1", n_layer=2, n_embd=128, n_head=2, batch_size=16, mini_batch_size=4, ppo_epochs=4)
@@ -331,7 +332,11 @@ SHARED_PREFIX = CriticFreeWorkload(
     query_len=(512, 512), response_len=(32, 96), vocab_size=8192, num_samples_per_query=8,
 )  # fmt: skip
 SHORT_PAIRS = dataclasses.replace(SHARED_PREFIX, name="short-pairs", query_len=(16, 16), num_samples_per_query=2)
-WORKLOAD_GROUPS["shared_prefix"] = lambda: [SHARED_PREFIX, SHORT_PAIRS]
+# The same batch trained in mini-batches of 8 rows, 4 accumulated per optimizer step, one epoch (issue 59): the passes
+# share only what a mini-batch holds, so the epoch's order decides the saving (shuffle_by_prompt, automatic: by prompt).
+SHARED_PREFIX_MB8 = dataclasses.replace(SHARED_PREFIX, name="shared-prefix-mb8", mini_batch_size=8,
+                                        gradient_accumulation_steps=4, ppo_epochs=1)  # fmt: skip
+WORKLOAD_GROUPS["shared_prefix"] = lambda: [SHARED_PREFIX, SHARED_PREFIX_MB8, SHORT_PAIRS]
 
 
 # ---------------------------------------------------------------------------------------------

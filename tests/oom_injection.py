@@ -60,6 +60,8 @@ class InjectedOutOfMemory:
             return False
         ids = kwargs.get("input_ids", args[0] if args else None)
         mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() == 4:  # a packed pass's placeholder (rows_mask): not a padding mask
+            mask = None
         tokens = int(mask.sum()) if mask is not None else ids.numel()
         positions = kwargs.get("position_ids")
         packed = mask is None and positions is not None

@@ -37,10 +37,13 @@ def collate(rows: list[dict]) -> dict:
     return {"input_ids": [row["input_ids"] for row in rows]}
 
 
-def build_trainer() -> PPOTrainer:
+def build_trainer(grouped: bool = False) -> PPOTrainer:
     """A trainer with everything that carries state between steps: dropout, AdamW, a scheduler,
-    score scaling and normalisation, adaptive KL, several mini-batches and a shuffled dataset."""
+    score scaling and normalisation, adaptive KL, several mini-batches and a shuffled dataset. ``grouped``: GRPO
+    groups of 2 rows per prompt without dropout, the settings left automatic (prefix sharing on, epochs by prompt)."""
+    grouped_options = dict(advantage_estimator="grpo", num_samples_per_query=2, disable_dropout=True)
     config = PPOConfig(
+        **(grouped_options if grouped else {}),
         batch_size=BATCH_SIZE,
         mini_batch_size=2,
         ppo_epochs=2,
@@ -116,15 +119,23 @@ def install_hang(trainer: PPOTrainer, mode: str, marker: str) -> None:
         os.rename = rename_once_then_hang
 
 
+def step_queries(batch: dict, grouped: bool) -> list:
+    """The step's queries: the batch's, or with ``grouped`` its first 2 queries, each 3 times over, twice (groups)."""
+    queries = batch["input_ids"]
+    if not grouped:
+        return queries
+    return [torch.cat([q, q, q]) for q in queries[: BATCH_SIZE // 2] for _ in range(2)]
+
+
 def run(args) -> None:
-    trainer = build_trainer()
+    trainer = build_trainer(args.grouped)
     if args.resume:
         trainer.load_checkpoint(args.checkpoint)
     length_sampler = LengthSampler(2, 6)  # numpy random: the numpy state matters too
     stats = None
     while trainer.current_step < args.steps:
         for batch in trainer.dataloader:
-            queries = batch["input_ids"]
+            queries = step_queries(batch, args.grouped)
             responses = trainer.generate(
                 queries, length_sampler=length_sampler, batch_size=BATCH_SIZE, return_prompt=False, do_sample=True
             )
@@ -150,6 +161,7 @@ def main() -> None:
     parser.add_argument("--hang-at", type=int)
     parser.add_argument("--hang-mode", choices=("write", "rename"), default="write")
     parser.add_argument("--marker")
+    parser.add_argument("--grouped", action="store_true", help="GRPO groups, prefix sharing and epoch order automatic")
     run(parser.parse_args())
 
 

@@ -1,4 +1,5 @@
-"""Prefix sharing on 2 processes (CPU, gloo): DDP, ZeRO-2 and ZeRO-3 steps equal the unshared ones.
+"""Prefix sharing on 2 processes (CPU, gloo): DDP, ZeRO-2 and ZeRO-3 steps equal the unshared ones, on GPT-2 and
+on a tiny rotary grouped-query Qwen2.
 
 Each launch of `tests/distributed/prefix_sharing_step.py` takes two GRPO steps with `prefix_sharing=False`
 and then `True` in the same two processes (groups of 4 responses per prompt, prompts of different lengths
@@ -12,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 from test_distributed import SCRIPTS, base_model_dir, deepspeed_cpu_collectives, launch  # noqa: F401 (fixtures)
+from tiny_models import make_qwen2
 
 pytestmark = pytest.mark.xdist_group("distributed")
 
@@ -36,7 +38,17 @@ def expected_saving(rows: dict, step: int) -> float:
     return saved / total
 
 
-def test_shared_prompts_give_the_unshared_steps_on_two_processes(base_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def qwen2_model_dir(tmp_path_factory):
+    """A tiny Qwen2 (rotary positions, 4 query heads sharing 2 key/value heads) saved for the launches."""
+    path = tmp_path_factory.mktemp("base_qwen2")
+    make_qwen2(seed=0, heads=4, kv_heads=2).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
+def test_shared_prompts_give_the_unshared_steps_on_two_processes(base_model_dir, qwen2_model_dir, tmp_path, arch):
+    base_model_dir = base_model_dir if arch == "gpt2" else qwen2_model_dir
     # The three launches of one test run one after the other (one multi-process run at a time).
     for config in WRAPPER:
         out = tmp_path / config

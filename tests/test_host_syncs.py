@@ -53,7 +53,7 @@ def _by_site(counts) -> dict:
 def _prompt_reads(trainer) -> dict:
     """The one read of the user's host query tokens in a step, to find rows that share a prompt (where the
     trainer looks for them: automatic or on prefix sharing over packed passes, or a shuffle by prompt)."""
-    looks = trainer.forward.prefix.shares_prompts or trainer.config.shuffle_by_prompt
+    looks = trainer.forward.prefix.looks
     return {("tolist", "trainer/memory/prefix_sharing.py"): 1} if looks else {}
 
 

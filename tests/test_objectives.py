@@ -167,6 +167,7 @@ def test_entropy_gradient_survives_underflowing_probabilities():
 BASE = dict(
     batch_size=BATCH_SIZE, mini_batch_size=2, ppo_epochs=2, learning_rate=0.1, init_kl_coef=0.3,
     cliprange=0.1, cliprange_value=0.1, target=0.5, horizon=100.0, seed=0,
+    shuffle_by_prompt=False,  # the plain reference shuffles rows (docs/algorithm.md section 6)
 )  # fmt: skip
 # Each case: config changes (the option under test, an estimator, packed or padded), and what must
 # show that the option acted.

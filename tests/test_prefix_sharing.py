@@ -11,11 +11,11 @@ import pytest
 import torch
 from devices import assert_close
 from test_packing import assert_rows_equal_rows_alone
-from tiny_models import VOCAB_SIZE, make_gpt2, make_gpt2_critic, make_tokenizer
+from tiny_models import VOCAB_SIZE, make_gpt2, make_gpt2_critic, make_qwen2, make_qwen2_critic, make_tokenizer
 
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 from trl_lite.core import LOSS_TYPES
-from trl_lite.trainer.memory.prefix_sharing import epoch_order, prompt_ids
+from trl_lite.trainer.memory.prefix_sharing import PrefixSharing, epoch_order, obstacle, prompt_ids
 
 COMPARED = ("objective/kl", "objective/entropy", "ppo/loss/policy", "ppo/loss/total", "ppo/policy/entropy",
             "ppo/policy/approxkl", "ppo/policy/policykl", "ppo/policy/clipfrac", "ppo/policy/advantages_mean")  # fmt: skip
@@ -38,22 +38,36 @@ def grouped_batch(seed: int, group: int = 4, prompts=(3, 11), response_len=(1, 9
     return queries, responses, scores
 
 
-def lora_policy():
+# Every exactness test runs on GPT-2 (absolute positions) and on a tiny Qwen2 (rotary positions, 4 query heads
+# sharing 2 key/value heads): the shared layout's positions and attention must hold for both.
+ARCHITECTURES = {
+    "gpt2": (lambda: make_gpt2(seed=2), lambda: make_gpt2_critic(seed=3), ["c_attn"]),
+    "qwen2": (lambda: make_qwen2(seed=2, heads=4, kv_heads=2), lambda: make_qwen2_critic(seed=3), ["q_proj", "v_proj"]),
+}
+
+
+def lora_policy(arch="gpt2"):
     from peft import LoraConfig
 
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0, task_type="CAUSAL_LM")
-    return AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2(seed=2), peft_config=lora)
+    make_policy, _, targets = ARCHITECTURES[arch]
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, task_type="CAUSAL_LM")
+    return AutoModelForCausalLMWithValueHead.from_pretrained(make_policy(), peft_config=lora)
 
 
-def make_trainer(prefix_sharing, model_factory=None, critic=False, **config_kwargs):
+def make_trainer(prefix_sharing, model_factory=None, critic=False, arch="gpt2", **config_kwargs):
     config_kwargs.setdefault("batch_size", 8)
     config_kwargs.setdefault("mini_batch_size", 8)
     config = PPOConfig(learning_rate=0.1, prefix_sharing=prefix_sharing, seed=3, **config_kwargs)
-    model = model_factory() if model_factory else AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2(seed=2))
-    trainer_kwargs = {"value_model": make_gpt2_critic(seed=3)} if critic else {}
-    # SGD: the update is the gradient itself (Adam would turn gradients that are float32 noise - the key bias's,
-    # zero in exact arithmetic - into full-size steps of either sign).
+    make_policy, make_critic, _ = ARCHITECTURES[arch]
+    model = model_factory(arch) if model_factory else AutoModelForCausalLMWithValueHead.from_pretrained(make_policy())
+    # SGD, the critic's too: the update is the gradient itself (Adam would turn gradients that are float32 noise - the
+    # key bias's, zero in exact arithmetic - into full-size steps of either sign).
     optimizer = torch.optim.SGD(model.parameters(), lr=config.learning_rate)
+    trainer_kwargs = {}
+    if critic:
+        value_model = make_critic()
+        trainer_kwargs = {"value_model": value_model,
+                          "critic_optimizer": torch.optim.SGD(value_model.parameters(), lr=config.learning_rate)}
     return PPOTrainer(config, model, tokenizer=make_tokenizer(), optimizer=optimizer, **trainer_kwargs)
 
 
@@ -62,13 +76,14 @@ def test_prompt_ids_find_equal_queries():
     assert prompt_ids(q) == (0, 1, 0, 3, 1)
 
 
-def test_shared_pass_gives_each_row_its_own_logprobs_and_values():
-    trainer = make_trainer(True)
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_shared_pass_gives_each_row_its_own_logprobs_and_values(arch):
+    trainer = make_trainer(True, arch=arch)
     queries, responses, _ = grouped_batch(0)
     rows = trainer.forward.make_rows(queries, responses, None)
     assert rows.prompt_ids == (0, 0, 0, 0, 4, 4, 4, 4)
     seen = []
-    hook = trainer.model.pretrained_model.transformer.register_forward_pre_hook(
+    hook = trainer.model.pretrained_model.base_model.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape), with_kwargs=True
     )
     logprobs, ref_logprobs, values, _ = trainer.experience_maker.passes(rows)
@@ -106,12 +121,16 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
 @pytest.mark.parametrize("name", list(CASES))
-def test_step_with_shared_prompts_equals_the_unshared_step(name):
-    shared, shared_stats, shared_weights = _two_steps(True, **CASES[name])
-    plain, plain_stats, plain_weights = _two_steps(False, **CASES[name])
+def test_step_with_shared_prompts_equals_the_unshared_step(name, arch):
+    shared, shared_stats, shared_weights = _two_steps(True, arch=arch, **CASES[name])
+    # The shared steps' epochs keep groups whole by default (shuffle_by_prompt None: True for a group estimator
+    # whose training passes share): the unshared steps are given that order.
+    plain_case = {"shuffle_by_prompt": shared.config.critic_free, **CASES[name]}
+    plain, plain_stats, plain_weights = _two_steps(False, arch=arch, **plain_case)
     # With shuffle_by_prompt, mini-batches of 4 hold whole groups of 4.
-    whole_groups = shared.config.mini_batch_size == 8 or shared.config.shuffle_by_prompt
+    whole_groups = shared.config.mini_batch_size == 8 or plain.config.shuffle_by_prompt
     whole_batch_passes = whole_groups and shared.config.max_tokens_per_minibatch is None
     for seed, (got, want) in enumerate(zip(shared_stats, plain_stats)):
         assert got["prefix_sharing/tokens_saved_fraction"] > 0.1
@@ -126,7 +145,7 @@ def test_step_with_shared_prompts_equals_the_unshared_step(name):
                 continue
             np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
     model_factory = CASES[name].get("model_factory")
-    initial = {key: p.detach() for key, p in make_trainer(False, model_factory).model.named_parameters()}
+    initial = {key: p.detach() for key, p in make_trainer(False, model_factory, arch=arch).model.named_parameters()}
     largest = max((weight - initial[key]).abs().max() for key, weight in plain_weights.items())
     assert largest > 1e-3
     for key, weight in plain_weights.items():
@@ -137,17 +156,17 @@ def test_step_with_shared_prompts_equals_the_unshared_step(name):
 def test_prefix_sharing_is_checked():
     with pytest.raises(TypeError, match="prefix_sharing must be None \\(automatic\\), True or False, got 'yes'"):
         PPOConfig(batch_size=8, mini_batch_size=8, prefix_sharing="yes")
-    with pytest.raises(ValueError, match="prefix_sharing=True needs packed passes"):
+    with pytest.raises(ValueError, match="prefix_sharing=True needs passes that can share a prompt, but this trainer.s passes are padded"):
         make_trainer(True, padding_free=False)
 
 
 def test_sequence_parallelism_refuses_prefix_sharing():
-    from trl_lite.trainer.memory.prefix_sharing import check_sharing
-
-    policy = object()
-    with pytest.raises(ValueError, match="prefix_sharing=True is not supported with sequence parallelism"):
-        check_sharing(True, True, object(), policy, {id(policy): None})
-    check_sharing(None, True, object(), policy, {})  # automatic: simply off there
+    why_not = obstacle(pack=True, encoder_decoder=False, cut=True, not_attending=[])
+    with pytest.raises(ValueError, match="prefix_sharing=True needs .*sequence parallelism"):
+        PrefixSharing(True, why_not)
+    assert not PrefixSharing(None, why_not).on  # automatic: simply off there
+    with pytest.raises(ValueError, match="the packed passes of the reference do not attend per row"):
+        PrefixSharing(True, obstacle(True, False, False, ["reference"]))
 
 
 def test_the_automatic_rule_shares_where_it_saves_tokens():
@@ -165,13 +184,14 @@ def test_the_automatic_rule_shares_where_it_saves_tokens():
     assert make_trainer(False).forward.make_rows(*grouped_batch(0)[:2]).prompt_ids is None
 
 
-def test_a_token_budget_counts_each_prompt_once_per_pass():
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_a_token_budget_counts_each_prompt_once_per_pass(arch):
     # Exactness under the budget against prefix_sharing=False: the "grpo-token-budget" case above.
     widths = {}
     for sharing in (True, False):
-        trainer = make_trainer(sharing, **GRPO, max_tokens_per_minibatch=40, ppo_epochs=2)
+        trainer = make_trainer(sharing, arch=arch, **GRPO, max_tokens_per_minibatch=40, ppo_epochs=2)
         seen = widths[sharing] = []
-        trainer.model.pretrained_model.transformer.register_forward_pre_hook(
+        trainer.model.pretrained_model.base_model.register_forward_pre_hook(
             lambda module, args, kwargs, seen=seen: seen.append(kwargs["input_ids"].shape[1]), with_kwargs=True
         )
         trainer.step(*grouped_batch(0))

@@ -14,7 +14,7 @@ import torch
 from devices import assert_close
 from test_agents import CALLS, TOKENIZER, USER, add, successor_model, turn
 from test_objectives import _generation_logprobs
-from test_prefix_sharing import COMPARED, GRPO, grouped_batch, make_trainer
+from test_prefix_sharing import ARCHITECTURES, COMPARED, GRPO, grouped_batch, make_trainer
 
 from trl_lite import PPOConfig, PPOTrainer
 from trl_lite.agents import run_episodes, step_inputs
@@ -46,9 +46,10 @@ TIS_CASES = {
 }
 
 
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
 @pytest.mark.parametrize("name", list(TIS_CASES))
-def test_tis_with_shared_prompts_equals_the_unshared_step(name):
-    options = dict(GRPO, importance_sampling_correction="tis", importance_sampling_cap=1.1, **TIS_CASES[name])
+def test_tis_with_shared_prompts_equals_the_unshared_step(name, arch):
+    options = dict(GRPO, importance_sampling_correction="tis", importance_sampling_cap=1.1, arch=arch, **TIS_CASES[name])
     trainers = {sharing: make_trainer(sharing, **options) for sharing in (True, False)}
     initial = {k: p.detach().clone() for k, p in trainers[False].model.named_parameters()}
     stats = {True: [], False: []}
@@ -65,20 +66,33 @@ def test_tis_with_shared_prompts_equals_the_unshared_step(name):
     assert_same_update(trainers[True].model, trainers[False].model, initial)
 
 
-def test_episodes_of_one_prompt_share_it_and_step_as_unshared():
-    model = successor_model(turn("<tool_call>", CALLS["add"], "</tool_call>"), scale=0.16, seed=1)
+def chat_qwen2():
+    """A tiny Qwen2 (rotary, 4 query heads sharing 2 key/value heads) over the chat tokenizer's vocabulary."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(4)
+    config = Qwen2Config(vocab_size=len(TOKENIZER), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         pad_token_id=TOKENIZER.pad_token_id, eos_token_id=TOKENIZER.eos_token_id)  # fmt: skip
+    return Qwen2ForCausalLM(config)
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_episodes_of_one_prompt_share_it_and_step_as_unshared(arch):
+    generator = successor_model(turn("<tool_call>", CALLS["add"], "</tool_call>"), scale=0.16, seed=1)
+    model = generator if arch == "gpt2" else chat_qwen2()  # Qwen2: steps on the episodes the GPT-2 played
     prompts = [USER, [{"role": "user", "content": "add 4 and 5 and then 6"}]]
     trainers, initial = {}, {k: p.detach().clone() for k, p in model.named_parameters()}
-    for sharing in (True, False):
+    for sharing in (True, False, "generator"):
         config = PPOConfig(batch_size=8, mini_batch_size=4, ppo_epochs=2, learning_rate=0.1, seed=0,
-                           advantage_estimator="grpo", num_samples_per_query=4, prefix_sharing=sharing,
+                           advantage_estimator="grpo", num_samples_per_query=4, prefix_sharing=sharing is True,
                            shuffle_by_prompt=True)  # fmt: skip
-        policy = copy.deepcopy(model)
+        policy = copy.deepcopy(generator if sharing == "generator" else model)
         optimizer = torch.optim.SGD(policy.parameters(), lr=config.learning_rate)
         trainers[sharing] = PPOTrainer(config, policy, tokenizer=TOKENIZER, optimizer=optimizer)
     torch.manual_seed(0)
-    episodes = run_episodes(trainers[False], prompts, tools=[add], max_turns=3, num_generations=4, max_new_tokens=6,
-                            do_sample=True, top_k=0)  # fmt: skip
+    episodes = run_episodes(trainers.pop("generator"), prompts, tools=[add], max_turns=3, num_generations=4,
+                            max_new_tokens=6, do_sample=True, top_k=0)  # fmt: skip
     inputs = step_inputs(episodes)
     assert inputs["group_ids"] == [0, 0, 0, 0, 1, 1, 1, 1]
     queries = inputs["queries"]

@@ -306,22 +306,29 @@ def _load(path) -> dict:
     return torch.load(path, weights_only=False)
 
 
-def test_resume_in_a_new_process_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("grouped", [False, True], ids=["gae", "grpo-shared-by-prompt"])
+def test_resume_in_a_new_process_is_bit_identical(tmp_path, grouped):
+    # grouped: GRPO groups with the defaults prefix_sharing=None and shuffle_by_prompt=None, which share the prompts
+    # and keep each group in one mini-batch: the epoch order by prompt resumes exactly too.
     steps, save_at = 5, 3  # 2 batches per data pass: the save falls in the middle of the second pass
     checkpoint = tmp_path / "checkpoint"
-    straight = _driver("--steps", steps, "--out", tmp_path / "straight.pt")
+    mode = ("--grouped",) if grouped else ()
+    straight = _driver("--steps", steps, "--out", tmp_path / "straight.pt", *mode)
     first_part = _driver(
-        "--steps", save_at, "--save-at", save_at, "--checkpoint", checkpoint, "--out", tmp_path / "part.pt"
+        "--steps", save_at, "--save-at", save_at, "--checkpoint", checkpoint, "--out", tmp_path / "part.pt", *mode
     )  # fmt: skip
     _finish(first_part)
-    _finish(_driver("--steps", steps, "--resume", "--checkpoint", checkpoint, "--out", tmp_path / "resumed.pt"))
+    _finish(_driver("--steps", steps, "--resume", "--checkpoint", checkpoint, "--out", tmp_path / "resumed.pt", *mode))
     _finish(straight)
 
     expected, resumed = _load(tmp_path / "straight.pt"), _load(tmp_path / "resumed.pt")
     at_save = _load(tmp_path / f"part.pt.step{save_at}")
     assert at_save["current_step"] == save_at and resumed["current_step"] == steps
     # Training went on after the save, and the run kept score moments and the adaptive KL busy.
-    assert not torch.equal(at_save["model"]["v_head.summary.weight"], resumed["model"]["v_head.summary.weight"])
+    trained = "transformer.h.0.attn.c_attn.weight" if grouped else "v_head.summary.weight"
+    assert not torch.equal(at_save["model"][trained], resumed["model"][trained])
+    if grouped:  # every pass ran each group's prompt once: rollout passes in batch order, training passes by prompt
+        assert resumed["stats"]["prefix_sharing/tokens_saved_fraction"] > 0.25
     assert resumed["running"]["count"] == steps * BATCH
     assert resumed["kl_coef"] != 0.1
     assert_equal(resumed, expected)

@@ -29,6 +29,7 @@ from trl_lite.trainer.step.rollout_plan import EVERY_PASS, RolloutPlan
 ON_POLICY = dict(
     batch_size=BATCH_SIZE, mini_batch_size=2, gradient_accumulation_steps=4, ppo_epochs=1, learning_rate=0.1,
     init_kl_coef=0.0, adap_kl_ctrl=False, cliprange=0.1, advantage_estimator="grpo", num_samples_per_query=4, seed=0,
+    shuffle_by_prompt=False,  # the float64 reference shuffles rows (docs/algorithm.md section 6)
 )  # fmt: skip
 KL_STATS = ("objective/kl", "objective/kl_dist", "objective/ref_logprobs")
 

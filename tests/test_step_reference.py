@@ -34,6 +34,7 @@ BATCH_SIZE = 8
 BASE_CONFIG = dict(
     batch_size=BATCH_SIZE, mini_batch_size=2, ppo_epochs=2, learning_rate=1e-3, init_kl_coef=0.3,
     cliprange=0.1, cliprange_value=0.1, target=0.5, horizon=100.0, seed=0,
+    shuffle_by_prompt=False,  # the plain reference shuffles rows (docs/algorithm.md section 6)
 )  # fmt: skip
 COMPARED_STATS = (
     "objective/kl", "objective/entropy", "objective/kl_coef", "ppo/mean_non_score_reward", "ppo/mean_scores",

@@ -179,12 +179,17 @@ def test_layers_that_drop_the_keyword_read_the_rows_from_the_mask(monkeypatch):
     module = types.SimpleNamespace(is_causal=True, training=False)
     query, key, value = _qkv(2, 2)
     expected, _ = packed_sdpa_attention_forward(module, query, key, value, None, **{ROW_LENGTHS: LENGTHS})
-    assert rows_mask(packed_rows(LENGTHS, "cpu"), "cpu") is None  # the CPU builds its masks as before
-    counting = _with_stand_in(monkeypatch)
+    # Every device gets the placeholder: 4-D (transformers passes it on untouched), one byte, and no dtype sdpa
+    # would take as a mask. The CPU's per-row path reads the rows from it ...
     mask = rows_mask(packed_rows(LENGTHS, "cpu"), "cpu")
-    # 4-D (transformers passes it on untouched), one byte, and no dtype sdpa would take as a mask.
     assert mask.shape == (1, 1, 16, 16) and mask.stride() == (0, 0, 0, 0) and mask.dtype == torch.uint8
     out, _ = packed_sdpa_attention_forward(module, query, key, value, mask)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+    # ... and an attention that does not read them fails on it instead of attending over every row.
+    with pytest.raises(RuntimeError):
+        torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+    counting = _with_stand_in(monkeypatch)  # the kernel's path (CUDA) reads them too
+    out, _ = packed_sdpa_attention_forward(module, query, key, value, rows_mask(packed_rows(LENGTHS, "cpu"), "cpu"))
     assert len(counting.calls) == 1
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
 

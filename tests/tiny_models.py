@@ -73,6 +73,19 @@ def make_qwen2(seed: int = 0, n_layer: int = 2, hidden: int = 64, heads: int = 2
     return model
 
 
+def make_qwen2_critic(seed: int = 0, n_layer: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2):
+    """A randomly initialised one-output tiny Qwen2 classifier (rotary, grouped-query: a critic) over the tiny vocabulary."""
+    from transformers import Qwen2ForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=n_layer,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128, num_labels=1,
+        bos_token_id=1, eos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    return Qwen2ForSequenceClassification(config)
+
+
 def make_gpt2_critic(seed: int = 0, n_layer: int = 2, n_embd: int = 32) -> GPT2ForSequenceClassification:
     """A randomly initialised one-output GPT-2 classifier (a reward model or critic) over the tiny vocabulary."""
     torch.manual_seed(seed)

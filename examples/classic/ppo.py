@@ -14,8 +14,9 @@ One change for today's transformers: the sentiment pipeline no longer takes `ret
 `top_k=None` returns every label's score, sorted by score, so the positive score is found by its
 label (the classifier's label 1, "POSITIVE" for the IMDB classifier) rather than by position. With
 `--use_peft` on a machine without a GPU the model goes to the CPU (classic asked for GPU 0). Under a
-ZeRO-3 config with `zero3_init_flag: true` the classifier is loaded with transformers' ZeRO-3 config
-unregistered, as classic meant it to be (accelerate 1.x's `zero3_init_context_manager` leaves it registered).
+ZeRO-3 config with `zero3_init_flag: true` the classifier loads whole inside classic's
+`zero3_init_context_manager(enable=False)`: the trainer makes that context unregister transformers' ZeRO-3
+config, which accelerate 1.x leaves registered there.
 """
 
 from dataclasses import dataclass, field
@@ -27,7 +28,6 @@ from datasets import load_dataset
 from peft import LoraConfig
 from tqdm import tqdm
 from transformers import AutoTokenizer, HfArgumentParser, is_torch_npu_available, is_torch_xpu_available, pipeline
-from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from trl_lite import AutoModelForCausalLMWithValueHead, AutoModelForSeq2SeqLMWithValueHead, PPOConfig, PPOTrainer, set_seed
 from trl_lite.core import LengthSampler
@@ -127,11 +127,8 @@ if ppo_trainer.accelerator.num_processes == 1:
 ds_plugin = ppo_trainer.accelerator.state.deepspeed_plugin
 task, model_name = ppo_config.reward_model.split(":")
 if ds_plugin is not None and ds_plugin.is_zero3_init_enabled():
-    # The classifier is not trained: keep it whole rather than partitioned by ZeRO-3. accelerate 1.x's
-    # context manager leaves transformers' ZeRO-3 config registered (from_pretrained would still partition):
-    # unregister it inside; leaving the context registers it again.
+    # The classifier is not trained: keep it whole rather than partitioned by ZeRO-3.
     with ds_plugin.zero3_init_context_manager(enable=False):
-        unset_hf_deepspeed_config()
         sentiment_pipe = pipeline(task, model=model_name, device=device)
 else:
     sentiment_pipe = pipeline(task, model=model_name, device=device)

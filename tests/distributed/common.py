@@ -57,16 +57,11 @@ def flat(named: dict) -> torch.Tensor:
 
 
 def finish(trainer) -> None:
-    """Wait for every process, end the run and leave at once with exit status 0.
+    """Wait for every process and end the run (accelerate's `end_training` destroys the process group).
 
-    torch's gloo worker threads free finished collectives (and the tensors they hold) just after
-    the caller has seen them finish. If the interpreter is already shutting down by then, such a
-    thread cannot take the GIL to free a tensor owned by Python and the process aborts with
-    "terminate called without an active exception" (seen in about one run in ten on a busy
-    machine). `os._exit` skips the shutdown, so the race cannot fail a test whose work is done.
+    The script then returns and the interpreter exits normally: the exit status is the run's own (no
+    `os._exit`). A script that does not end the run itself is covered by the trainer, which destroys the
+    group at interpreter exit (`trl_lite.trainer.accelerate_setup.destroy_process_group_at_exit`).
     """
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

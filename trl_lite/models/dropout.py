@@ -12,13 +12,9 @@ from __future__ import annotations
 import torch
 
 
-def disable_dropout_in_model(*models) -> int:
-    """Set the probability of every dropout of ``models`` (modules or None) to 0, in place.
-
-    Covers every ``torch.nn`` dropout module (the value head's too) and the float ``attention_dropout``
-    attributes of attention layers. Returns how many modules had a non-zero dropout.
-    """
-    changed = 0
+def _dropouts(models):
+    """``(module, attribute, rate)`` of every dropout of ``models`` (modules or None), each module once: every
+    ``torch.nn`` dropout module (the value head's too, ``p``) and the float ``attention_dropout`` of attention layers."""
     seen = set()
     for model in models:
         if model is None:
@@ -28,10 +24,25 @@ def disable_dropout_in_model(*models) -> int:
                 continue
             seen.add(id(module))
             if isinstance(module, torch.nn.modules.dropout._DropoutNd):
-                changed += module.p != 0
-                module.p = 0.0
+                yield module, "p", module.p
             rate = getattr(module, "attention_dropout", None)
             if isinstance(rate, float):
-                changed += rate != 0
-                module.attention_dropout = 0.0
+                yield module, "attention_dropout", rate
+
+
+def disable_dropout_in_model(*models) -> int:
+    """Set the probability of every dropout of ``models`` (modules or None) to 0, in place.
+
+    Covers every ``torch.nn`` dropout module (the value head's too) and the float ``attention_dropout``
+    attributes of attention layers. Returns how many modules had a non-zero dropout.
+    """
+    changed = 0
+    for module, attribute, rate in list(_dropouts(models)):
+        changed += rate != 0
+        setattr(module, attribute, 0.0)
     return changed
+
+
+def has_dropout(*models) -> bool:
+    """Whether any dropout of ``models`` (modules or None) is above 0: in train mode they draw random masks."""
+    return any(rate != 0 for _, _, rate in _dropouts(models))

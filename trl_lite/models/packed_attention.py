@@ -16,10 +16,11 @@ per row (:mod:`.varlen_attention`); elsewhere row by row, on CUDA with cuDNN att
 Without that keyword (a padded pass, or a model whose layers drop unknown keywords) it is plain
 sdpa with the mask it is given: for packed rows the block-diagonal one, slower but the same result.
 
-On CUDA a packed pass also hands its model :func:`rows_mask` as ``attention_mask``: a 4-D
-placeholder that transformers' mask utilities pass through untouched. Without it they detect
+A packed pass also hands its model :func:`rows_mask` as ``attention_mask``: a 4-D placeholder that
+transformers' mask utilities pass through untouched and that carries the rows. Without it they detect
 packed rows from the position ids and read the result on the host (``find_packed_sequence_indices``
-in ``transformers.masking_utils``): one device sync per model call.
+in ``transformers.masking_utils``): one device sync per model call on CUDA, and on any device a wrong
+split for rows that share a prompt (a response's positions continue its prompt's, they do not restart).
 
 The mask function registered beside it (:func:`packed_sdpa_mask`) does not build the
 block-diagonal ``(1, 1, N, N)`` mask of a packed pass, which the per-row attention never reads
@@ -136,20 +137,18 @@ def without_cudnn(device):
 _ROWS_ATTRIBUTE = "_trl_lite_packed_rows"
 
 
-def rows_mask(rows: PackedRows, device) -> torch.Tensor | None:
-    """The ``attention_mask`` a packed pass on ``device`` hands a model switched by :func:`attend_per_row`, or None.
+def rows_mask(rows: PackedRows, device) -> torch.Tensor:
+    """The ``attention_mask`` a packed pass on ``device`` hands a model switched by :func:`attend_per_row`.
 
-    On a device of the varlen kernel (CUDA): a ``(1, 1, N_total, N_total)`` uint8 tensor of zero
-    strides (one byte of memory, never read) carrying ``rows``. transformers returns a 4-D mask as it is, so
-    it skips its packed-sequence detection (a host read of a device value per model call), and
-    :func:`packed_sdpa_attention_forward` reads the rows from it even if a layer drops
-    :data:`ROW_LENGTHS`. uint8 is no mask dtype sdpa accepts: should any other attention get it, it
-    fails instead of attending everywhere. Elsewhere None (the model builds its mask as before).
+    A ``(1, 1, N_total, N_total)`` uint8 tensor of zero strides (one byte of memory, never read) carrying
+    ``rows``, on every device. transformers returns a 4-D mask as it is, so it skips its packed-sequence
+    detection from the position ids (on CUDA a host read of a device value per model call; and a detection
+    that would cut the responses of a shared prompt, whose positions do not restart, off that prompt), and
+    :func:`packed_sdpa_attention_forward` reads the rows from it even if a layer drops :data:`ROW_LENGTHS`.
+    uint8 is no mask dtype sdpa accepts: an attention that does not read the rows fails on it, an error
+    instead of a silent fallback.
     """
-    device = torch.device(device)
-    if device.type not in varlen_attention.KERNEL.device_types:
-        return None
-    mask = torch.empty((), dtype=torch.uint8, device=device).expand(1, 1, rows.total, rows.total)
+    mask = torch.zeros((), dtype=torch.uint8, device=device).expand(1, 1, rows.total, rows.total)
     setattr(mask, _ROWS_ATTRIBUTE, rows)
     return mask
 

@@ -7,10 +7,12 @@ project's ENVIRONMENT.md; everything else is plain accelerate.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import os
 import warnings
+from contextlib import contextmanager
 
 import torch
 from accelerate import Accelerator
@@ -118,7 +120,60 @@ def build_accelerator(config, sync_with_dataloader: bool = False, **defaults) ->
             "train alone on all of its data. Build the trainer before any PartialState()/Accelerator() of the "
             "script, or make those for the launch (accelerate's state is shared: the first one made decides)."
         )
+    if getattr(accelerator.state, "deepspeed_plugin", None) is not None:
+        unregister_zero3_config_when_init_off(accelerator.state.deepspeed_plugin)
+    destroy_process_group_at_exit()
     return accelerator
+
+
+_DESTROY_REGISTERED = []
+
+
+def destroy_process_group_at_exit() -> None:
+    """End torch's process groups when the interpreter exits, while it can still run Python (once per process).
+
+    A script that never calls ``destroy_process_group()`` (classic TRL's examples end after their last step)
+    leaves gloo's worker threads holding finished collectives and their tensors. When such a thread frees a
+    tensor after interpreter finalization has begun it cannot take the GIL, is unwound and the process aborts
+    ("terminate called without an active exception", exit -6) although its work is done. An ``atexit`` handler
+    runs before finalization; registered here, after torch's and accelerate's imports, it runs before theirs.
+    A script that destroyed the group itself (``accelerator.end_training()``) makes it a no-op.
+    """
+    if _DESTROY_REGISTERED or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return
+    _DESTROY_REGISTERED.append(True)
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def unregister_zero3_config_when_init_off(plugin) -> None:
+    """Make ``plugin.zero3_init_context_manager(enable=False)`` load models whole, as its name says.
+
+    accelerate 1.x's context manager turns ``zero3_init_flag`` off but then registers transformers' DeepSpeed
+    config again (``set_deepspeed_weakref`` registers it whatever the flag), so under a ZeRO-3 config
+    ``from_pretrained`` inside it still builds the model partitioned: classic TRL's ``ppo.py`` loads its reward
+    classifier there and its forward fails. The instance's context manager is wrapped so that inside it the
+    config is unregistered; leaving it registers the config again (accelerate's own exit). Idempotent.
+    """
+    if getattr(plugin.zero3_init_context_manager, "_trl_lite_unregisters", False):
+        return
+    accelerate_context = plugin.zero3_init_context_manager
+
+    @contextmanager
+    def zero3_init_context_manager(enable=False):
+        with accelerate_context(enable=enable):
+            if not plugin.zero3_init_flag:
+                from transformers.integrations import unset_hf_deepspeed_config
+
+                unset_hf_deepspeed_config()
+            yield
+
+    zero3_init_context_manager._trl_lite_unregisters = True
+    plugin.zero3_init_context_manager = zero3_init_context_manager
 
 
 def fill_deepspeed_config(accelerator: Accelerator, config: PPOConfig) -> None:

@@ -43,7 +43,7 @@ def validate_config(config) -> None:
     _check_log_with(config.log_with)
     for name in ("adap_kl_ctrl", "early_stopping", "use_score_scaling", "use_score_norm", "whiten_rewards",
                  "gradient_checkpointing", "remove_unused_columns", "optimize_device_cache", "keep_freed_cpu_memory",
-                 "grpo_scale_rewards", "compute_reference_kl", "shuffle_by_prompt"):
+                 "grpo_scale_rewards", "compute_reference_kl"):
         if not isinstance(getattr(config, name), bool):
             raise TypeError(f"{name} must be True or False, got {getattr(config, name)!r}.")
     budget = config.max_tokens_per_minibatch
@@ -55,6 +55,8 @@ def validate_config(config) -> None:
         raise TypeError(f"padding_free must be None, True or False, got {config.padding_free!r}.")
     if not (config.prefix_sharing is None or isinstance(config.prefix_sharing, bool)):
         raise TypeError(f"prefix_sharing must be None (automatic), True or False, got {config.prefix_sharing!r}.")
+    if not (config.shuffle_by_prompt is None or isinstance(config.shuffle_by_prompt, bool)):
+        raise TypeError(f"shuffle_by_prompt must be None (automatic), True or False, got {config.shuffle_by_prompt!r}.")
     if config.mini_batch_size > config.batch_size:
         raise ValueError(
             f"mini_batch_size ({config.mini_batch_size}) must not exceed batch_size ({config.batch_size})."

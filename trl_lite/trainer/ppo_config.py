@@ -352,20 +352,23 @@ class PPOConfig:
         metadata={
             "help": "Shared-prefix packed passes: rows whose query tokens are identical (GRPO/RLOO groups, equal "
             "queries in a GAE batch) run their prompt once per pass, each response attending to it; same results "
-            "as without (docs/prefix_sharing.md). None: automatic - on for a step whose shared prompts save at "
-            "least a quarter of its tokens; True: always where rows share a prompt (an error at construction when the "
-            "passes cannot share: padded passes, sequence parallelism); False: off. Steps report "
+            "as without (docs/prefix_sharing.md). None: automatic - on for a step when the passes it will run (their "
+            "split and order) save at least a quarter of their tokens, and never in the training passes of a model "
+            "with dropout above 0 (disable_dropout=False: a group would share one dropout mask over its prompt); "
+            "True: always where rows share a prompt (an error at construction when the passes cannot share: padded "
+            "passes, sequence parallelism; a warning under dropout); False: off. Steps report "
             "prefix_sharing/tokens_saved_fraction."
         },
     )
-    shuffle_by_prompt: bool = field(
-        default=False,
+    shuffle_by_prompt: bool | None = field(
+        default=None,
         metadata={
             "help": "The epoch shuffle of step()'s learner permutes prompts, not rows: the rows with identical "
             "query tokens (a GRPO/RLOO group) stay together in the order of the batch, so with mini_batch_size a "
             "multiple of the group size each group trains in one mini-batch and its training passes can run the "
-            "prompt once (prefix_sharing). False: a shuffle of the rows, as classic TRL. The same order with "
-            "prefix_sharing on or off (docs/prefix_sharing.md)."
+            "prompt once (prefix_sharing). False: a shuffle of the rows, as classic TRL. None (automatic): True for a "
+            "step of a critic-free (group) estimator whose training passes share prompts, else False "
+            "(docs/prefix_sharing.md)."
         },
     )
     # Set by the trainer

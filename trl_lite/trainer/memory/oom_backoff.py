@@ -143,7 +143,7 @@ class MemoryBackoff:
             failed, tokens, single = self.accelerator.reduce(shared, reduction="max").tolist()
         self._failure = None
         if failed and not self.discardable:
-            budget = (self.budget if self.budget is not None else int(tokens)) // 2
+            budget = next_budget(self.budget, int(tokens))
             raise torch.OutOfMemoryError(
                 f"A training pass of {int(tokens)} prompt+response tokens ran out of memory on a process after earlier "
                 "passes of its backward batch had run their backward in the DeepSpeed engine, which keeps their "
@@ -154,17 +154,18 @@ class MemoryBackoff:
             self.back_off(int(tokens), bool(single))
 
     def back_off(self, tokens: int, single_row: bool) -> None:
-        """Halve the budget after a failed pass of ``tokens`` tokens (the pass's count when no budget was
-        set) and raise :class:`PassOutOfMemory`; a pass of one row cannot be split: raise the error."""
-        budget = (self.budget if self.budget is not None else tokens) // 2
+        """Lower the budget after a failed pass that ran ``tokens`` tokens (:func:`next_budget`: below the pass, so
+        no pass like it comes again) and raise :class:`PassOutOfMemory`; a pass of one row cannot be split: raise
+        the error."""
+        budget = next_budget(self.budget, tokens)
         if single_row or budget < 1:
             raise torch.OutOfMemoryError(
                 f"A single row of {tokens} prompt+response tokens ran out of memory in a pass of its own (token "
                 f"budget {self.budget}): it cannot be split into smaller passes. To fit it, {_REMEDIES}."
             )
         warnings.warn(
-            f"Out of memory in a pass of {tokens} prompt+response tokens (token budget {self.budget}): redoing it "
-            f"with max_tokens_per_minibatch={budget}, kept for the rest of the run.",
+            f"Out of memory in a pass of {tokens} tokens as it ran (token budget {self.budget}): redoing it with "
+            f"max_tokens_per_minibatch={budget}, kept for the rest of the run.",
             stacklevel=3,
         )
         self.budget, self.backed_off = budget, True
@@ -173,7 +174,7 @@ class MemoryBackoff:
 
     def _unrecoverable_message(self, what: str) -> str:
         tokens, rows = self._pass
-        budget = (self.budget if self.budget is not None else tokens) // 2
+        budget = next_budget(self.budget, tokens)
         return (
             f"Out of memory on process {self.accelerator.process_index} in {what} of {rows} rows and {tokens} "
             f"prompt+response tokens (token budget {self.budget}). This pass cannot be redone: it synchronises the "
@@ -233,6 +234,15 @@ class MemoryBackoff:
             self.budget = state["budget"] if self.budget is None else min(self.budget, state["budget"])
             self.backed_off = True
         self.retries = self._reported = state["retries"]
+
+
+def next_budget(budget: int | None, tokens: int) -> int:
+    """The budget after a pass that ran ``tokens`` tokens failed under ``budget`` (None: none set): half the budget,
+    or half the failed pass where that half would still hold the pass (no budget; a pass at most half the budget),
+    so every pass planned under it runs fewer tokens than the one that failed (only a row alone can exceed it)."""
+    if budget is not None and budget // 2 < tokens:
+        return budget // 2
+    return tokens // 2
 
 
 def broke_collective(error: RuntimeError) -> bool:

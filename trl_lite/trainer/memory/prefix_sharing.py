@@ -1,4 +1,5 @@
-"""Prefix sharing: the packed layout that runs a prompt once for all the rows of a pass that share it.
+"""Prefix sharing: the packed layout that runs a prompt once for all the rows of a pass that share it, and the
+one object that decides where it runs (:class:`PrefixSharing`).
 
 Rows with identical query tokens (the groups of ``num_samples_per_query`` / ``group_ids``, equal queries
 in a GAE batch) are found once per ``step()`` (:func:`prompt_ids`); each packed pass then lays out every
@@ -12,30 +13,40 @@ own row (docs/prefix_sharing.md).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 
 from ...models.shared_prefix_attention import shared_rows
 from ..layout.rows import Rows, to_device, token_slots
+from .token_budget import split_by_tokens
 
-#: The automatic rule's threshold: sharing is on for a step when it saves at least this share of its tokens.
+#: The automatic rule's threshold: sharing is on for a step when the passes it will run save at least this share
+#: of their tokens (:meth:`PrefixSharing.estimated_saving`).
 AUTOMATIC_SAVING = 0.25
+#: A training pass's tokens weigh this many times a rollout pass's in the automatic rule: forward and backward.
+TRAINING_WEIGHT = 3
+#: Row shuffles the automatic rule draws (from a generator of its own) to estimate the training passes' saving.
+ESTIMATE_DRAWS = 4
 
 
-def check_sharing(prefix_sharing, pack: bool, cut: bool, policy, row_attention: dict) -> None:
-    """``prefix_sharing=True`` needs packed passes whose policy attends per row, not ``cut`` over a
-    sequence-parallel group."""
-    if prefix_sharing is not True:
-        return
-    if not pack:
-        raise ValueError("prefix_sharing=True needs packed passes, but this trainer's passes are padded "
-                         "(padding_free=False, or a model that cannot pack). Use prefix_sharing=None or False.")
-    if cut:
-        raise ValueError("prefix_sharing=True is not supported with sequence parallelism (sequence_parallel_size > 1) "
-                         "yet. Use prefix_sharing=None or False.")
-    if id(policy) not in row_attention:
-        raise ValueError("prefix_sharing=True needs a policy whose packed passes attend per row (an sdpa "
-                         "transformers model whose forward passes extra keywords on). Use prefix_sharing=None or False.")
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """What the automatic rule needs of a step's passes: rows per rollout pass (``mini_batch_size``), per
+    backward batch, the epochs, the rollout's model passes (policy, reference), whether the estimator is
+    one of groups (critic-free), and ``PPOConfig.shuffle_by_prompt`` (None: automatic)."""
+
+    mini_batch_size: int
+    backward_batch_size: int
+    epochs: int = 1
+    rollout_models: int = 2
+    group_estimator: bool = False
+    shuffle_by_prompt: bool | None = None
+
+    @classmethod
+    def of(cls, config, rollout_models: int = 2) -> Schedule:
+        return cls(config.mini_batch_size, config.backward_batch_size, config.ppo_epochs, max(rollout_models, 1),
+                   config.critic_free, config.shuffle_by_prompt)  # fmt: skip
 
 
 def prompt_ids(queries: list[torch.Tensor]) -> tuple:
@@ -60,15 +71,13 @@ def epoch_order(rows: int, prompts: tuple | None) -> list[int]:
 
     ``prompts``: None, a shuffle of the rows (``torch.randperm(rows)``, what the learner always drew); else the
     rows' :func:`prompt_ids`, and the shuffle permutes prompts: the rows of each prompt follow one another in
-    their order in the batch. It depends on the query tokens alone, never on ``prefix_sharing``, so the
-    mini-batches are the same with sharing on and off.
+    their order in the batch. Given ``prompts`` it depends on the query tokens alone, so with ``shuffle_by_prompt``
+    set the mini-batches are the same with sharing on and off (whether the learner passes them:
+    :meth:`PrefixSharing.epoch_prompts`).
     """
     if prompts is None:
         return torch.randperm(rows).tolist()
-    members = {}
-    for i, prompt in enumerate(prompts):
-        members.setdefault(prompt, []).append(i)
-    groups = list(members.values())
+    groups = list(_members(prompts).values())
     return [i for g in torch.randperm(len(groups)).tolist() for i in groups[g]]
 
 
@@ -82,64 +91,157 @@ def saved_tokens(rows: Rows, index: list[int], ids: tuple) -> int:
     return saved
 
 
-def automatic(rows: Rows, ids: tuple) -> bool:
-    """The automatic rule (``prefix_sharing=None``): share when the step's groups would save at least
-    :data:`AUTOMATIC_SAVING` of its tokens. Below that the extra attention calls of the shared layout
-    (a prompt and each response apart) cost about what the repeated prompt tokens cost."""
-    everything = list(range(len(rows)))
-    total = sum(rows.tokens(i) for i in everything)
-    return saved_tokens(rows, everything, ids) >= AUTOMATIC_SAVING * total
-
-
-def with_prompt_ids(rows: Rows, prompts, prefix_sharing: bool | None) -> Rows:
-    """``rows`` with their prompt ids (``prompts``: the ids, or the queries to find them in) when the step's
-    packed passes share prompts: ``prefix_sharing`` True, or None and :func:`automatic` finds it worth it."""
-    ids = prompts if isinstance(prompts, tuple) else prompt_ids(prompts)
-    if ids == tuple(range(len(rows))) or (prefix_sharing is None and not automatic(rows, ids)):
-        return rows
-    return dataclasses.replace(rows, prompt_ids=ids)
+def obstacle(pack: bool, encoder_decoder: bool, cut: bool, not_attending: list[str]) -> str | None:
+    """Why a trainer's passes cannot share prompts, or None when they can: they must be packed, of a
+    decoder-only model, not cut over a sequence-parallel group, and every model's (``not_attending``: the names of
+    those whose packed passes do not) attending per row."""
+    if not pack:
+        return "this trainer's passes are padded (padding_free=False, or a model that cannot pack)"
+    if encoder_decoder:
+        return "the policy is an encoder-decoder"
+    if cut:
+        return "sequence parallelism (sequence_parallel_size > 1) is not supported with it yet"
+    if not_attending:
+        return (f"the packed passes of the {' and the '.join(not_attending)} do not attend per row (an sdpa "
+                "transformers model whose forward passes extra keywords on)")  # fmt: skip
+    return None
 
 
 class PrefixSharing:
-    """The prefix sharing of a :class:`~.forward.ForwardPass`: which steps' passes share prompts, their
-    layout, and the count of the tokens that saved (``prefix_sharing/tokens_saved_fraction``).
+    """The one decision of prefix sharing for a trainer: built once from what its passes can do, then asked by
+    every step (:meth:`rows`: does this step share?) and every pass (:meth:`shares`, :meth:`inputs`,
+    :meth:`units`, :meth:`run_tokens`), and by the learner's epoch order (:meth:`epoch_prompts`).
 
     Args:
-        setting: ``PPOConfig.prefix_sharing`` (None: automatic, see :func:`automatic`).
-        possible: whether the trainer's passes can share prompts: packed, decoder-only, no sequence parallelism.
+        setting: ``PPOConfig.prefix_sharing`` (None: automatic, see :meth:`estimated_saving`).
+        why_not: None when the trainer's passes can share prompts (packed, decoder-only, no sequence parallelism,
+            every model's packed passes attending per row), else why not: ``True`` is then a ValueError.
+        dropout: whether a trained model has a dropout above 0 (``disable_dropout=False``): its training passes (in
+            train mode) would draw one dropout mask for the prompt a group shares, where the unshared rows draw
+            one each - the same expected gradient, not the same noise. Automatic: the training passes do not share
+            (the rollout's, in eval mode, still may); ``True``: they share, with one warning.
+        schedule: the step's :class:`Schedule` (for the automatic rule and the epoch order).
     """
 
-    def __init__(self, setting: bool | None, possible: bool):
+    def __init__(self, setting: bool | None, why_not: str | None = None, dropout: bool = False,
+                 schedule: Schedule | None = None):  # fmt: skip
+        if setting is True and why_not is not None:
+            raise ValueError(f"prefix_sharing=True needs passes that can share a prompt, but {why_not}. "
+                             "Use prefix_sharing=None or False.")  # fmt: skip
+        if setting is True and dropout:
+            warnings.warn(
+                "prefix_sharing=True with dropout in a trained model (disable_dropout=False): the responses of a group "
+                "share one dropout mask over their prompt in the training passes, where unshared rows draw one each. "
+                "The expected update is the same, its noise is not; set disable_dropout=True (or prefix_sharing=None, "
+                "which does not share training passes under dropout) for the unshared step's numbers.",
+                stacklevel=3,
+            )
         self.setting = setting
-        self.shares_prompts = setting is not False and possible
+        self.why_not = why_not
+        self.on = setting is not False and why_not is None  # whether any step may share
+        self.training = self.on and (setting is True or not dropout)  # whether training passes may share
+        self.schedule = schedule or Schedule(1, 1)
         self.tokens = [0, 0]  # prompt tokens saved, tokens without sharing: since the last take_saving()
-        # Whether every model's packed passes attend per row, so every pass shares (set by ForwardPass.build):
-        # only then may a token budget count a prompt once (:meth:`units`).
-        self.in_budget = False
 
-    def rows(self, rows: Rows, prompts) -> Rows:
-        """``rows`` with their prompt ids when this step shares prompts (see :func:`with_prompt_ids`)."""
-        return with_prompt_ids(rows, prompts, self.setting) if self.shares_prompts else rows
+    @property
+    def looks(self) -> bool:
+        """Whether a step looks for rows with equal queries (:func:`prompt_ids`): to share them, or to keep them
+        together in the epoch order (``shuffle_by_prompt=True``)."""
+        return self.on or self.schedule.shuffle_by_prompt is True
 
-    def inputs(self, rows: Rows, index: list[int], attends: bool, device):
+    # ------------------------------------------------------------------------------------------
+    # A step
+    # ------------------------------------------------------------------------------------------
+    def rows(self, rows: Rows, prompts, budget: int | None = None) -> Rows:
+        """``rows`` with their prompt ids (``prompts``: the ids, or the queries to find them in) when this step
+        shares prompts: ``True``, or None and :meth:`estimated_saving` of the passes it will run (under the token
+        ``budget``) reaches :data:`AUTOMATIC_SAVING`."""
+        if not self.on:
+            return rows
+        ids = prompts if isinstance(prompts, tuple) else prompt_ids(prompts)
+        if ids == tuple(range(len(rows))):
+            return rows
+        if self.setting is None and self.estimated_saving(rows, ids, budget) < AUTOMATIC_SAVING:
+            return rows
+        return dataclasses.replace(rows, prompt_ids=ids)
+
+    def epoch_prompts(self, rows: Rows, prompts: tuple | None) -> tuple | None:
+        """The prompt ids the learner's epoch order keeps together (:func:`epoch_order`), or None: a row shuffle.
+        ``shuffle_by_prompt`` True or False as given; None: by prompt where this step's training passes share
+        (``rows`` carry prompt ids) and the estimator is one of groups."""
+        by_prompt = self.schedule.shuffle_by_prompt
+        if by_prompt is None:
+            by_prompt = self.training and rows.prompt_ids is not None and self.schedule.group_estimator
+        return prompts if by_prompt else None
+
+    def estimated_saving(self, rows: Rows, ids: tuple, budget: int | None = None) -> float:
+        """The share of the step's pass tokens that sharing would not run, over the passes the step will run with
+        sharing on: the rollout's (``mini_batch_size`` rows in batch order, or the split by ``budget``), once per
+        model pass, and - where training passes share (else they do not count) - each epoch's training passes (weighted
+        :data:`TRAINING_WEIGHT`: forward and backward) in the epoch order sharing gives them: groups whole
+        (:meth:`epoch_prompts`), else a row shuffle, whose saving is averaged over :data:`ESTIMATE_DRAWS` shuffles
+        from a generator of its own (torch's global one is not touched: the run's random stream stays as it is)."""
+        schedule, shared = self.schedule, dataclasses.replace(rows, prompt_ids=ids)
+        costs = [rows.tokens(i) for i in range(len(rows))]
+        rollout = self._passes(shared, list(range(len(rows))), schedule.mini_batch_size, costs, budget)
+        saved = schedule.rollout_models * sum(saved_tokens(rows, p, ids) for p in rollout)
+        total = schedule.rollout_models * sum(costs)
+        if not self.training:  # the training passes run unshared whatever the rule says: only the rollout's count
+            return saved / total if total else 0.0
+        if self.epoch_prompts(shared, ids) is not None:
+            orders = [[i for g in _members(ids).values() for i in g]]  # the groups' order does not change the split much
+        else:
+            generator = torch.Generator().manual_seed(0)
+            orders = [torch.randperm(len(rows), generator=generator).tolist() for _ in range(ESTIMATE_DRAWS)]
+        size, trained = schedule.backward_batch_size, 0.0
+        for order in orders:
+            for start in range(0, len(order), size):
+                for p in self._passes(shared, order[start : start + size], schedule.mini_batch_size, costs, budget):
+                    trained += saved_tokens(rows, p, ids)
+        weight = TRAINING_WEIGHT * schedule.epochs
+        return (saved + weight * trained / len(orders)) / (total + weight * sum(costs))
+
+    def _passes(self, rows: Rows, group: list[int], size: int, costs: list[int], budget: int | None) -> list:
+        """The passes over rows ``group``: runs of ``size`` rows, or their split by ``budget`` (prompts shared)."""
+        if budget is None:
+            return [group[start : start + size] for start in range(0, len(group), size)]
+        units, unit_costs = self.units(group, costs, rows, budget, training=False)
+        return units_passes(split_by_tokens(unit_costs, budget), units, group)
+
+    # ------------------------------------------------------------------------------------------
+    # A pass
+    # ------------------------------------------------------------------------------------------
+    def shares(self, rows: Rows | None, training: bool = False) -> bool:
+        """Whether a pass over ``rows`` lays out the prompts its rows share once: this step shares (its rows carry
+        prompt ids) and, for a ``training`` pass (train mode: dropout active), training passes may."""
+        return rows is not None and rows.prompt_ids is not None and (self.training or not training)
+
+    def run_tokens(self, rows: Rows, index: list[int], training: bool = False, costs: list[int] | None = None) -> int:
+        """The tokens a pass over rows ``index`` runs: each row's ``costs[i]`` (default its prompt + response), less
+        the prompts it runs once (:meth:`shares`). What the back-off counts and halves (docs/out_of_memory.md)."""
+        tokens = sum(rows.tokens(i) if costs is None else costs[i] for i in index)
+        return tokens - saved_tokens(rows, index, rows.prompt_ids) if self.shares(rows, training) else tokens
+
+    def inputs(self, rows: Rows, index: list[int], training: bool, device):
         """The shared layout of the pass over rows ``index`` (:func:`shared_inputs` less ``saved``), or None: the
-        pass takes its own layout. ``attends``: the pass is packed and its models attend per row. Counts the
-        pass's tokens either way."""
+        pass takes its own layout (:meth:`shares`). Counts the pass's tokens either way."""
         self.tokens[1] += sum(rows.tokens(i) for i in index)
-        if not attends or rows.prompt_ids is None:
+        if not self.shares(rows, training):
             return None
         *inputs, saved = shared_inputs(rows, index, device)
         self.tokens[0] += saved
         return inputs
 
-    def units(self, group: list[int], costs: list[int], rows: Rows | None, budget: int, passes: int = 1) -> tuple:
+    def units(self, group: list[int], costs: list[int], rows: Rows | None, budget: int, passes: int = 1,
+              training: bool = False) -> tuple:  # fmt: skip
         """Rows ``group`` in the units a token-budget split keeps in one pass, and their costs: the rows of one
         prompt in runs whose cost with the prompt counted once fits ``budget`` (what the shared layout runs),
         every other row alone at ``costs[i]`` (its prompt + response tokens, PTX included). Each row alone
-        when the passes of ``rows`` do not share prompts, or when that gives fewer units than ``passes`` (the
-        pass count another process needs, see :meth:`~.forward.ForwardPass.split`: rows one by one always do)."""
+        when the passes over ``rows`` do not share prompts (:meth:`shares`), or when that gives fewer units than
+        ``passes`` (the pass count another process needs, see :meth:`~.forward.ForwardPass.split`: rows one by one
+        always do)."""
         alone = [[i] for i in group], [costs[i] for i in group]
-        if rows is None or rows.prompt_ids is None or not self.in_budget:
+        if not self.shares(rows, training):
             return alone
         units, unit_costs, last = [], [], {}  # last: per prompt, its newest unit
         for i in group:
@@ -159,12 +261,20 @@ class PrefixSharing:
         counts its own rows; the statistic is the run's, the same on all); the count starts again."""
         saved, total = self.tokens
         self.tokens = [0, 0]
-        if not self.shares_prompts:  # the same setting on every process: nothing saved anywhere, no collective
+        if not self.on:  # the same setting on every process: nothing saved anywhere, no collective
             return 0.0
         if accelerator is not None and accelerator.num_processes > 1:
             counts = torch.tensor([saved, total], dtype=torch.float64, device=accelerator.device)
             saved, total = accelerator.reduce(counts, reduction="sum").tolist()
         return saved / total if total else 0.0
+
+
+def _members(ids: tuple) -> dict:
+    """Per prompt id, its rows in batch order."""
+    members = {}
+    for i, prompt in enumerate(ids):
+        members.setdefault(prompt, []).append(i)
+    return members
 
 
 def shared_inputs(rows: Rows, index: list[int], device):

@@ -58,8 +58,9 @@ class Experience:
     ``gap_stats``: the ``rollout/*`` log-prob gap statistics; ``timings``: each phase's ``(start, end)`` marks
     (:class:`~.timing.StepClock`);
     ``num_groups`` and ``actions``: as in :class:`StepBatch` (host numbers: read without a device sync);
-    ``prompts``: with ``shuffle_by_prompt``, the rows' :func:`~.prefix_sharing.prompt_ids` (host ints) whose
-    groups the learner's epoch shuffle keeps together (:func:`~.prefix_sharing.epoch_order`), else None.
+    ``prompts``: the rows' :func:`~.prefix_sharing.prompt_ids` (host ints) whose groups the learner's epoch shuffle
+    keeps together (:func:`~.prefix_sharing.epoch_order`) - ``shuffle_by_prompt`` True, or None and this step's
+    training passes share (:meth:`~.prefix_sharing.PrefixSharing.epoch_prompts`) - else None.
     """
 
     rows: Rows

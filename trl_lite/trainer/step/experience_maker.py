@@ -91,8 +91,7 @@ class ExperienceMaker:
         if actions is None:  # a batch that skipped step()'s checks: counted here, on the host before the copy
             actions = actions_per_row(batch.responses, batch.response_masks, 1 if self.forward.is_encoder_decoder else 0)
         # On the host, before the copy: for the shared layout and for an epoch shuffle by prompt.
-        find_prompts = self.forward.prefix.shares_prompts or config.shuffle_by_prompt
-        prompts = prompt_ids(batch.queries) if find_prompts else None
+        prompts = prompt_ids(batch.queries) if self.forward.prefix.looks else None
         # The batch's tensors reach the device in one copy (see transfer.py for every sync of a step).
         batch, ends_with_eos = batch_to_device(batch, self.device, ends_with_eos)
         # A sequence-parallel group trains one batch: checked before its first exchange.
@@ -140,7 +139,7 @@ class ExperienceMaker:
             non_score_reward=non_score_reward, advantages=advantages, token_weights=token_weights,
             kl_coef=kl_coef, kl_in_loss=kl_in_loss, ptx=ptx, staleness=batch.staleness, generation=generation,
             gap_stats=gap_stats, timings=timings, num_groups=batch.num_groups, actions=tuple(actions),
-            prompts=prompts if config.shuffle_by_prompt else None,
+            prompts=self.forward.prefix.epoch_prompts(rows, prompts),
         )  # fmt: skip
 
     def complete(self, experience: Experience, logprobs: torch.Tensor) -> Experience:

@@ -18,11 +18,12 @@ import torch
 
 from ...core import full_kl_from_hidden, full_kl_from_logits, logprobs_and_entropy_from_logits, logprobs_from_logits
 from ...core.lm_head import call_head, linear_head, linear_head_logprobs, lm_head_chunk_size
+from ...models.dropout import has_dropout
 from ...models.packed_attention import ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths, without_cudnn
 from ...models.varlen_attention import packed_rows
 from ..layout.rows import InputLayout, Rows, at_positions, make_rows, pad_token_id, to_compact, to_device
 from ..memory.oom_backoff import MemoryBackoff
-from ..memory.prefix_sharing import PrefixSharing, check_sharing, units_passes
+from ..memory.prefix_sharing import PrefixSharing, Schedule, obstacle, units_passes
 from ..memory.token_budget import split_by_tokens
 
 
@@ -49,13 +50,17 @@ class ForwardPass:
             packed passes are cut over (see :meth:`gather_slots`), or a :class:`~trl_lite.parallel.NoSequenceParallel`.
         lm_head_chunk_size: ``PPOConfig.lm_head_chunk_size`` (None: automatic; see :meth:`head_chunk_size`).
         temperature: ``PPOConfig.temperature``: log-probs and full KL under ``logits / temperature`` (section 20).
-        prefix_sharing: ``PPOConfig.prefix_sharing`` (None: automatic; see :mod:`.prefix_sharing`).
+        prefix_sharing: ``PPOConfig.prefix_sharing`` (None: automatic), decided for every step and pass by
+            :attr:`prefix`, a :class:`~.prefix_sharing.PrefixSharing` built from this part's passes, ``critic`` (the
+            prepared separate critic, or None), ``dropout`` (a trained model has dropout above 0) and ``schedule``
+            (a :class:`~.prefix_sharing.Schedule`).
     """
 
     def __init__(self, accelerator, models: list[tuple], layout: InputLayout, *, is_encoder_decoder: bool,
                  mini_batch_size: int, memory: MemoryBackoff, sequence, pack: bool = False,
                  row_attention: dict | None = None, reuse_logits_buffer: bool = False,
-                 lm_head_chunk_size: int | None = None, temperature: float = 1.0, prefix_sharing: bool | None = False):  # fmt: skip
+                 lm_head_chunk_size: int | None = None, temperature: float = 1.0, prefix_sharing: bool | None = None,
+                 critic=None, dropout: bool = False, schedule: Schedule | None = None):  # fmt: skip
         self.accelerator = accelerator
         self.device = accelerator.device
         self.models = models
@@ -73,7 +78,10 @@ class ForwardPass:
         self.lm_head_chunk_size = lm_head_chunk_size
         self._warned_no_chunks = False
         self.temperature = temperature
-        self.prefix = PrefixSharing(prefix_sharing, pack and not is_encoder_decoder and not self.sequence.cuts)
+        models_of_passes = {"policy": models[0][0], "reference": models[1][0] if len(models) > 1 else None, "critic": critic}
+        not_attending = [name for name, m in models_of_passes.items() if m is not None and id(m) not in self.row_attention]
+        why_not = obstacle(pack, is_encoder_decoder, self.sequence.cuts, not_attending)
+        self.prefix = PrefixSharing(prefix_sharing, why_not, dropout, schedule)  # the one decider of sharing
 
     @classmethod
     def build(cls, accelerator, policy, reference, critic, tokenizer, config, pack: bool, memory: MemoryBackoff,
@@ -97,13 +105,13 @@ class ForwardPass:
         )
         reuse = accelerator.device.type == "cpu" and config.keep_freed_cpu_memory
         sequence.check_models(pack, [m for m in (policy, reference, critic) if m is not None], row_attention)
-        check_sharing(config.prefix_sharing, pack, sequence.cuts, policy, row_attention)
         forward = cls(accelerator, models, layout, is_encoder_decoder=unwrapped.is_encoder_decoder,
                       mini_batch_size=config.mini_batch_size, memory=memory, sequence=sequence, pack=pack,
                       row_attention=row_attention, reuse_logits_buffer=reuse,
                       lm_head_chunk_size=config.lm_head_chunk_size, temperature=config.temperature,
-                      prefix_sharing=config.prefix_sharing)  # fmt: skip
-        forward.prefix.in_budget = all(id(m) in row_attention for m in (policy, reference, critic) if m is not None)
+                      prefix_sharing=config.prefix_sharing, critic=critic,
+                      dropout=has_dropout(policy, critic),
+                      schedule=Schedule.of(config, (reference is not None) + 1))  # fmt: skip
         return forward
 
     @property
@@ -126,7 +134,7 @@ class ForwardPass:
                          is_encoder_decoder=self.is_encoder_decoder, mini_batch_size=self.mini_batch_size,
                          max_tokens=self.max_tokens)  # fmt: skip
         if not self.sequence.cuts:
-            return self.prefix.rows(rows, prompts or queries)
+            return self.prefix.rows(rows, prompts or queries, self.max_tokens)
         tokens = [rows.tokens(i) for i in range(len(rows))]
         slice_rows = self.sequence.slice_buffer_rows(rows.buffer_rows, tokens, self.mini_batch_size, self.max_tokens)
         return dataclasses.replace(rows, buffer_rows=slice_rows)
@@ -146,10 +154,12 @@ class ForwardPass:
         for index in self.split([list(range(len(rows)))], [rows.tokens(i) for i in range(len(rows))], agree, rows)[0]:
             yield index, to_device(index, self.device)
 
-    def split(self, groups: list[list[int]], costs, agree: bool = True, rows: Rows | None = None) -> list:
+    def split(self, groups: list[list[int]], costs, agree: bool = True, rows: Rows | None = None,
+              training: bool = False) -> list:  # fmt: skip
         """Each group of row numbers split into passes of at most ``max_tokens`` tokens (docs/algorithm.md
         section 18): per group, a list of passes, each a list of row numbers. ``costs[i]``: row ``i``'s tokens.
-        ``rows``: their passes may count a shared prompt once (:meth:`~.prefix_sharing.PrefixSharing.units`).
+        ``rows``: their passes may count a shared prompt once (:meth:`~.prefix_sharing.PrefixSharing.units`; the
+        passes are ``training`` passes or not).
 
         Under several processes every process makes, for each group, the largest number of passes any
         of them needs (one collective): each pass runs collectives (ZeRO-3 gathers parameters in the
@@ -158,12 +168,12 @@ class ForwardPass:
         holds as many rows, so the larger count can always be met. ``agree=False``: no collective, each
         process its own split.
         """
-        units = [self.prefix.units(group, costs, rows, self.max_tokens) for group in groups]
+        units = [self.prefix.units(group, costs, rows, self.max_tokens, training=training) for group in groups]
         splits = [split_by_tokens(unit_costs, self.max_tokens) for _, unit_costs in units]
         if agree and self.accelerator.num_processes > 1 and splits:
             counts = torch.tensor([len(s) for s in splits], device=self.device)
             counts = self.accelerator.reduce(counts, reduction="max").tolist()
-            units = [self.prefix.units(group, costs, rows, self.max_tokens, n) for group, n in zip(groups, counts)]
+            units = [self.prefix.units(group, costs, rows, self.max_tokens, n, training) for group, n in zip(groups, counts)]
             again = zip(splits, counts, units)
             splits = [s if len(s) == n else split_by_tokens(c, self.max_tokens, n) for s, n, (_, c) in again]
         longest = max((costs[i] for group in groups for i in group), default=0)
@@ -313,8 +323,8 @@ class ForwardPass:
         same mini-batch inputs, read at the same positions; the policy's value head does not run.
         """
         packed = self.packs(model)
-        attends = packed and all(id(m) in self.row_attention for m in (model, critic) if m is not None)
-        shared = self.prefix.inputs(rows, index, attends, self.device)  # None: the pass's own layout
+        # Whether this pass lays out shared prompts once is the decider's (a pass in train mode: dropout active).
+        shared = self.prefix.inputs(rows, index, model.training, self.device) if packed else None
         if shared is None:
             inputs, positions, slots, targets, width = self.layout.inputs(rows, index, idx, packed=packed)
         else:
@@ -419,7 +429,7 @@ class ForwardPass:
             kl_chunk = self.kl_chunk_size(rows, policy, reference) if full_kl else 0
             with self.per_row_attention():
                 for index, idx in self.minibatches(rows):
-                    self.memory.begin_pass(sum(rows.tokens(i) for i in index), len(index))
+                    self.memory.begin_pass(self.prefix.run_tokens(rows, index), len(index))  # as it runs
                     with self.memory.attempt(what="a rollout pass"):
                         self.rollout_pass(out, rows, index, idx, *models, kl_chunk)
                     if self.memory.stop_early:

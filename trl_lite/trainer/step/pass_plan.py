@@ -43,8 +43,8 @@ class Denominators:
 class PassPlan:
     """The passes of one backward batch.
 
-    ``passes``: per pass, row numbers of the experience; ``tokens``: per pass, its prompt+response tokens
-    (and PTX tokens); ``tokens_per_minibatch``: without a budget, the ``global_token_mean`` count of every
+    ``passes``: per pass, row numbers of the experience; ``tokens``: per pass, the prompt+response tokens
+    (and PTX tokens) it runs (a prompt its rows share counted once where the pass shares it); ``tokens_per_minibatch``: without a budget, the ``global_token_mean`` count of every
     mini-batch of the backward batch (None for other loss types); ``denominators``: with a budget, the
     backward batch's :class:`Denominators` (None without: each mini-batch is its own mean);
     ``actions``: with a budget, per pass its action tokens (host numbers, for the statistics).
@@ -79,6 +79,12 @@ def row_costs(experience) -> list[int]:
     return [rows.tokens(i) + (len(ptx[i]) if ptx is not None else 0) for i in range(len(rows))]
 
 
+def run_tokens(forward, experience, passes: list, costs: list[int]) -> list[int]:
+    """Per training pass, the tokens it runs: its rows' ``costs``, a prompt they share counted once where the
+    pass shares it (:meth:`~.prefix_sharing.PrefixSharing.run_tokens`): what the back-off halves."""
+    return [forward.prefix.run_tokens(experience.rows, p, True, costs) for p in passes]
+
+
 def plan_epoch(config, accelerator, forward, objective, experience, order: list[int]) -> list[PassPlan]:
     """The :class:`PassPlan` of each backward batch of one epoch's row ``order``.
 
@@ -96,16 +102,17 @@ def plan_epoch(config, accelerator, forward, objective, experience, order: list[
         for b, group in enumerate(groups):
             passes = [group[start : start + step] for start in range(0, len(group), step)]
             count = None if per_minibatch is None else per_minibatch[b]
-            plans.append(PassPlan(passes, [sum(costs[i] for i in p) for p in passes], count))
+            plans.append(PassPlan(passes, run_tokens(forward, experience, passes, costs), count))
         return plans
     # Host numbers from step()'s input checks: planning the passes reads nothing from the device.
     actions = experience.actions
     if config.max_tokens_per_minibatch is None:
         return minibatch_pieces(config, accelerator, forward, objective, experience, order, groups, actions)
     denominators = backward_batch_denominators(config, accelerator, objective, experience, groups, actions)
+    splits = forward.split(groups, costs, rows=experience.rows, training=True)
     return [
-        PassPlan(passes, [sum(costs[i] for i in p) for p in passes], None, d, [sum(actions[i] for i in p) for p in passes])
-        for passes, d in zip(forward.split(groups, costs, rows=experience.rows), denominators)
+        PassPlan(passes, run_tokens(forward, experience, passes, costs), None, d, [sum(actions[i] for i in p) for p in passes])
+        for passes, d in zip(splits, denominators)
     ]  # fmt: skip
 
 
@@ -164,7 +171,7 @@ def minibatch_pieces(config, accelerator, forward, objective, experience, order,
     ``global_token_mean`` keeps its count of :func:`classic_tokens_per_minibatch`."""
     step, costs = config.mini_batch_size, row_costs(experience)
     minibatches = [[group[start : start + step] for start in range(0, len(group), step)] for group in groups]
-    pieces = iter(forward.split([mb for mbs in minibatches for mb in mbs], costs, rows=experience.rows))
+    pieces = iter(forward.split([mb for mbs in minibatches for mb in mbs], costs, rows=experience.rows, training=True))
     per_minibatch = classic_tokens_per_minibatch(config, accelerator, objective, experience, order)
     counts = [1.0] * len(groups) if per_minibatch is None else per_minibatch.tolist()
     plans = []
@@ -174,7 +181,7 @@ def minibatch_pieces(config, accelerator, forward, objective, experience, order,
             passes += split
             owner += [m] * len(split)
         shares = [group_denominators(objective, experience, mb, actions, count or 1.0) for mb in mbs]
-        tokens = [sum(costs[i] for i in p) for p in passes]
+        tokens = run_tokens(forward, experience, passes, costs)
         plans.append(PassPlan(passes, tokens, None, shares, [sum(actions[i] for i in p) for p in passes], owner))
     return plans
 
