@@ -15,6 +15,8 @@ from .models import (
 from .trainer import (
     AdaptiveKLController,
     FixedKLController,
+    GRPOConfig,
+    GRPOTrainer,
     NoDatasetWarning,
     PPOConfig,
     PPOTrainer,
@@ -30,6 +32,8 @@ __all__ = [
     "BestOfNSampler",
     "DynamicSampler",
     "FixedKLController",
+    "GRPOConfig",
+    "GRPOTrainer",
     "LengthSampler",
     "NoDatasetWarning",
     "PPOConfig",

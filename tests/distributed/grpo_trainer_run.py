@@ -1,0 +1,68 @@
+"""GRPOTrainer.train() under `accelerate launch`: one generation (2 prompts x 4 completions, one prompt's group on
+each process), SGD so that the update is linear in the gradient. Writes, from the main process, every process's
+rollout (queries, responses, scores as `step()` got them), the prompts each process's reward function saw, the
+final weights of every process, the log history and the initial weights to --output.
+
+    accelerate launch --num_processes 2 ... grpo_trainer_run.py --base_model DIR --output FILE
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from grpo_helpers import config, dataset, length_reward, tokenizer  # noqa: E402
+
+from trl_lite import GRPOTrainer  # noqa: E402
+
+SEEN, ROLLOUTS = [], []
+
+
+def seen_prompts(prompts, completions, completion_ids, **kwargs):
+    SEEN.extend(prompts)
+    return [0.0] * len(prompts)
+
+
+def build(base_model: str, output_dir: str, per_device_train_batch_size: int) -> GRPOTrainer:
+    """The run's trainer (also the 1-process replay's in the test)."""
+    model = AutoModelForCausalLM.from_pretrained(base_model)
+    args = config(output_dir, per_device_train_batch_size=per_device_train_batch_size, max_steps=1, beta=0.1,
+                  max_completion_length=5, gradient_checkpointing=False)  # fmt: skip
+    return GRPOTrainer(model, [length_reward, seen_prompts], args=args, train_dataset=dataset(),
+                       processing_class=tokenizer(), optimizers=(torch.optim.SGD(model.parameters(), lr=0.5), None))  # fmt: skip
+
+
+def gather(value):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--base_model", required=True)
+    parser.add_argument("--output", required=True)
+    args = parser.parse_args()
+    trainer = build(args.base_model, os.path.dirname(args.output), per_device_train_batch_size=4)
+    step = trainer.ppo.step
+
+    def recording_step(queries, responses, scores, **kwargs):
+        ROLLOUTS.append(([q.tolist() for q in queries], [r.tolist() for r in responses], [float(s) for s in scores]))
+        return step(queries, responses, scores, **kwargs)
+
+    trainer.ppo.step = recording_step
+    trainer.train()
+    weights = {k: v.detach().to(torch.float64).clone() for k, v in trainer.model.state_dict().items()}
+    rollouts, seen, all_weights = gather(ROLLOUTS), gather(SEEN), gather(weights)
+    if trainer.accelerator.is_main_process:
+        os.makedirs(os.path.dirname(args.output), exist_ok=True)
+        torch.save({"rollouts": rollouts, "seen": seen, "weights": all_weights, "log_history": trainer.state.log_history,
+                    "num_processes": trainer.accelerator.num_processes}, args.output)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
