@@ -210,12 +210,13 @@ def reward_model_stage(args: PipelineArguments, output_dir: Path) -> dict:
 def ppo_stage(args: PipelineArguments, output_dir: Path) -> dict:
     """The sentiment PPO example with the SFT model as policy and the trained reward model as reward."""
     ppo_args = ppo_sentiment.ScriptArguments(
-        dataset_name=args.sft_dataset_name, output_dir=str(output_dir / "ppo"), reward_label=REWARD_LABEL,
+        output_dir=str(output_dir / "ppo"), reward_label=REWARD_LABEL,
         num_samples=4, plot_every=max(1, args.ppo_steps // 10),
     )  # fmt: skip
     config = PPOConfig(
         model_name=str(output_dir / "sft_model"),
         reward_model=str(output_dir / "reward_model"),
+        query_dataset=args.sft_dataset_name,  # None: the reviews shipped in examples/data/
         steps=args.ppo_steps,
         batch_size=args.ppo_batch_size,
         mini_batch_size=args.ppo_mini_batch_size,

@@ -61,11 +61,16 @@ def flat(named: dict) -> torch.Tensor:
 
 
 def finish(trainer) -> None:
-    """Wait for every process and end the run (accelerate's `end_training` destroys the process group).
+    """Wait for every process, end the run (accelerate's `end_training` destroys the process group) and leave.
 
-    The script then returns and the interpreter exits normally: the exit status is the run's own (no
-    `os._exit`). A script that does not end the run itself is covered by the trainer, which destroys the
-    group at interpreter exit (`trl_lite.trainer.accelerate_setup.destroy_process_group_at_exit`).
+    Known open defect (issue 59 item 7): even after the group is destroyed, a 2-process DeepSpeed ZeRO-3 run still
+    aborted once at interpreter exit in the full suite of 2026-11-29 ("terminate called without an active
+    exception", exit -6, `test_lm_head_zero3`; it passed when run again). Until its cause is found these workers,
+    whose results are written by then, leave with `os._exit(0)` so the race does not fail a test of other things;
+    the classic scripts' own tests (`test_distributed_state_first.py`) exit normally and check the status.
     """
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
