@@ -1,4 +1,4 @@
-"""Truncated sampling's kept sets (PPO_SPEC section 23, docs/truncated_sampling.md): the rule that makes them and
+"""Truncated sampling's kept sets (docs/algorithm_rollouts.md section 23, docs/truncated_sampling.md): the rule that makes them and
 the compact form they travel in.
 
 A sampler that truncates (``top_k > 0``, ``top_p < 1``, ``min_p > 0``) draws a position's token from

@@ -1,4 +1,4 @@
-"""The LM head under truncated sampling (PPO_SPEC section 23, docs/truncated_sampling.md): log-probs and entropy of
+"""The LM head under truncated sampling (docs/algorithm_rollouts.md section 23, docs/truncated_sampling.md): log-probs and entropy of
 ``pi_T^K``, ``pi_T = softmax(z / T)`` renormalised over each position's fixed kept set ``K``.
 
 Chunk by chunk of tokens as :mod:`.lm_head`'s chunked path (one chunk of every token for ``chunk_size`` 0): each

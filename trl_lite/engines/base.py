@@ -50,7 +50,7 @@ class GenerationEngine(ABC):
         log-probability of each generated token (the prompt excluded; ``len(row) - len(query)``
         entries with ``return_prompt``) under ``softmax(z / temperature)`` of the engine's model's logits
         ``z`` - when ``PPOConfig`` truncates (top-k/top-p/min-p), renormalised over the sampler's kept set
-        (``log pi_T^K``, PPO_SPEC section 23); else None.
+        (``log pi_T^K``, docs/algorithm_rollouts.md section 23); else None.
         """
 
     @abstractmethod

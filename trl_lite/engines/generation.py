@@ -139,7 +139,7 @@ class RolloutGeneration:
                  generate_ref_response: bool = False, remove_padding: bool = True, return_logprobs: bool = False,
                  classic: bool = False, **generation_kwargs):  # fmt: skip
         """See :meth:`PPOTrainer.generate`. ``classic``: on a transformers engine, a sampling kwarg that differs from
-        ``PPOConfig`` samples as given, with one warning per run and kwarg (classic ``PPOTrainer.generate``, PPO_SPEC
+        ``PPOConfig`` samples as given, with one warning per run and kwarg (classic ``PPOTrainer.generate``, docs/algorithm_rollouts.md
         section 23); else (vLLM, and the engines' own entry points) it is refused: ``PPOConfig`` is the one source."""
 
         def generate(queries):

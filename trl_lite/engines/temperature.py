@@ -9,7 +9,7 @@ every generating path applies - the trainer's ``generate``, both engines, ``run_
 ``BestOfNSampler``: a call's kwarg that disagrees with ``PPOConfig`` is refused (the caller wrote it), and a
 model default that does is overridden with one warning naming both (the caller did not). The one exception is
 classic ``PPOTrainer.generate(**kwargs)``, which samples as its kwargs say, as classic TRL did, and warns once per
-run (PPO_SPEC section 23, docs/truncated_sampling.md).
+run (docs/algorithm_rollouts.md section 23, docs/truncated_sampling.md).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def resolve_sampling_kwargs(generation_kwargs: dict, sampling: Sampling, default
     - a kwarg that shapes the distribution (temperature, top_k, top_p, min_p, typical_p, the repetition
       penalties, ...; None is absent) must equal the run's value, in any spelling (``top_k=0.0`` is
       ``top_k=0``), else ``ValueError`` naming both - or, with ``classic`` (classic ``PPOTrainer.generate``,
-      PPO_SPEC section 23), it is kept as given and named in the result's ``differing`` (the caller warns);
+      docs/algorithm_rollouts.md section 23), it is kept as given and named in the result's ``differing`` (the caller warns);
     - a sampling call (``do_sample``, else the model's ``do_sample``) gets the run's temperature, top_k and top_p
       written out, and any other setting the run asks for;
     - a model default that would shape the distribution otherwise (the settings greedy decoding uses too -
@@ -173,7 +173,7 @@ def vllm_logprobs_mode(temperature: float, truncates: bool = False) -> str:
     vLLM's ``raw_logprobs`` (its default) are ``log_softmax(z)``, taken before any sampling processor: the
     log-probs at temperature 1, kept for the classic run. ``processed_logprobs`` are taken after them all -
     penalties, the temperature, then min-p, top-k and top-p truncation: ``log_softmax(z / T)`` for a row sampled
-    at ``T`` without a cut, and ``log pi_T^K`` (renormalised over the set vLLM kept, PPO_SPEC section 23) for a
+    at ``T`` without a cut, and ``log pi_T^K`` (renormalised over the set vLLM kept, docs/algorithm_rollouts.md section 23) for a
     row sampled with the run's cut (:func:`check_vllm_logprobs`).
     """
     return "raw_logprobs" if temperature == 1.0 and not truncates else "processed_logprobs"

@@ -124,7 +124,7 @@ class TransformersEngine(GenerationEngine):
         stays in the key/value cache). Log-probs are ``log_softmax(z / temperature)`` of the raw logits
         ``generate`` returns (``output_logits``), the engine's temperature applied and nothing else - when
         ``PPOConfig`` truncates, renormalised over the set its warpers kept (the tokens finite in
-        ``output_scores``), ``log pi_T^K`` (PPO_SPEC section 23, docs/truncated_sampling.md).
+        ``output_scores``), ``log pi_T^K`` (docs/algorithm_rollouts.md section 23, docs/truncated_sampling.md).
 
         Devices: the queries may sit on the CPU (a tokenizer's output) or on the accelerator's device;
         each chunk is padded where its queries are and moved in one copy. The responses and log-probs are
@@ -257,7 +257,7 @@ def _sampled_logprobs(sequences: torch.Tensor, logits: tuple[torch.Tensor, ...],
     wider. Dividing by 1.0 changes no bit: the classic run's log-probs are those of the raw logits.
 
     ``kept``: the warpers' scores of each step (``output_scores``, -inf outside the kept set): the log-probs are
-    then ``log pi_T^K``, ``softmax(z / temperature)`` renormalised over the set the sampler kept (PPO_SPEC
+    then ``log pi_T^K``, ``softmax(z / temperature)`` renormalised over the set the sampler kept (docs/algorithm_rollouts.md
     section 23) - the raw logits over the recorded set, not the processed scores (a penalty is not scored)."""
     steps = torch.stack(logits, dim=1)
     steps = steps.to(torch.promote_types(steps.dtype, torch.float32)) / temperature

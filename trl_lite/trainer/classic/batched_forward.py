@@ -69,7 +69,7 @@ def _classic_pass(forward: ForwardPass, model, rows: Rows, index: list[int], idx
     """One pass of :func:`batched_forward_pass` over rows ``index``: writes their log-probs, values and
     mask into ``outs`` (three ``(B, T)``) and, with ``return_logits``, their logits into ``logits_out[0]``."""
     with forward.per_row_attention():
-        # The policy's log-probs under truncated sampling are log pi_T^K (PPO_SPEC section 23); a reference's are not.
+        # The policy's log-probs under truncated sampling are log pi_T^K (docs/algorithm_rollouts.md section 23); a reference's are not.
         policy = forward.unwrapped(model) is forward.models[0][1]
         lp, val, logits, slots, w = forward.logprobs(model, rows, index, idx, return_logits=return_logits,
                                                      truncated=policy)  # fmt: skip

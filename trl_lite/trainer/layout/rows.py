@@ -88,7 +88,7 @@ class Rows:
     ``buffer_rows``: the most token slots any mini-batch (or pass under a token budget) of these rows
     can have (the LM-head buffers of the step are sized to it); ``prompt_ids``: per row the first row with
     its query tokens when packed passes share prompts (:mod:`.prefix_sharing`), else None; ``kept``: under
-    truncated sampling the kept sets of the ``(B, L)`` positions (PPO_SPEC section 23), else None.
+    truncated sampling the kept sets of the ``(B, L)`` positions (docs/algorithm_rollouts.md section 23), else None.
     """
 
     queries: list

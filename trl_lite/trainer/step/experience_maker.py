@@ -103,7 +103,7 @@ class ExperienceMaker:
         rows = self.forward.make_rows(batch.queries, batch.responses, batch.response_masks, prompts)
         mask = rows.action_mask
         logprobs, ref_logprobs, values, full_kl = self.passes(rows)
-        # Truncated sampling: the rows carry the rollout's kept sets to every training pass (PPO_SPEC section 23).
+        # Truncated sampling: the rows carry the rollout's kept sets to every training pass (docs/algorithm_rollouts.md section 23).
         rows, untruncated_entropy = self.forward.with_kept(rows)
         generation = self.generation_columns(batch.generation_logprobs, mask, rows.shift)
         gap_stats, token_weights = {}, None

@@ -56,7 +56,7 @@ class ForwardPass:
             (a :class:`~.prefix_sharing.Schedule`).
         truncation: ``PPOConfig``'s top-k/top-p/min-p cut (:meth:`~trl_lite.core.kept_sets.Truncation.of`), or None:
             the policy's log-probs are then ``log pi_T^K`` over each position's kept set, made in the rollout pass
-            and replayed by every training pass (PPO_SPEC section 23, :meth:`with_kept`).
+            and replayed by every training pass (docs/algorithm_rollouts.md section 23, :meth:`with_kept`).
     """
 
     def __init__(self, accelerator, models: list[tuple], layout: InputLayout, *, is_encoder_decoder: bool,

@@ -5,7 +5,7 @@ linear head the trainer applies itself (``head``), or None for the model's own `
 not apply, or a pass that returns logits), and the head's ``chunk`` - tokens per chunk, 0 for one ``(N, V)``
 buffer, :data:`OWN_LOGITS` for the model's logits. The model's forward (whether it returns the head's inputs), the
 head (:meth:`HeadPath.apply`) and the statistic ``memory/lm_head_chunk_size`` (:meth:`HeadPath.taken`: the path
-the policy's last training pass took) all read that choice. Truncated sampling (PPO_SPEC section 23) takes the
+the policy's last training pass took) all read that choice. Truncated sampling (docs/algorithm_rollouts.md section 23) takes the
 same choice through :func:`~trl_lite.core.truncated_head.truncated_head`.
 """
 
