@@ -391,21 +391,3 @@ def test_the_checks_find_what_they_look_for():
         assert excerpt is not None and _undefined_names(code, set()) == {"undefined_name"}
     finally:
         page.unlink()
-
-
-OTHER_PAGES = [page for page in PAGES if page.parent.name in ("examples", "benchmarks")]
-
-
-@pytest.mark.parametrize("page", OTHER_PAGES, ids=_page_id)
-def test_every_relative_link_of_examples_and_benchmarks_pages_resolves(page):
-    from test_docs_links import _anchors, _relative_links
-
-    broken = []
-    for target in _relative_links(page):
-        path_part, _, anchor = target.partition("#")
-        file = (page.parent / path_part).resolve() if path_part else page
-        if not file.exists():
-            broken.append(target)
-        elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
-            broken.append(f"{target} (no such heading)")
-    assert not broken, f"{_page_id(page)}: broken links: {broken}"

@@ -10,6 +10,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+# Relative links are also checked on the examples' and benchmarks' pages.
+LINKED_PAGES = [*PAGES, *sorted((ROOT / "examples").glob("*.md")), *sorted((ROOT / "benchmarks").glob("*.md"))]
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 # A file the docs name where a command needs it: a script run by python or accelerate, a config, a notebook.
@@ -73,7 +75,7 @@ def test_the_readme_quotes_the_two_commands_that_ci_and_make_run():
     assert _prose(ROOT / ".ci" / "run").strip().splitlines()[-1] == "make test"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+@pytest.mark.parametrize("page", LINKED_PAGES, ids=_page_id)
 def test_every_relative_link_resolves(page):
     broken = []
     for target in _relative_links(page):
