@@ -25,11 +25,14 @@ Each run also reports the growth of its peak resident size (``VmHWM``, reset bef
 size before each of the first two (unprofiled) steps, and how much of the first step's growth is file-backed
 pages (``RssFile``: library code run for the first time), the memory glibc's malloc holds free in its heaps after
 the first step (``mallinfo2``'s ``fordblks``: freed blocks kept for reuse, resident, counted in the growth but not
-in the tensor peak) and the first step's CPU seconds (user + system, of this process). ``--return_freed_cpu_memory``
-runs every case with ``PPOConfig(keep_freed_cpu_memory=False)`` (glibc's own malloc settings);
-``--mmap_threshold BYTES`` also fixes glibc's mmap threshold (``MALLOC_MMAP_THRESHOLD_``, which turns its dynamic
-threshold off; ``MALLOC_TRIM_THRESHOLD_=2147483647``), so that every block above it is mapped on its own and
-returned when freed (docs/sequence_parallel.md, "Resident memory").
+in the tensor peak) and the first step's CPU seconds (user + system, of this process). By default the trainer sets
+glibc's malloc itself (``PPOConfig.keep_freed_cpu_memory``: blocks up to 32 MiB kept on 1 process, a lower mmap
+threshold and one arena on a process of the group; trl_lite/trainer/memory/cpu_memory.py).
+``--return_freed_cpu_memory`` runs every case with ``PPOConfig(keep_freed_cpu_memory=False)`` (glibc's own malloc
+settings); ``--mmap_threshold BYTES`` starts every process with glibc's mmap threshold fixed
+(``MALLOC_MMAP_THRESHOLD_``, which turns its dynamic threshold off; ``MALLOC_TRIM_THRESHOLD_=2147483647``), which
+the trainer then leaves alone: every block above it is mapped on its own and returned when freed; 33554432 gives
+every process the 1-process setting (docs/sequence_parallel.md, "Resident memory").
 
 Usage:
     python benchmarks/bench_sequence_parallel.py [--lengths 8192 16384] [--layers 2] [--width 256] [--heads 4]
@@ -171,8 +174,8 @@ def run(args, processes: int, deepspeed: bool = True) -> list[dict]:
     worker_args = [str(Path(__file__).resolve()), "--worker", "--lengths", *map(str, args.lengths), "--layers",
                    str(args.layers), "--width", str(args.width), "--heads", str(args.heads)]  # fmt: skip
     for flag in ("gradient_checkpointing", "return_freed_cpu_memory"):
-        if getattr(args, flag) or (flag == "return_freed_cpu_memory" and args.mmap_threshold is not None):
-            worker_args.append(f"--{flag}")  # a fixed mmap threshold needs the trainer to leave malloc alone
+        if getattr(args, flag):
+            worker_args.append(f"--{flag}")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": str(max(args.threads // processes, 1))}
     if args.mmap_threshold is not None:
         env.update(MALLOC_MMAP_THRESHOLD_=str(args.mmap_threshold), MALLOC_TRIM_THRESHOLD_=str(2**31 - 1))
@@ -204,7 +207,7 @@ def main() -> None:
     parser.add_argument("--return_freed_cpu_memory", action="store_true",
                         help="PPOConfig(keep_freed_cpu_memory=False): glibc's own malloc settings")
     parser.add_argument("--mmap_threshold", type=int, default=None,
-                        help="bytes: glibc maps every block above it on its own (implies --return_freed_cpu_memory)")
+                        help="bytes: glibc maps every block above it on its own (the trainer leaves it alone)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -216,7 +219,7 @@ def main() -> None:
     checkpointing = ", gradient checkpointing" if args.gradient_checkpointing else ""
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     malloc = "" if args.mmap_threshold is None else f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}"
-    malloc += ", keep_freed_cpu_memory=False" if args.return_freed_cpu_memory or args.mmap_threshold else ""
+    malloc += ", keep_freed_cpu_memory=False" if args.return_freed_cpu_memory else ""
     print(f"load average {load}; rows {args.lengths} tokens; {args.layers} x {args.width}, {args.heads} "
           f"heads{checkpointing}{malloc}")  # fmt: skip
     print("| processes | DeepSpeed | sp_size | threads each | tensor peak per process (MB) | of 1 process | "
