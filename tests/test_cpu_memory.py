@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trl_lite.trainer.memory import cpu_memory
-from trl_lite.trainer.memory.cpu_memory import CpuMalloc, keep_freed_cpu_memory
+from trl_lite.trainer.memory.cpu_memory import keep_freed_cpu_memory, set_cpu_malloc
 
 # Runs in a fresh interpreter: the setting is process-wide and must not leak into other tests.
 # Like a mini-batch, each round allocates, touches and frees one and then three 20 MiB tensors
@@ -99,11 +99,9 @@ def _accelerator(device="cpu", sp_size=None):
 
 @pytest.fixture
 def mallopt_calls(monkeypatch):
-    """The mallopt and malloc_trim calls CpuMalloc makes, recorded instead of made (the test process's malloc
-    stays): ``(param, value)`` and ``"trim"``."""
+    """The mallopt calls set_cpu_malloc makes, recorded instead of made (the test process's malloc stays)."""
     calls = []
     monkeypatch.setattr(cpu_memory, "_mallopt", lambda: lambda param, value: calls.append((param, value)) or 1)
-    monkeypatch.setattr(cpu_memory, "_malloc_trim", lambda: calls.append("trim"))
     for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX", "GLIBC_TUNABLES"):
         monkeypatch.delenv(name, raising=False)
     return calls
@@ -116,19 +114,15 @@ SEQUENCE_PARALLEL = [(-3, 8 << 20), (-1, 2**31 - 1), (-8, 1)]
 @pytest.mark.parametrize("sp_size, expected", [(None, KEEP_32_MIB), (1, KEEP_32_MIB), (2, SEQUENCE_PARALLEL),
                                                (4, SEQUENCE_PARALLEL)])  # fmt: skip
 def test_trainer_sets_malloc_for_one_process_and_for_a_sequence_parallel_group(mallopt_calls, sp_size, expected):
-    malloc = CpuMalloc(SimpleNamespace(keep_freed_cpu_memory=True), _accelerator(sp_size=sp_size))
-    assert malloc.applied is True
+    assert set_cpu_malloc(SimpleNamespace(keep_freed_cpu_memory=True), _accelerator(sp_size=sp_size)) is True
     assert mallopt_calls == expected
-    malloc.after_rollout()  # the heap is handed back after the rollout in a sequence-parallel group only
-    assert mallopt_calls == expected + (["trim"] if expected == SEQUENCE_PARALLEL else [])
 
 
 @pytest.mark.parametrize("keep, device", [(False, "cpu"), (True, "cuda"), (True, "meta")])
 def test_no_malloc_setting_when_switched_off_or_off_the_cpu(mallopt_calls, keep, device):
     for sp_size in (None, 2):
-        malloc = CpuMalloc(SimpleNamespace(keep_freed_cpu_memory=keep), _accelerator(device, sp_size))
-        malloc.after_rollout()
-        assert malloc.applied is False
+        config = SimpleNamespace(keep_freed_cpu_memory=keep)
+        assert set_cpu_malloc(config, _accelerator(device, sp_size)) is False
     assert mallopt_calls == []
 
 
@@ -138,22 +132,20 @@ def test_no_malloc_setting_when_switched_off_or_off_the_cpu(mallopt_calls, keep,
 def test_a_process_started_with_its_own_mmap_threshold_keeps_it(mallopt_calls, monkeypatch, variable, value):
     monkeypatch.setenv(variable, value)
     for sp_size in (None, 2):
-        malloc = CpuMalloc(SimpleNamespace(keep_freed_cpu_memory=True), _accelerator(sp_size=sp_size))
-        malloc.after_rollout()
-        assert malloc.applied is False
+        assert set_cpu_malloc(SimpleNamespace(keep_freed_cpu_memory=True), _accelerator(sp_size=sp_size)) is False
     assert mallopt_calls == []
 
 
 @pytest.mark.parametrize("variable, value", [("MALLOC_ARENA_MAX", "4"), ("GLIBC_TUNABLES", "glibc.malloc.arena_max=4")])
 def test_a_process_started_with_its_own_arenas_keeps_them(mallopt_calls, monkeypatch, variable, value):
     monkeypatch.setenv(variable, value)
-    assert CpuMalloc(SimpleNamespace(keep_freed_cpu_memory=True), _accelerator(sp_size=2)).applied is True
+    assert set_cpu_malloc(SimpleNamespace(keep_freed_cpu_memory=True), _accelerator(sp_size=2)) is True
     assert mallopt_calls == SEQUENCE_PARALLEL[:2]
 
 
 def test_other_glibc_tunables_change_nothing(mallopt_calls, monkeypatch):
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.cpu.hwcaps=-AVX512F:glibc.malloc.hugetlb=1")
-    assert CpuMalloc(SimpleNamespace(keep_freed_cpu_memory=True), _accelerator(sp_size=2)).applied is True
+    assert set_cpu_malloc(SimpleNamespace(keep_freed_cpu_memory=True), _accelerator(sp_size=2)) is True
     assert mallopt_calls == SEQUENCE_PARALLEL
 
 
@@ -162,11 +154,8 @@ def test_no_call_without_glibc(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr("platform.libc_ver", lambda *args, **kwargs: ("musl", "1.2"))
     monkeypatch.setattr(cpu_memory.ctypes, "CDLL", lambda *args, **kwargs: pytest.fail("looked up malloc"))
-    monkeypatch.setattr(cpu_memory, "_malloc_trim", lambda: pytest.fail("trimmed"))
     for sp_size in (None, 2):
-        malloc = CpuMalloc(SimpleNamespace(keep_freed_cpu_memory=True), _accelerator(sp_size=sp_size))
-        malloc.after_rollout()
-        assert malloc.applied is False
+        assert set_cpu_malloc(SimpleNamespace(keep_freed_cpu_memory=True), _accelerator(sp_size=sp_size)) is False
 
 
 @pytest.mark.parametrize("kwargs", [dict(mmap_threshold=0), dict(mmap_threshold=(32 << 20) + 1),
@@ -177,31 +166,3 @@ def test_bad_settings_are_rejected_before_any_call(mallopt_calls, kwargs):
     with pytest.raises(ValueError, match=name):
         keep_freed_cpu_memory(**kwargs)
     assert mallopt_calls == []
-
-
-# A heap block freed between two held ones cannot shrink the heap; malloc_trim(0) returns its pages anyway.
-TRIM_CHILD = """
-import ctypes, json
-from types import SimpleNamespace
-import torch
-from trl_lite.trainer.memory.cpu_memory import CpuMalloc
-
-def resident_mb():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
-
-config = SimpleNamespace(keep_freed_cpu_memory=True)
-malloc = CpuMalloc(config, SimpleNamespace(device=torch.device("cpu"), parallelism_config=SimpleNamespace(sp_size=2)))
-held = [torch.ones(1 << 20) for _ in range(3)]  # 4 MiB blocks: in the heap under the 8 MiB threshold
-del held[1]
-before = resident_mb()
-malloc.after_rollout()
-print(json.dumps({"applied": malloc.applied, "returned_mb": before - resident_mb()}))
-"""
-
-
-def test_a_sequence_parallel_process_returns_its_free_heap_after_the_rollout():
-    out = subprocess.run([sys.executable, "-c", TRIM_CHILD], capture_output=True, text=True, check=True)
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["applied"] is True
-    assert result["returned_mb"] > 3.5, result  # the freed 4 MiB block's pages

@@ -80,35 +80,18 @@ def keep_freed_cpu_memory(mmap_threshold: int = _MMAP_THRESHOLD_MAX, arena_max: 
     return applied
 
 
-class CpuMalloc:
-    """The trainer's malloc settings for ``accelerator``'s process under ``config.keep_freed_cpu_memory``, applied
-    when built, and the heap handed back after each rollout.
-
-    None off the CPU, when switched off, or when the process was started with an mmap threshold of its own
+def set_cpu_malloc(config, accelerator) -> bool:
+    """The trainer's malloc settings for ``accelerator``'s process under ``config.keep_freed_cpu_memory``: none
+    off the CPU, when switched off, or when the process was started with an mmap threshold of its own
     (``MALLOC_MMAP_THRESHOLD_`` or the tunable ``glibc.malloc.mmap_threshold``). A process of a sequence-parallel
-    group keeps blocks up to :data:`SEQUENCE_PARALLEL_MMAP_THRESHOLD`, has :data:`SEQUENCE_PARALLEL_ARENAS` arena
-    (unless started with ``MALLOC_ARENA_MAX`` / ``glibc.malloc.arena_max``) and returns its heap's free pages to
-    the OS after each step's rollout (:meth:`after_rollout`); any other keeps blocks up to 32 MiB.
-    """
-
-    def __init__(self, config, accelerator):
-        self.applied = self.trims = False
-        if not config.keep_freed_cpu_memory or accelerator.device.type != "cpu":
-            return
-        if _started_with("MALLOC_MMAP_THRESHOLD_", "glibc.malloc.mmap_threshold"):
-            return
-        if sequence_parallel_size(accelerator) > 1:
-            arenas = None if _started_with("MALLOC_ARENA_MAX", "glibc.malloc.arena_max") else SEQUENCE_PARALLEL_ARENAS
-            self.applied = self.trims = keep_freed_cpu_memory(SEQUENCE_PARALLEL_MMAP_THRESHOLD, arenas)
-        else:
-            self.applied = keep_freed_cpu_memory()
-
-    def after_rollout(self) -> None:
-        """Under the sequence-parallel setting, return the free pages of malloc's heaps (``malloc_trim(0)``): the
-        rollout's blocks freed between ones still held would otherwise stay resident under the training passes."""
-        if self.trims:
-            _malloc_trim()
-
-
-def _malloc_trim() -> None:
-    ctypes.CDLL(None).malloc_trim(0)
+    group keeps blocks up to :data:`SEQUENCE_PARALLEL_MMAP_THRESHOLD` and has :data:`SEQUENCE_PARALLEL_ARENAS`
+    arena (unless started with ``MALLOC_ARENA_MAX`` / ``glibc.malloc.arena_max``); any other keeps blocks up to
+    32 MiB. Returns whether a setting was applied."""
+    if not config.keep_freed_cpu_memory or accelerator.device.type != "cpu":
+        return False
+    if _started_with("MALLOC_MMAP_THRESHOLD_", "glibc.malloc.mmap_threshold"):
+        return False
+    if sequence_parallel_size(accelerator) > 1:
+        arenas = None if _started_with("MALLOC_ARENA_MAX", "glibc.malloc.arena_max") else SEQUENCE_PARALLEL_ARENAS
+        return keep_freed_cpu_memory(SEQUENCE_PARALLEL_MMAP_THRESHOLD, arenas)
+    return keep_freed_cpu_memory()
