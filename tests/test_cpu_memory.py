@@ -126,9 +126,11 @@ def test_no_malloc_setting_when_switched_off_or_off_the_cpu(mallopt_calls, keep,
     assert mallopt_calls == []
 
 
-@pytest.mark.parametrize("variable, value", [("MALLOC_MMAP_THRESHOLD_", "1048576"),
-                                             ("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=1048576"),
-                                             ("GLIBC_TUNABLES", "glibc.cpu.x86_shstk=off:glibc.malloc.mmap_threshold=1")])  # fmt: skip
+@pytest.mark.parametrize("variable, value", [
+    ("MALLOC_MMAP_THRESHOLD_", "1048576"),
+    ("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=1048576"),
+    ("GLIBC_TUNABLES", "glibc.cpu.x86_shstk=off:glibc.malloc.mmap_threshold=1"),
+])  # fmt: skip
 def test_a_process_started_with_its_own_mmap_threshold_keeps_it(mallopt_calls, monkeypatch, variable, value):
     monkeypatch.setenv(variable, value)
     for sp_size in (None, 2):

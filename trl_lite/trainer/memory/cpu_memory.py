@@ -46,6 +46,10 @@ def _started_with(variable: str, tunable: str) -> bool:
     return variable in os.environ or any(part.startswith(tunable + "=") for part in tunables.replace(":", " ").split())
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _mallopt():
     """glibc's ``mallopt``, or None on systems without glibc (macOS, Windows, musl)."""
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
@@ -67,9 +71,9 @@ def keep_freed_cpu_memory(mmap_threshold: int = _MMAP_THRESHOLD_MAX, arena_max: 
     Process-wide and lasting. Returns True when applied; False (and nothing changes) on systems
     without glibc (macOS, Windows, musl).
     """
-    if isinstance(mmap_threshold, bool) or not isinstance(mmap_threshold, int) or not 0 < mmap_threshold <= _MMAP_THRESHOLD_MAX:
-        raise ValueError(f"mmap_threshold must be an int in [1, {_MMAP_THRESHOLD_MAX}] (bytes), got {mmap_threshold!r}.")
-    if arena_max is not None and (isinstance(arena_max, bool) or not isinstance(arena_max, int) or arena_max < 1):
+    if not _is_int(mmap_threshold) or not 0 < mmap_threshold <= _MMAP_THRESHOLD_MAX:
+        raise ValueError(f"mmap_threshold must be an int in [1, {_MMAP_THRESHOLD_MAX}] bytes, got {mmap_threshold!r}.")
+    if arena_max is not None and (not _is_int(arena_max) or arena_max < 1):
         raise ValueError(f"arena_max must be None or a positive int, got {arena_max!r}.")
     mallopt = _mallopt()
     if mallopt is None:
