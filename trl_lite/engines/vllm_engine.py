@@ -155,6 +155,10 @@ class VLLMEngine(GenerationEngine):
     """
 
     needs_weight_sync = True
+    # docs/truncated_sampling.md: vLLM 0.32 returns its SamplingMask (return_sampling_mask=True) only under Model
+    # Runner V2, which it picks only with Triton; its CPU build has no Triton backend, and V2's mask is a Triton kernel.
+    no_kept_sets = ("trl_lite does not ask vLLM for its sampling mask: vLLM 0.32 returns it (return_sampling_mask) only "
+                    "under its Model Runner V2, which needs Triton, and its CPU backend has none")  # fmt: skip
 
     def __init__(self, backend, eos_token_id: int | None, pad_token_id: int, generation_defaults=None,
                  sampling: Sampling = Sampling()):  # fmt: skip

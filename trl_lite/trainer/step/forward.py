@@ -231,6 +231,31 @@ class ForwardPass:
             return None
         return rows.kept.for_slots(idx[slots[0]], slots[1])
 
+    def replaying(self, rows: Rows, records: list | None, why_none: str | None = None) -> Rows:
+        """``rows`` carrying the sampler's own kept sets (docs/algorithm_rollouts.md section 23): ``records`` per row a
+        one-row :class:`~trl_lite.core.kept_sets.KeptSets` over its compact positions, or None (no record: the
+        rollout pass re-derives that row's sets, said once per run, ``why_none`` the engine's reason when given)."""
+        if self.truncation is None:
+            return rows
+        records = records or [None] * len(rows)
+        missing = sum(record is None for record in records)
+        if missing and not self._said_rederived:
+            self._said_rederived = True
+            cut = self.truncation
+            why = why_none or ("their responses were not the last ones the trainer's engine generated (edited, or "
+                               "sampled elsewhere), or the engine cannot record its sets")  # fmt: skip
+            warnings.warn(
+                f"PPOConfig truncates sampling (top_k={cut.top_k}, top_p={cut.top_p}, min_p={cut.min_p}): {missing} of "
+                f"{len(rows)} responses have no kept sets recorded by their sampler ({why}), so their sets are "
+                f"re-derived from the rollout pass's logits by the {cut.order} sampler's rule and order; where they "
+                "differ from the sampler's at a cut-off, a tie or a penalty, rollout/logprob_diff shows it. Said once "
+                "per run (docs/truncated_sampling.md).",
+                stacklevel=5,
+            )
+        if missing == len(rows):
+            return rows
+        return dataclasses.replace(rows, kept=KeptSets.stacked(records, rows.action_mask.shape[1], self.device))
+
     def with_kept(self, rows: Rows) -> tuple[Rows, torch.Tensor | None]:
         """``rows`` carrying the kept sets the last :meth:`rollout`'s policy passes made, and the policy's untruncated
         entropy ``(B, L)`` there (the statistic beside the truncated one); ``rows`` and None when it made none."""
@@ -321,8 +346,10 @@ class ForwardPass:
             model, rows, index, idx, lm_head_inputs=choice.fused, return_values=return_values, critic=critic
         )
         if truncated and self.truncation is not None:
-            logprobs, _, entropy, ids, counts = self.head.truncated(choice, outputs, targets, self.temperature,
-                                                                    self.truncation)  # fmt: skip
+            # The sampler's sets where the rows carry them (replayed), the rule's from these logits elsewhere.
+            kept = self.kept_of(rows, idx, slots)
+            logprobs, _, entropy, ids, counts = self.head.truncated(choice, outputs, targets, self.temperature, kept,
+                                                                    derive=self.truncation)  # fmt: skip
             if self._kept_passes is not None:
                 keys = idx[slots[0]] * rows.action_mask.shape[1] + slots[1]
                 self._kept_passes.append((keys, ids, counts, entropy))
@@ -352,18 +379,6 @@ class ForwardPass:
         if critic is not None:
             critic.eval()
         models = (policy, reference, critic, policy_values, full_kl, policy_pass, reference_pass)
-
-        if self.truncation is not None and policy_pass and not self._said_rederived:
-            self._said_rederived = True
-            cut = self.truncation
-            warnings.warn(
-                f"PPOConfig truncates sampling (top_k={cut.top_k}, top_p={cut.top_p}, min_p={cut.min_p}): the trainer "
-                f"scores each token under pi_T renormalised over its position's kept set, re-derived from the rollout "
-                f"pass's logits by the {cut.order} sampler's rule and order (the sampler's own sets are not passed to "
-                "step()); where they differ at a cut-off or a tie, rollout/logprob_diff shows it. Said once per run "
-                "(docs/truncated_sampling.md).",
-                stacklevel=4,
-            )
 
         def passes():
             out = torch.zeros(4 if full_kl else 3, batch, width, device=self.device)
