@@ -281,6 +281,11 @@ class KeptSets:
         torch.cumsum(counts.reshape(-1), 0, out=offsets[1:])
         return cls(offsets, torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32, device=device), width)
 
+    def first(self, n: int) -> KeptSets:
+        """The sets of a one-row :class:`KeptSets`'s first ``n`` positions."""
+        end = int(self.offsets[n])
+        return KeptSets(self.offsets[: n + 1], self.ids[:end], n)
+
     @property
     def counts(self) -> torch.Tensor:
         """Each position's set size ``(rows * width,)`` (0: no set)."""
