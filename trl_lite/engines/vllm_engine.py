@@ -155,8 +155,7 @@ class VLLMEngine(GenerationEngine):
     """
 
     needs_weight_sync = True
-    # docs/truncated_sampling.md: vLLM 0.32 returns its SamplingMask (return_sampling_mask=True) only under Model
-    # Runner V2, which it picks only with Triton; its CPU build has no Triton backend, and V2's mask is a Triton kernel.
+    # Why the kept sets are re-derived for vLLM (docs/truncated_sampling.md).
     no_kept_sets = ("trl_lite does not ask vLLM for its sampling mask: vLLM 0.32 returns it (return_sampling_mask) only "
                     "under its Model Runner V2, which needs Triton, and its CPU backend has none")  # fmt: skip
 
