@@ -101,3 +101,24 @@ def test_run_episodes_carry_each_turns_sampler_sets_past_the_tool_tokens_to_step
         actions = episode.response_mask.bool()
         lp_old = seen[0].logprobs[i, : len(episode.response)].double()
         assert torch.allclose(lp_old[actions], expected[actions], atol=2e-5), i
+
+
+def test_the_grpo_trainer_steps_over_its_samplers_sets(tmp_path):
+    """GRPOTrainer: its rollout's generate() records the sets, its step() finds them by the rows' tokens."""
+    from grpo_helpers import trainer as grpo_trainer
+
+    run = grpo_trainer(tmp_path, model="qwen2", top_k=5, temperature=0.7, max_steps=1)
+    policy = run.ppo.accelerator.unwrap_model(run.ppo.model)
+    sampler = copy.deepcopy(getattr(policy, "pretrained_model", policy))
+    seen, batches, make = [], [], run.ppo.experience_maker.make
+    run.ppo.experience_maker.make = lambda batch: batches.append(batch) or seen.append(make(batch)) or seen[-1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.train()
+    assert not [w for w in caught if "re-derived" in str(w.message)]
+    (batch,), (experience,) = batches, seen
+    assert batch.kept_sets is not None and all(kept is not None for kept in batch.kept_sets)
+    for i, (query, response) in enumerate(zip(batch.queries, batch.responses)):
+        query, response = query.cpu(), response.cpu()
+        expected = sets_then_scored_now(sampler, sampler, query, response, Truncation(top_k=5), 0.7)
+        assert torch.allclose(experience.logprobs[i, : len(response)].double(), expected, atol=2e-5), i
