@@ -122,7 +122,7 @@ class ForwardPass:
                       dropout=has_dropout(policy, critic),
                       schedule=Schedule.of(config, (reference is not None) + 1),
                       truncation=Truncation.of(config, order="vllm" if config.use_vllm else "transformers"))  # fmt: skip
-        forward.no_kept_sets = VLLMEngine.no_kept_sets if config.use_vllm else None  # the engine's reason, when it has one
+        forward.no_kept_sets = VLLMEngine.no_kept_sets if config.use_vllm else None  # why vLLM's are re-derived
         return forward
 
     @property
@@ -232,21 +232,21 @@ class ForwardPass:
             row, position = row[self._sequence_pass.slots], position[self._sequence_pass.slots]
         return rows.kept.for_slots(row, position)
 
-    def replaying(self, rows: Rows, records: list | None, why_none: str | None = None) -> Rows:
+    def replaying(self, rows: Rows, records: list | None) -> Rows:
         """``rows`` carrying the sampler's own kept sets (docs/algorithm_rollouts.md section 23): ``records`` per row a
         one-row :class:`~trl_lite.core.kept_sets.KeptSets` over its compact positions, or None (no record: the
-        rollout pass re-derives that row's sets, said once per run, ``why_none`` the engine's reason when given)."""
+        rollout pass re-derives that row's sets; said once per run, with why)."""
         if self.truncation is None:
             return rows
+        why = self.no_kept_sets or ("not among those the trainer's engine generated since the last step: edited, "
+                                    "sampled elsewhere, by a single-query or a greedy generate()")  # fmt: skip
         if self.sequence.cuts:  # every process of the group must score alike: the sets are re-derived, slice by slice
-            records, why_none = None, "under sequence parallelism the group's processes each sampled a share"
+            records, why = None, "under sequence parallelism the group's processes each sampled a share"
         records = records or [None] * len(rows)
         missing = sum(record is None for record in records)
         if missing and not self._said_rederived:
             self._said_rederived = True
             cut = self.truncation
-            why = why_none or self.no_kept_sets or ("their responses were not the last ones the trainer's engine generated (edited, or "
-                               "sampled elsewhere), or the engine cannot record its sets")  # fmt: skip
             warnings.warn(
                 f"PPOConfig truncates sampling (top_k={cut.top_k}, top_p={cut.top_p}, min_p={cut.min_p}): {missing} of "
                 f"{len(rows)} responses have no kept sets recorded by their sampler ({why}), so their sets are "
