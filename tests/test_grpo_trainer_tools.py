@@ -130,7 +130,7 @@ def test_failed_calls_are_counted_and_no_limit_runs_until_the_token_budget(tmp_p
         return a / b
 
     trainer = GRPOTrainer(model, reward_funcs=[spy.reward], processing_class=make_chat_tokenizer(),
-                          args=config(tmp_path, max_steps=1, max_tool_calling_iterations=None, max_completion_length=60),
+                          args=config(tmp_path, max_steps=1, max_tool_calling_iterations=None, max_completion_length=200),
                           train_dataset=dataset(), tools=[divide, subtract])  # fmt: skip
     trainer.train()
     completion = spy.rewards[0]["completions"][0]
@@ -139,11 +139,11 @@ def test_failed_calls_are_counted_and_no_limit_runs_until_the_token_budget(tmp_p
     logs = trainer.state.log_history[0]
     assert logs["tools/failure_frequency"] == 1.0
     assert logs["tools/call_frequency"] == len(tool_messages)  # the same in every completion
-    assert len(tool_messages) > 1  # no iteration limit: only max_completion_length (60 tokens) ended it
-    assert max(len(ids) for ids in spy.rewards[0]["completion_ids"]) <= 60
+    assert len(tool_messages) > 2  # no iteration limit: only max_completion_length (200 tokens) ended it
+    assert 200 - 30 < max(len(ids) for ids in spy.rewards[0]["completion_ids"]) <= 200
 
 def test_the_update_equals_a_float64_gradient_of_the_loss_over_the_models_tokens_only(tmp_path):
-    model = successor_model(ADD_TURN, scale=0.16, seed=1)
+    model = successor_model(ADD_TURN, scale=0.12, seed=1)
     model64 = successor_model({}).double()
     model64.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -155,7 +155,7 @@ def test_the_update_equals_a_float64_gradient_of_the_loss_over_the_models_tokens
 
     sgd = torch.optim.SGD(model.parameters(), lr=1.0)
     args = config(tmp_path, max_steps=1, loss_type="dapo", scale_rewards="none", max_grad_norm=0.0,
-                  max_completion_length=24, max_tool_calling_iterations=2)  # fmt: skip
+                  max_completion_length=48, max_tool_calling_iterations=2)  # fmt: skip
     trainer = GRPOTrainer(model, reward_funcs=[reward], args=args, train_dataset=dataset(), optimizers=(sgd, None),
                           processing_class=make_chat_tokenizer(), tools=[add])  # fmt: skip
     steps = Spy(trainer).steps
@@ -201,7 +201,7 @@ def test_an_environment_factory_trains_end_to_end_with_get_reward_as_a_reward_so
         made.append(Counter())
         return made[-1]
 
-    model = successor_model(INCREMENT_TURN, scale=0.5, seed=2)
+    model = successor_model(INCREMENT_TURN, scale=0.1, seed=2)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     trainer = GRPOTrainer(model, reward_funcs=[spy.reward], args=config(tmp_path, max_steps=2, reward_weights=[0.5]),
                           train_dataset=dataset(start=[10, 0]), processing_class=make_chat_tokenizer(),
@@ -215,9 +215,8 @@ def test_an_environment_factory_trains_end_to_end_with_get_reward_as_a_reward_so
     assert [type(e) for e in environments] == [Counter] * 8 and len({id(e) for e in environments}) == 8
     for prompt, completion, environment in zip(seen["prompts"], seen["completions"], environments):
         start = int(prompt[-1]["content"].split("start at ")[1].rstrip(")"))  # reset's text joins the prompt
-        calls = [m for m in completion if m["role"] == "tool"]
-        assert environment.count == start + 2 * len(calls)
-        assert [m["content"] for m in calls] == [str(start + 2 * (j + 1)) for j in range(len(calls))]
+        counts = [int(m["content"]) for m in completion if m["role"] == "tool" and m["content"].isdigit()]
+        assert environment.count == (counts[-1] if counts else start)  # the tool's results are its state
     logs = trainer.state.log_history
     counts = [e.count for e in environments]
     assert logs[0]["rewards/Counter/mean"] == pytest.approx(sum(counts) / 8)
@@ -264,6 +263,7 @@ def test_a_resumed_tool_run_ends_bit_identical_to_the_straight_run(tmp_path):
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert resumed.state.log_history == straight.state.log_history
     assert any(log["tools/call_frequency"] > 0 for log in straight.state.log_history)
+    assert any(log["frac_reward_zero_std"] < 1 for log in straight.state.log_history)  # the weights moved
 
 # ----------------------------------------------------------------------------------------------
 # Refusals
