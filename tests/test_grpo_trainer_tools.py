@@ -316,6 +316,8 @@ class UntypedMethod(Counter):
     (dict(tools=[add], train_dataset=Dataset.from_dict({"prompt": ["add 2 and 3", "x"]})), ValueError,
      "need conversational prompts"),
     (dict(tools=[add], reward_funcs=None), ValueError, "reward_funcs is required"),
+    (dict(tools=[add], args={"chat_template_kwargs": {"enable_thinking": False}}), ValueError,
+     "chat_template_kwargs=.* is not supported with tools"),
 ])  # fmt: skip
 def test_bad_tools_and_environments_are_refused_naming_the_argument_before_any_state_changes(tmp_path, kwargs, error, match):
     model = successor_model(ADD_TURN)
@@ -324,8 +326,9 @@ def test_bad_tools_and_environments_are_refused_naming_the_argument_before_any_s
     if kwargs.get("processing_class") == "plain":
         tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
     kwargs = {"reward_funcs": [even_ids], "train_dataset": dataset(), **kwargs, "processing_class": tokenizer}
+    args = config(tmp_path, **kwargs.pop("args", {}))
     with pytest.raises(error, match=match):
-        GRPOTrainer(model, args=config(tmp_path), **kwargs)
+        GRPOTrainer(model, args=args, **kwargs)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not (tmp_path / "checkpoint-1").exists()
 

@@ -39,9 +39,13 @@ class AgentRollouts:
         environment_factory: TRL's ``environment_factory``: a callable or a dict of them; None for none.
         max_tool_calling_iterations: tool rounds per completion at most (None: no limit but the token budget).
         tokenizer: the policy's tokenizer; its chat template must render tools and close assistant turns.
+        chat_template_kwargs: GRPOConfig's; episodes render the template without extra arguments, so it must be empty.
     """
 
-    def __init__(self, tools, environment_factory, max_tool_calling_iterations, tokenizer):
+    def __init__(self, tools, environment_factory, max_tool_calling_iterations, tokenizer, chat_template_kwargs=None):
+        if chat_template_kwargs:
+            raise ValueError(f"chat_template_kwargs={chat_template_kwargs!r} is not supported with tools or "
+                             "environment_factory (multi-turn episodes render the template as it is); leave it None.")  # fmt: skip
         self.functions, schemas = function_tools(tools)
         self.tools = list(tools or [])
         self.environment_factory = environment_factory
@@ -60,14 +64,19 @@ class AgentRollouts:
                 raise ValueError(f"{what}() raised {type(error).__name__}: {error}; it must make an environment "
                                  "with no arguments.") from error  # fmt: skip
             kind = environment_kind(probe, f"{what}()'s product")  # TypeError naming it without reset()
+            if kind != TOOLS and self.functions:
+                raise ValueError(f"tools cannot be combined with {what}()'s step environment (one with step(text)); "
+                                 "give the tools to a TRL-style environment as methods.")  # fmt: skip
             for method_name, method in (environment_tools(probe) if kind == TOOLS else {}).items():
                 if method_name in self.functions:
                     raise ValueError(f"{what}()'s method {method_name!r} has the name of one of tools; rename one.")
                 schemas[method_name] = tool_schema(method, f"{what}()'s method {method_name!r}")
-            if callable(getattr(probe, "get_reward", None)) and type(probe) not in [s.environment_type for s in self.reward_sources]:
+            known = [source.environment_type for source in self.reward_sources]
+            if callable(getattr(probe, "get_reward", None)) and type(probe) not in known:
                 self.reward_sources.append(EnvironmentReward(type(probe)))
         chat = ChatFormat(tokenizer, list(schemas.values()) or None)  # a template that cannot show the tools fails here
-        self.stop_ids = {chat.end_of_turn_id} | ({int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set())
+        eos = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+        self.stop_ids = {chat.end_of_turn_id} | eos
         self.has_tools = bool(schemas)
 
     def check_dataset(self, dataset) -> None:

@@ -99,7 +99,8 @@ class GRPOTrainer:
         self.processing_class = processing_class
         agents, reward_weights = None, args.reward_weights
         if tools or environment_factory is not None:  # checked here, before any state changes
-            agents = AgentRollouts(tools, environment_factory, args.max_tool_calling_iterations, processing_class)
+            agents = AgentRollouts(tools, environment_factory, args.max_tool_calling_iterations, processing_class,
+                                   args.chat_template_kwargs)  # fmt: skip
             agents.check_dataset(train_dataset)
             reward_funcs, reward_weights, reward_processing_classes = with_environment_rewards(
                 agents.reward_sources, reward_funcs, reward_weights, reward_processing_classes)

@@ -124,30 +124,33 @@ class GRPORollout:
     def _episodes(self, rows: list[dict], k: int) -> Sampled:
         """Multi-turn episodes (TRL's ``tools`` / ``environment_factory``, :mod:`.agents`): ``k`` per row."""
         episodes = self.agents.episodes(self.ppo, rows, k, self.max_completion_length)
-        prompt_length = [e.prompt_length for e in episodes]
-        reward_kwargs = {"environments": [e.environment for e in episodes]} if self.agents.factories is not None else {}
+        prompts = [e.messages[: e.prompt_length] for e in episodes]
+        completions = [e.messages[e.prompt_length :] for e in episodes]
+        texts = ["\n".join(f"{m['role']}: {m['content']}" for m in completion) for completion in completions]
+        truncated = torch.tensor([self.agents.truncated(e.response) for e in episodes])
+        environments = {"environments": [e.environment for e in episodes]} if self.agents.factories is not None else {}
+        tool_counts = None
+        if self.agents.has_tools:
+            tool_counts = (torch.tensor([float(e.tool_calls) for e in episodes]),
+                           torch.tensor([float(e.tool_errors) for e in episodes]))  # fmt: skip
         return Sampled([e.query for e in episodes], [e.response for e in episodes],
                        [e.logprobs for e in episodes] if self.logprobs else None, [e.response_mask for e in episodes],
-                       [e.messages[:n] for e, n in zip(episodes, prompt_length)],
-                       [e.messages[n:] for e, n in zip(episodes, prompt_length)],
-                       ["\n".join(f"{m['role']}: {m['content']}" for m in e.messages[n:]) for e, n in zip(episodes, prompt_length)],
-                       torch.tensor([self.agents.truncated(e.response) for e in episodes]), reward_kwargs,
-                       (torch.tensor([float(e.tool_calls) for e in episodes]), torch.tensor([float(e.tool_errors) for e in episodes]))
-                       if self.agents.has_tools else None)  # fmt: skip
+                       prompts, completions, texts, truncated, environments, tool_counts)  # fmt: skip
 
     def _metrics(self, per_func, rewards, sampled: Sampled, k) -> dict[str, float]:
         """TRL's generation metrics over every process's rows (one gather of one ``(rows, 4 + functions [+ 2])``
         table). Lengths and tokens count the model's own tokens (TRL: not the tools')."""
         masks = sampled.model_masks
-        lengths = torch.tensor([float(m.sum()) for m in masks] if masks is not None else [len(r) for r in sampled.responses],
-                               dtype=torch.float64)  # fmt: skip
+        counted = [float(m.sum()) for m in masks] if masks is not None else [len(r) for r in sampled.responses]
+        lengths = torch.tensor(counted, dtype=torch.float64)
         tokens = torch.tensor([len(q) for q in sampled.queries], dtype=torch.float64) + lengths
         columns = [torch.stack([lengths, sampled.truncated.double(), tokens, rewards.double()], 1), per_func.double()]
         if sampled.tool_counts is not None:
             columns.append(torch.stack(sampled.tool_counts, 1).double())
         table = self.ppo.accelerator.gather(torch.cat(columns, 1).to(self.ppo.accelerator.device)).cpu().numpy()
         functions = len(self.rewards.names)
-        lengths, truncated, tokens, rewards, per_func = table[:, 0], table[:, 1] > 0, table[:, 2], table[:, 3], table[:, 4 : 4 + functions]
+        lengths, truncated, tokens, rewards = table[:, 0], table[:, 1] > 0, table[:, 2], table[:, 3]
+        per_func = table[:, 4 : 4 + functions]
         terminated = lengths[~truncated]
         metrics = {
             "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
