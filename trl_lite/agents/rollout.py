@@ -488,4 +488,5 @@ def _episode(live: _Live, k: int, first_group: int) -> Episode:
         group_id=first_group + live.index // k,
         environment=live.environment,
         reward_sources=live.reward_sources,
+        prompt_length=live.prompt_length,
     )
