@@ -41,6 +41,8 @@ class Episode:
         environment: the episode's environment instance, or None.
         reward_sources: ``{source: value}``: each reward function's value by its ``__name__``, the
             environment's reward by its class name (as TRL logs them); NaN where a source did not score it.
+        prompt_length: how many of ``messages`` are the prompt's (with the text ``reset`` joined to them); the
+            rest are the completion's, as reward functions get them.
         kept_sets: under truncated sampling (docs/truncated_sampling.md) the kept sets the engine's sampler used at
             each model token (a one-row :class:`~trl_lite.core.kept_sets.KeptSets` over ``response``, none at mask-0
             positions), or None (an engine that cannot record them: ``step()`` re-derives them).
@@ -60,6 +62,7 @@ class Episode:
     group_id: int
     environment: object | None = field(default=None, repr=False)
     reward_sources: dict[str, float] = field(default_factory=dict)
+    prompt_length: int = 0
     kept_sets: object = field(default=None, repr=False)
 
     @property

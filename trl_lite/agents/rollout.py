@@ -246,8 +246,7 @@ def _resolve_engine(trainer, tokenizer) -> _Engine:
         engine, accelerator = generation.engine, trainer.accelerator
 
         def generate(queries, kwargs, batch_size):
-            """``trainer.generate``: the weight push (and a sleeping engine's waking) first, timed; with the kept sets
-            its sampler recorded (taken: the episodes carry them to ``step()``)."""
+            """``trainer.generate`` (pushes and wakes first, timed), with its sampler's kept sets (taken, for step())."""
             responses, logprobs = trainer.generate(queries, batch_size=batch_size, return_prompt=False,
                                                    return_logprobs=True, **kwargs)  # fmt: skip
             return responses, logprobs, generation.records.take(queries, responses)
@@ -497,4 +496,5 @@ def _episode(live: _Live, k: int, first_group: int) -> Episode:
         group_id=first_group + live.index // k,
         environment=live.environment,
         reward_sources=live.reward_sources,
+        prompt_length=live.prompt_length,
     )
