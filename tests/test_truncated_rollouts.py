@@ -122,3 +122,30 @@ def test_the_grpo_trainer_steps_over_its_samplers_sets(tmp_path):
         query, response = query.cpu(), response.cpu()
         expected = sets_then_scored_now(sampler, sampler, query, response, Truncation(top_k=5), 0.7)
         assert torch.allclose(experience.logprobs[i, : len(response)].double(), expected, atol=2e-5), i
+
+
+def test_the_grpo_trainers_tool_episodes_step_over_their_samplers_sets(tmp_path):
+    """GRPOTrainer with tools: run_episodes' kept sets reach step() past the tool tokens."""
+    from test_agents import make_chat_tokenizer
+    from test_grpo_trainer_tools import ADD_TURN, config, dataset, even_ids
+
+    from trl_lite import GRPOTrainer
+
+    model = successor_model(ADD_TURN, scale=0.16, seed=1)
+    run = GRPOTrainer(model, reward_funcs=[even_ids], args=config(tmp_path, max_steps=1, top_k=5),
+                      train_dataset=dataset(), processing_class=make_chat_tokenizer(), tools=[add])  # fmt: skip
+    policy = run.ppo.accelerator.unwrap_model(run.ppo.model)
+    sampler = copy.deepcopy(getattr(policy, "pretrained_model", policy))
+    seen, batches, make = [], [], run.ppo.experience_maker.make
+    run.ppo.experience_maker.make = lambda batch: batches.append(batch) or seen.append(make(batch)) or seen[-1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.train()
+    assert not [w for w in caught if "re-derived" in str(w.message)]
+    (batch,), (experience,) = batches, seen
+    assert any(not bool(m.all()) for m in batch.response_masks)  # tool tokens in the responses
+    for i, (query, response, mask) in enumerate(zip(batch.queries, batch.responses, batch.response_masks)):
+        query, response, actions = query.cpu(), response.cpu(), mask.cpu().bool()
+        expected = sets_then_scored_now(sampler, sampler, query, response, Truncation(top_k=5), 1.0)
+        lp_old = experience.logprobs[i, : len(response)].double()
+        assert torch.allclose(lp_old[actions], expected[actions], atol=2e-5), i
