@@ -239,7 +239,8 @@ class GRPOTrainer:
         if generation.has_actions:  # else every completion is out of the loss: nothing to train on (no step)
             stats = self.ppo.step(generation.queries, generation.responses, generation.scores,
                                   response_masks=generation.response_masks,
-                                  generation_logprobs=generation.generation_logprobs, group_ids=generation.group_ids)  # fmt: skip
+                                  generation_logprobs=generation.generation_logprobs, group_ids=generation.group_ids,
+                                  kept_sets=generation.kept_sets)  # fmt: skip
             for name, key in STEP_METRICS.items():
                 metrics[name] = float(stats[key])
             if self.args.beta != 0.0:

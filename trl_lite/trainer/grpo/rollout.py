@@ -30,6 +30,7 @@ class Generation:
     metrics: dict[str, float]
     table: dict[str, list] = field(default_factory=dict)
     group_ids: list[int] | None = None  # multi-turn episodes: a group is its prompt (its members' queries may differ)
+    kept_sets: list | None = None  # multi-turn episodes under truncated sampling: their samplers' kept sets
 
     @property
     def has_actions(self) -> bool:
@@ -56,6 +57,7 @@ class Sampled:
     truncated: torch.Tensor
     reward_kwargs: dict = field(default_factory=dict)
     tool_counts: tuple[torch.Tensor, torch.Tensor] | None = None
+    kept_sets: list | None = None  # episodes' (docs/truncated_sampling.md); single-turn: step() finds the engine's
 
 
 class GRPORollout:
@@ -104,7 +106,7 @@ class GRPORollout:
                      "completion": sampled.texts, **{name: per_func[:, j].tolist() for j, name in enumerate(self.rewards.names)}}  # fmt: skip
         group_ids = [i // k for i in range(len(responses))] if self.agents is not None else None
         return Generation(sampled.queries, responses, [torch.tensor(s) for s in scores.tolist()], masks,
-                          sampled.logprobs, metrics, table, group_ids)  # fmt: skip
+                          sampled.logprobs, metrics, table, group_ids, sampled.kept_sets)  # fmt: skip
 
     def _sample(self, rows: list[dict], k: int) -> Sampled:
         """One ``generate`` call: ``k`` single-turn completions per row."""
@@ -135,7 +137,8 @@ class GRPORollout:
                            torch.tensor([float(e.tool_errors) for e in episodes]))  # fmt: skip
         return Sampled([e.query for e in episodes], [e.response for e in episodes],
                        [e.logprobs for e in episodes] if self.logprobs else None, [e.response_mask for e in episodes],
-                       prompts, completions, texts, truncated, environments, tool_counts)  # fmt: skip
+                       prompts, completions, texts, truncated, environments, tool_counts,
+                       [e.kept_sets for e in episodes])  # fmt: skip
 
     def _metrics(self, per_func, rewards, sampled: Sampled, k) -> dict[str, float]:
         """TRL's generation metrics over every process's rows (one gather of one ``(rows, 4 + functions [+ 2])``
