@@ -178,9 +178,12 @@ class RolloutGeneration:
                 if length_sampler is not None:
                     generation_kwargs["max_new_tokens"] = length_sampler()
                 response = self.engine.generate_one(query_tensor, generation_kwargs, return_prompt)
+                self._record([query_tensor], list(response), return_prompt, generation_kwargs)
                 if not generate_ref_response:
                     return response
-                return response, self.reference_engine.generate_one(query_tensor, generation_kwargs, return_prompt)
+                reference = self.reference_engine.generate_one(query_tensor, generation_kwargs, return_prompt)
+                self.reference_engine.take_kept_sets()  # the reference's samples are not the policy's to train on
+                return response, reference
             args = (length_sampler, batch_size, return_prompt, remove_padding)
             responses, logprobs = self.engine.generate(list(query_tensor), generation_kwargs, *args, return_logprobs)
             self._record(list(query_tensor), responses, return_prompt, generation_kwargs)
