@@ -331,6 +331,15 @@ class KeptSets:
         return self.offsets.numel() * 8 + self.ids.numel() * 4
 
 
+def rows_of_sets(kept_sets: list | None) -> list | None:
+    """Per row one int64 tensor of its one-row :class:`KeptSets` (offsets, then ids; ``[-1]`` for None), to compare
+    rows' sets across processes; None for None."""
+    if kept_sets is None:
+        return None
+    return [torch.tensor([-1]) if kept is None else torch.cat([kept.offsets, kept.ids.to(torch.int64)])
+            for kept in kept_sets]  # fmt: skip
+
+
 # The most responses a RecordedSets holds between two takes (the oldest dropped first).
 MAX_RECORDED_ROWS = 4096
 

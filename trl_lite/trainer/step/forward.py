@@ -241,8 +241,6 @@ class ForwardPass:
         why = self.no_kept_sets or ("not among those the trainer's engine sampled since the last step: edited, "
                                     "sampled elsewhere, or by a greedy generate() (do_sample=False draws from no "
                                     "distribution; its rows are scored under PPOConfig's)")  # fmt: skip
-        if self.sequence.cuts:  # every process of the group must score alike: the sets are re-derived, slice by slice
-            records, why = None, "under sequence parallelism the group's processes each sampled a share"
         records = records or [None] * len(rows)
         missing = sum(record is None for record in records)
         if missing and not self._said_rederived:
