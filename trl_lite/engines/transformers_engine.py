@@ -10,9 +10,9 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from .kept_recorder import KeptRecorder, recorded_rows, recording
 from ..parallel.fsdp import is_sharded, unsharded
 from .base import GenerationEngine, trim_rows
+from .kept_recorder import KeptRecorder, recorded_rows, recording
 from .temperature import Sampling, resolve_sampling_kwargs
 
 _NO_MASK_WARNING = "We strongly recommend passing in an `attention_mask`"
