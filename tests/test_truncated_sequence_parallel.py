@@ -7,11 +7,12 @@ travel with the responses through the group's generate(), so every process repla
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 from test_distributed import deepspeed_cpu_collectives  # noqa: F401 (fixture)
-from test_sequence_parallel import assert_same_training, run_alone, run_launched
+from test_sequence_parallel import KL_ATOL, assert_same_training, run_alone, run_launched
 from test_truncated_head import brute_kept
 from test_truncated_replay import logits64, over_set, rederived
 from test_truncated_step import CUTS, QUERIES, T, captured_step, make_lm, make_trainer
@@ -40,6 +41,26 @@ def test_one_group_replays_the_kept_sets_of_one_process(tmp_path, args):
     assert_same_training(parallel, alone)
     # Per-slot numbers, and the slices' kept sets: token ids, as wide as the group's widest set.
     assert () in parallel["gathered_shapes"] and any(len(shape) == 1 for shape in parallel["gathered_shapes"])
+
+
+def test_a_group_replays_the_kept_sets_its_processes_recorded_as_one_process_replays_them(tmp_path):
+    """2 processes as one group generate (each a share, from a seed of its own) and step over the group's records: every
+    process holds the same sets, nothing is re-derived, and the step equals one process's stepping the same rows over
+    the same sets (passed explicitly), to float32 rounding."""
+    args = ("--estimator", "grpo", "--model", "qwen2", "--top_k", "5", "--top_p", "0.9")
+    (tmp_path / "sp").mkdir()
+    (tmp_path / "alone").mkdir()
+    parallel = run_launched("deepspeed_sequence_parallel", 2, tmp_path / "sp", *args, "--replay", "1")
+    alone = run_alone(tmp_path / "alone", *args, "--replay_from", str(tmp_path / "sp" / "result.pt"))
+    ours, theirs = parallel["replay"], alone["replay"]
+    assert ours["same_on_every_process"] and not ours["rederived"] and not theirs["rederived"]
+    assert ours["kept"] == theirs["kept"] and len(ours["kept"]) == 4
+    assert parallel["generated_queries"] == [[2], [2]]  # each process sampled a share of the 4 queries
+    assert ours["stats"].keys() == theirs["stats"].keys()
+    for key, value in theirs["stats"].items():
+        atol = KL_ATOL if "kl" in key.rsplit("/", 1)[-1] else 1e-6
+        np.testing.assert_allclose(ours["stats"][key], value, rtol=1e-5, atol=atol, err_msg=key)
+    assert_same_training(parallel, alone)
 
 
 def test_a_groups_generate_gathers_the_kept_sets_its_processes_recorded(tmp_path):
