@@ -5,7 +5,7 @@ allocations, from the call's start), for `top_k`/`top_p` and `top_p` alone, and 
 
 Which trl_lite is measured is the one on `PYTHONPATH` (printed): run it once with a checkout from before the streaming
 recorder and once after, e.g.
-    PYTHONPATH=/work/main python benchmarks/kept_recorder_memory.py
+    PYTHONPATH=<an older checkout> python benchmarks/kept_recorder_memory.py
     PYTHONPATH=$PWD python benchmarks/kept_recorder_memory.py
 """
 
