@@ -5,9 +5,11 @@ CUDA accelerate then settles a single-process state; before the fix, DeepSpeed f
 data parallel ran each process alone on the whole dataset. `tests/distributed/state_first_loop.py` runs one
 `step()` per dataloader batch on 2 processes (12 rows, 2 per process and step); the tests check that the run is
 the one of a trainer built first: 3 steps per process on disjoint rows, the same weights on both processes and
-the same weights as the trainer-first run. Classic's `ppo.py` itself (`examples/classic/ppo.py`) then runs under
-classic's own ZeRO-3 config and plain data parallel, and must exit 0 without any exit wrapper. The in-process tests
-check the errors where the state cannot be rebuilt (`build_accelerator`) and the ZeRO-3 and exit fixes.
+the same weights as the trainer-first run. Classic's `ppo.py` and `ppo_multi_adapter.py` themselves
+(`examples/classic/`) then run under classic's own ZeRO-1/2/3 and multi_gpu files
+(`examples/classic/accelerate_configs/`) and must exit 0 without any exit wrapper, as must a ZeRO-3 run that ended
+training, launched 4 times. The in-process tests check the errors where the state cannot be rebuilt
+(`build_accelerator`) and the ZeRO-3 and exit fixes.
 """
 
 import random
