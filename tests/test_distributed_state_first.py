@@ -7,16 +7,18 @@ data parallel ran each process alone on the whole dataset. `tests/distributed/st
 the one of a trainer built first: 3 steps per process on disjoint rows, the same weights on both processes and
 the same weights as the trainer-first run. Classic's `ppo.py` and `ppo_multi_adapter.py` themselves
 (`examples/classic/`) then run under classic's own ZeRO-1/2/3 and multi_gpu files
-(`examples/classic/accelerate_configs/`) and must exit 0 without any exit wrapper, as must a ZeRO-3 run that ended
+(written by `classic_config`) and must exit 0 without any exit wrapper, as must a ZeRO-3 run that ended
 training, launched 4 times. The in-process tests check the errors where the state cannot be rebuilt
 (`build_accelerator`) and the ZeRO-3 and exit fixes.
 """
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 from accelerate.state import AcceleratorState, GradientState, PartialState
 # assets: the fixture of local stand-ins for the hub assets
 from test_classic_examples import CLASSIC, _jsonl, _review, assets  # noqa: F401
@@ -96,14 +98,39 @@ def test_an_accelerator_with_fewer_processes_than_launched_is_an_error(launched_
         build_accelerator(PPOConfig(accelerator_kwargs={"cpu": False}))
 
 
-# Classic TRL 0.11.4's own examples/accelerate_configs/ files (bf16, 8 processes by default; 2 are launched here).
-# Classic's ZeRO-3 file sets zero3_init_flag: models built under the launch are partitioned as they load.
-CLASSIC_CONFIGS = CLASSIC / "accelerate_configs"
-CONFIGS = ["deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "multi_gpu"]
+# The settings of classic TRL 0.11.4's examples/accelerate_configs/ files, field by field (their launcher defaults:
+# bf16, 8 processes; 2 are launched here). Classic's ZeRO-3 file sets zero3_init_flag: models built under the launch
+# are partitioned as they load. Written out per test rather than kept as copies of classic's files.
+_CLASSIC_COMMON = {
+    "compute_environment": "LOCAL_MACHINE", "debug": False, "downcast_bf16": "no", "machine_rank": 0,
+    "main_training_function": "main", "mixed_precision": "bf16", "num_machines": 1, "num_processes": 8,
+    "rdzv_backend": "static", "same_network": True, "tpu_env": [], "tpu_use_cluster": False, "tpu_use_sudo": False,
+    "use_cpu": False,
+}  # fmt: skip
+_CLASSIC_ZERO = {"deepspeed_multinode_launcher": "standard", "zero3_init_flag": False}
+_CLASSIC_NO_OFFLOAD = {"offload_optimizer_device": "none", "offload_param_device": "none"}
+CLASSIC_SETTINGS = {
+    "deepspeed_zero1": {"distributed_type": "DEEPSPEED",
+                        "deepspeed_config": {**_CLASSIC_ZERO, "gradient_accumulation_steps": 1, "zero_stage": 1}},
+    "deepspeed_zero2": {"distributed_type": "DEEPSPEED",
+                        "deepspeed_config": {**_CLASSIC_ZERO, **_CLASSIC_NO_OFFLOAD, "zero_stage": 2}},
+    "deepspeed_zero3": {"distributed_type": "DEEPSPEED",
+                        "deepspeed_config": {**_CLASSIC_ZERO, **_CLASSIC_NO_OFFLOAD, "zero3_init_flag": True,
+                                             "zero3_save_16bit_model": True, "zero_stage": 3}},
+    "multi_gpu": {"distributed_type": "MULTI_GPU", "gpu_ids": "all"},
+}  # fmt: skip
+CONFIGS = list(CLASSIC_SETTINGS)
+
+
+def classic_config(name: str, directory) -> Path:
+    """Classic's `name`.yaml, written into `directory`."""
+    path = Path(directory) / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({**_CLASSIC_COMMON, **CLASSIC_SETTINGS[name]}))
+    return path
 
 
 @pytest.mark.parametrize("config", CONFIGS)
-def test_classic_ppo_script_runs_and_exits_0(config, assets):  # noqa: F811
+def test_classic_ppo_script_runs_and_exits_0(config, assets, tmp_path):  # noqa: F811
     """Classic `ppo.py` as it is (imports changed), launched directly under classic's own config: it ends after its
     last step without `end_training`, so the interpreter exits with the process group alive unless the trainer
     destroys it. `PartialState()` first, the policy loaded before the trainer, the classifier pipeline after it (kept
@@ -111,7 +138,7 @@ def test_classic_ppo_script_runs_and_exits_0(config, assets):  # noqa: F811
     2 processes; `launch` fails on any exit status but 0 (an abort at exit is -6)."""
     args = ["--model_name", assets["policy"], "--query_dataset", assets["imdb"]]
     args += ["--reward_model", f"sentiment-analysis:{assets['sentiment']}", "--batch_size", "4", "--mini_batch_size", "2"]
-    result = launch(CLASSIC_CONFIGS / f"{config}.yaml", CLASSIC / "ppo.py", *args)
+    result = launch(classic_config(config, tmp_path), CLASSIC / "ppo.py", *args)
     assert result.stderr.count("2/2 [") >= 2, result.stderr[-3000:]
     assert "/4 [" not in result.stderr  # a process training alone would take 4 steps
 
@@ -126,13 +153,14 @@ def test_classic_multi_adapter_script_runs_and_exits_0(config, assets, tmp_path)
     args = ["--model_name", assets["multi_base"], "--dataset_name", str(tmp_path / "hh")]
     args += ["--rm_adapter", assets["rm_adapter"]]
     args += ["--use_safetensors", "True", "--load_in_4bit", "False"]
-    result = launch(CLASSIC_CONFIGS / f"{config}.yaml", CLASSIC / "ppo_multi_adapter.py", *args)
+    result = launch(classic_config(config, tmp_path), CLASSIC / "ppo_multi_adapter.py", *args)
     assert result.stderr.count("1it [") >= 2 and "2it [" not in result.stderr, result.stderr[-3000:]
 
 
 EXIT_PROBE = """
 import _thread, atexit, sys, time
 import torch.distributed as dist
+import yaml
 atexit.register(lambda: print("group alive at exit:", dist.is_initialized()))  # first registered: runs last
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
 from trl_lite import PPOConfig
