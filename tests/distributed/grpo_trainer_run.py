@@ -1,9 +1,11 @@
 """GRPOTrainer.train() under `accelerate launch`: one generation (2 prompts x 4 completions, one prompt's group on
 each process), SGD so that the update is linear in the gradient. Writes, from the main process, every process's
 rollout (queries, responses, scores as `step()` got them), the prompts each process's reward function saw, the
-final weights of every process, the log history and the initial weights to --output.
+final weights of every process (gathered whole under ZeRO-3), the log history, the engine's class and how many
+parameters it partitions to --output.
 
-    accelerate launch --num_processes 2 ... grpo_trainer_run.py --base_model DIR --output FILE
+    accelerate launch --config_file accelerate_configs/{multi_gpu,deepspeed_zero2,deepspeed_zero3}.yaml \
+        --num_processes 2 grpo_trainer_run.py --base_model DIR --output FILE
 """
 
 import argparse
@@ -15,6 +17,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import finish, full_named_parameters  # noqa: E402
 from grpo_helpers import config, dataset, length_reward, tokenizer  # noqa: E402
 
 from trl_lite import GRPOTrainer  # noqa: E402
@@ -56,12 +59,15 @@ def main() -> None:
 
     trainer.ppo.step = recording_step
     trainer.train()
-    weights = {k: v.detach().to(torch.float64).clone() for k, v in trainer.model.state_dict().items()}
+    weights = full_named_parameters(trainer.ppo, trainer.model)
     rollouts, seen, all_weights = gather(ROLLOUTS), gather(SEEN), gather(weights)
+    partitioned = sum(p.numel() == 0 for p in trainer.model.parameters())  # ZeRO-3 shards outside a gather
     if trainer.accelerator.is_main_process:
         os.makedirs(os.path.dirname(args.output), exist_ok=True)
         torch.save({"rollouts": rollouts, "seen": seen, "weights": all_weights, "log_history": trainer.state.log_history,
-                    "num_processes": trainer.accelerator.num_processes}, args.output)  # fmt: skip
+                    "num_processes": trainer.accelerator.num_processes, "partitioned_parameters": partitioned,
+                    "model_class": type(trainer.ppo.model).__name__}, args.output)  # fmt: skip
+    finish(trainer)
 
 
 if __name__ == "__main__":
