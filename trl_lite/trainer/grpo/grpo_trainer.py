@@ -51,6 +51,12 @@ STEP_METRICS = {
     "clip_ratio/high_mean": "ppo/policy/clipfrac_high", "clip_ratio/region_mean": "ppo/policy/clipfrac",
     "loss": "ppo/loss/total",
 }  # fmt: skip
+# ... and those a step reports only with the engine's log-probs (use_vllm with the importance-sampling correction).
+SAMPLING_METRICS = {
+    "sampling/sampling_logp_difference/mean": "rollout/logprob_diff/mean",
+    "sampling/sampling_logp_difference/max": "rollout/logprob_diff/max",
+    "sampling/importance_sampling_ratio/mean": "rollout/is_weight/mean",
+}  # fmt: skip
 
 
 class GRPOTrainer:
@@ -228,6 +234,7 @@ class GRPOTrainer:
                                   generation_logprobs=generation.generation_logprobs)  # fmt: skip
             for name, key in STEP_METRICS.items():
                 metrics[name] = float(stats[key])
+            metrics.update({name: float(stats[key]) for name, key in SAMPLING_METRICS.items() if key in stats})
             if self.args.beta != 0.0:
                 metrics["kl"] = float(stats["ppo/policy/kl_loss"])
         return metrics
