@@ -14,19 +14,21 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..step.transfer import to_host_together
 from .prompts import completions_of, prompt_ids
 
 
 @dataclass
 class Generation:
-    """What one generation hands to ``step()`` (``queries`` repeated per completion), and its metrics."""
+    """What one generation hands to ``step()`` (``queries`` repeated per completion, on the host), and the host
+    table of this process's rows that TRL's metrics are made from (:meth:`GRPORollout.metrics`)."""
 
     queries: list[torch.Tensor]
     responses: list[torch.Tensor]
     scores: list[torch.Tensor]
     response_masks: list[torch.Tensor] | None
     generation_logprobs: list[torch.Tensor] | None
-    metrics: dict[str, float]
+    metric_rows: torch.Tensor
     table: dict[str, list] = field(default_factory=dict)
 
     @property
@@ -67,6 +69,7 @@ class GRPORollout:
             max_new_tokens=self.max_completion_length, num_return_sequences=k,
         )  # fmt: skip
         responses, engine_logprobs = (out[0], out[-1]) if self.logprobs else (out, None)
+        responses = to_host_together(responses)  # one copy back for decoding and rewards, no read per row
         repeated = [p for p in prompts for _ in range(k)]
         columns = {key: [row[key] for row in rows for _ in range(k)] for key in rows[0] if key not in ("prompt", "completion", "completion_ids")}  # fmt: skip
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
@@ -78,20 +81,26 @@ class GRPORollout:
         scores = _scores_for_step(rewards, k)
         dropped = torch.isnan(rewards) | (truncated if self.mask_truncated else torch.zeros_like(truncated))
         masks = [torch.full_like(r, 0 if drop else 1) for r, drop in zip(responses, dropped.tolist())] if dropped.any() else None
-        metrics = self._metrics(per_func, rewards, responses, truncated, queries, k)
+        metric_rows = _metric_rows(per_func, rewards, responses, truncated, queries, k)
         table = {}
         if self.keep_table:  # log_completions: the prompts and completions as text, with each function's reward
             table = {"prompt": [text for text in self.tokenizer.batch_decode(queries, skip_special_tokens=True) for _ in range(k)],
                      "completion": texts, **{name: per_func[:, j].tolist() for j, name in enumerate(self.rewards.names)}}  # fmt: skip
         return Generation([q for q in queries for _ in range(k)], responses, [torch.tensor(s) for s in scores.tolist()],
-                          masks, engine_logprobs, metrics, table)  # fmt: skip
+                          masks, engine_logprobs, metric_rows, table)  # fmt: skip
 
-    def _metrics(self, per_func, rewards, responses, truncated, queries, k) -> dict[str, float]:
-        """TRL's generation metrics over every process's rows (one gather of one ``(rows, 4 + functions)`` table)."""
-        lengths = torch.tensor([len(r) for r in responses], dtype=torch.float64)
-        tokens = torch.tensor([len(q) for q in queries], dtype=torch.float64).repeat_interleave(k) + lengths
-        table = torch.cat([torch.stack([lengths, truncated.double(), tokens, rewards.double()], 1), per_func.double()], 1)
-        table = self.ppo.accelerator.gather(table.to(self.ppo.accelerator.device)).cpu().numpy()
+    def metrics(self, metric_rows: list[torch.Tensor], k: int) -> list[dict[str, float]]:
+        """TRL's metrics of each generation of ``metric_rows`` (their :attr:`Generation.metric_rows`, all of one
+        shape) over every process's rows: on several processes one gather of all of them (one device copy each
+        way), on one none. ``k``: completions per prompt. Each dict also holds ``_tokens`` (prompt + completion)."""
+        table = torch.stack(metric_rows, 1)  # (rows, generations, columns)
+        accelerator = self.ppo.accelerator
+        if accelerator.num_processes > 1:
+            table = accelerator.gather(table.to(accelerator.device, non_blocking=True)).cpu()
+        return [self._metrics(table[:, g].numpy(), k) for g in range(table.shape[1])]
+
+    def _metrics(self, table, k: int) -> dict[str, float]:
+        """TRL's metrics of one generation's ``(rows, 4 + functions)`` table of every process."""
         lengths, truncated, tokens, rewards, per_func = table[:, 0], table[:, 1] > 0, table[:, 2], table[:, 3], table[:, 4:]
         terminated = lengths[~truncated]
         metrics = {
@@ -109,6 +118,14 @@ class GRPORollout:
         metrics = {name: float(value) for name, value in metrics.items()}
         metrics["_tokens"] = float(tokens.sum())
         return metrics
+
+
+def _metric_rows(per_func, rewards, responses, truncated, queries, k) -> torch.Tensor:
+    """This process's rows of a generation as one float64 host table ``(rows, 4 + functions)``: length, truncated,
+    tokens (prompt + completion), reward, then each function's reward."""
+    lengths = torch.tensor([len(r) for r in responses], dtype=torch.float64)
+    tokens = torch.tensor([len(q) for q in queries], dtype=torch.float64).repeat_interleave(k) + lengths
+    return torch.cat([torch.stack([lengths, truncated.double(), tokens, rewards.double()], 1), per_func.double()], 1)
 
 
 def _nan_mean_std(values: np.ndarray) -> tuple[float, float]:
