@@ -246,8 +246,7 @@ class GRPOTrainer:
                 metrics["kl"] = self._kl(stats)
         return metrics
 
-    @staticmethod
-    def _kl(stats: dict) -> float:
+    def _kl(self, stats: dict) -> float:
         """TRL's ``kl``: the mean k3 estimate the loss used."""
         return float(stats["ppo/policy/kl_loss"])
 
