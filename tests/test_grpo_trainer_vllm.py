@@ -1,5 +1,5 @@
-"""GRPOTrainer with ``use_vllm=True`` (vllm_mode 'colocate', vLLM on the CPU): two generations of ``.train()``
-through the engine. The second generation samples from the weights the first update made (pushed once, before
+"""GRPOTrainer with ``use_vllm=True`` (vllm_mode 'colocate', and 'server' on a ``python -m trl_lite.vllm_server``
+subprocess; vLLM on the CPU): two generations of ``.train()`` through the engine. The second generation samples from the weights the first update made (pushed once, before
 it), the engine's log-probs equal a float64 recomputation with the weights each generation was sampled from and
 the trainer's own log-probs (TRL's ``sampling/*`` metrics), and the logged metrics are those of the rows the
 engine returned.
@@ -13,6 +13,7 @@ import pytest
 import torch
 from engine_checks import assert_sampled_rows_and_logprobs
 from grpo_helpers import length_reward, trainer
+from test_vllm_server import launched_server
 from tiny_models import make_gpt2
 
 import vllm  # noqa: F401  (a test dependency: without it this module fails, it is not skipped)
@@ -23,11 +24,24 @@ EOS, K, NEW = 1, 4, 6
 
 
 def test_train_on_a_colocated_vllm_engine_samples_from_the_pushed_weights(tmp_path):
-    grpo = trainer(tmp_path, model=make_gpt2(seed=1, n_embd=64), reward_funcs=(length_reward,), max_steps=2,
-                   max_completion_length=NEW, use_vllm=True, vllm_importance_sampling_mode="token_truncate",
-                   vllm_max_model_length=64, gradient_checkpointing=False)  # fmt: skip
+    _train_and_check(tmp_path, make_gpt2(seed=1, n_embd=64))
+
+
+def test_train_on_a_vllm_server_samples_from_the_pushed_weights(tmp_path):
+    lm = make_gpt2(seed=1, n_embd=64)
+    lm.save_pretrained(tmp_path / "served")
+    with launched_server(tmp_path / "served", tmp_path / "server.log", max_model_len=64) as (url, _):
+        _train_and_check(tmp_path, lm, vllm_mode="server", vllm_server_base_url=url)
+
+
+def _train_and_check(tmp_path, lm, **vllm):
+    """Two generations of ``.train()`` on the engine ``vllm`` configures; the checks of the module docstring."""
+    grpo = trainer(tmp_path / "out", model=lm, reward_funcs=(length_reward,), max_steps=2, max_completion_length=NEW,
+                   use_vllm=True, vllm_importance_sampling_mode="token_truncate", vllm_max_model_length=64,
+                   gradient_checkpointing=False, **vllm)  # fmt: skip
     ppo = grpo.ppo
-    assert ppo.config.use_vllm and ppo.config.vllm_mode == "colocate" and ppo.config.importance_sampling_correction == "tis"
+    assert ppo.config.use_vllm and ppo.config.importance_sampling_correction == "tis"
+    assert ppo.config.vllm_mode == vllm.get("vllm_mode", "colocate")
     steps, pushes = [], []
     step, push = ppo.step, ppo.generation.push
 
