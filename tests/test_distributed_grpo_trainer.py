@@ -1,7 +1,7 @@
 """GRPOTrainer under `accelerate launch` on 2 processes (CPU) with the shipped DDP, DeepSpeed ZeRO-2 and ZeRO-3
 configs: each process takes its share of the generation's prompts with their groups whole, the processes end with
 the same weights, the logged metrics are over both processes' rows, and the update equals one process's step() on
-both processes' rollouts together (within float tolerance)."""
+both processes' rollouts together (within float tolerance); RLOOTrainer likewise under DDP."""
 
 import os
 import sys
@@ -16,10 +16,11 @@ import grpo_trainer_run  # noqa: E402
 pytestmark = pytest.mark.xdist_group("distributed")
 
 
-@pytest.mark.parametrize("config", ["multi_gpu", "deepspeed_zero2", "deepspeed_zero3"])
-def test_two_processes_train_as_one_process_on_their_rollouts_together(config, base_model_dir, tmp_path):
+@pytest.mark.parametrize("config, trainer", [("multi_gpu", "grpo"), ("deepspeed_zero2", "grpo"),
+                                             ("deepspeed_zero3", "grpo"), ("multi_gpu", "rloo")])  # fmt: skip
+def test_two_processes_train_as_one_process_on_their_rollouts_together(config, trainer, base_model_dir, tmp_path):
     launch(config, SCRIPTS / "grpo_trainer_run.py", "--base_model", str(base_model_dir), "--output",
-           str(tmp_path / "two" / "out.pt"))  # fmt: skip
+           str(tmp_path / "two" / "out.pt"), "--trainer", trainer)  # fmt: skip
     report = torch.load(tmp_path / "two" / "out.pt")
     assert report["num_processes"] == 2
     assert report["model_class"] == ("DistributedDataParallel" if config == "multi_gpu" else "DeepSpeedEngine")
@@ -28,7 +29,8 @@ def test_two_processes_train_as_one_process_on_their_rollouts_together(config, b
     seen0, seen1 = report["seen"]
     # one whole group of 4 on each process, the two prompts of the 1-process order (seed 3)
     assert len(set(seen0)) == len(set(seen1)) == 1 and len(seen0) == len(seen1) == 4 and seen0[0] != seen1[0]
-    order = grpo_trainer_run.build(str(base_model_dir), str(tmp_path / "one"), per_device_train_batch_size=8)
+    order = grpo_trainer_run.build(str(base_model_dir), str(tmp_path / "one"), per_device_train_batch_size=8, trainer=trainer)
+    assert order.ppo_config.advantage_estimator == trainer
     assert [row["prompt"] for row in order.prompts.next_rows()] == [seen0[0], seen1[0]]
     w0, w1 = report["weights"]
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
