@@ -55,9 +55,19 @@ def test_every_field_has_trls_name_and_default_and_nothing_else():
     assert (args.steps_per_generation, args.generation_batch_size, args.bf16) == (1, 8, False)  # TRL's sizes; no bf16 CPU
 
 
+def test_it_parses_from_the_command_line_as_trl_scripts_do():
+    from transformers import HfArgumentParser
+
+    (args,) = HfArgumentParser(RLOOConfig).parse_args_into_dataclasses(
+        ["--output_dir", "out", "--beta", "0.1", "--num_generations", "4", "--per_device_train_batch_size", "4"]
+    )
+    assert (args.beta, args.num_generations, args.generation_batch_size, args.normalize_advantages) == (0.1, 4, 4, False)
+
+
 @pytest.mark.parametrize("given, match", [
     ({"normalize_advantages": True}, "normalize_advantages=True"), ({"sync_ref_model": True}, "sync_ref_model=True"),
-    ({"reward_clip_range": (0.0, 1.0)}, r"reward_clip_range=\(0.0, 1.0\)"), ({"num_generations": 1}, "num_generations"),
+    ({"reward_clip_range": (0.0, 1.0)}, r"reward_clip_range=\(0.0, 1.0\)"), ({"reward_clip_range": "a"}, "symmetric"),
+    ({"num_generations": 1}, "num_generations"),
     ({"optim": "sgd"}, "optim='sgd'"),
 ])  # fmt: skip
 def test_what_trl_lite_cannot_honour_is_refused_naming_the_field(given, match):

@@ -19,10 +19,9 @@ vLLM importance-sampling correction). So the class is made from ``GRPOConfig``'s
   only as ``(-c, c)`` (``score_clip=c``).
 """
 
-from __future__ import annotations
-
 import dataclasses
 import types
+from typing import Any  # noqa: F401  (GRPOConfig's field types are strings naming it, resolved here)
 
 from transformers import TrainingArguments
 
@@ -77,7 +76,7 @@ def check_rloo_config(args) -> None:
     if args.normalize_advantages:
         refused.append("normalize_advantages")
     clip = args.reward_clip_range
-    if clip is not None and (len(clip) != 2 or float(clip[0]) != -float(clip[1]) or float(clip[1]) <= 0):
+    if clip is not None and not _symmetric(clip):
         raise ValueError(f"reward_clip_range={clip!r} is not supported by trl_lite's RLOOTrainer: only a symmetric "
                          "range (-c, c) with c > 0 (PPOConfig.score_clip), or None.")  # fmt: skip
     if refused:
@@ -85,6 +84,15 @@ def check_rloo_config(args) -> None:
         raise ValueError(f"trl_lite's RLOOTrainer does not support {values}: leave {'it' if len(refused) == 1 else 'them'} "
                          "at TRL's default (docs/migrating_from_trl.md lists every field).")  # fmt: skip
     config_mapping.check_common(args)
+
+
+def _symmetric(clip) -> bool:
+    """Whether ``clip`` is a pair ``(-c, c)`` of numbers with ``c > 0``."""
+    try:
+        low, high = (float(value) for value in clip)
+    except (TypeError, ValueError):
+        return False
+    return high > 0 and low == -high
 
 
 def as_grpo(args) -> types.SimpleNamespace:
