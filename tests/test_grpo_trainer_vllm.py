@@ -1,8 +1,8 @@
 """GRPOTrainer with ``use_vllm=True`` (vllm_mode 'colocate', and 'server' on a ``python -m trl_lite.vllm_server``
-subprocess; vLLM on the CPU): two generations of ``.train()`` through the engine. The second generation samples from the weights the first update made (pushed once, before
-it), the engine's log-probs equal a float64 recomputation with the weights each generation was sampled from and
-the trainer's own log-probs (TRL's ``sampling/*`` metrics), and the logged metrics are those of the rows the
-engine returned.
+subprocess; vLLM on the CPU): two generations of ``.train()`` through the engine. The second generation samples from
+the weights the first update made (pushed once, before it), the engine's log-probs equal a float64 recomputation
+with the weights each generation was sampled from and the trainer's own log-probs (TRL's ``sampling/*`` metrics),
+and the logged metrics are those of the rows the engine returned.
 
 The tiny GPT-2 is 64 wide with 2 heads: vLLM's CPU attention needs a head size of at least 32.
 """

@@ -1,8 +1,8 @@
-"""GRPOTrainer.train() (or RLOOTrainer's, with --trainer rloo) under `accelerate launch`: one generation (2 prompts x 4 completions, one prompt's group on
-each process), SGD so that the update is linear in the gradient. Writes, from the main process, every process's
-rollout (queries, responses, scores as `step()` got them), the prompts each process's reward function saw, the
-final weights of every process (gathered whole under ZeRO-3), the log history, the engine's class and how many
-parameters it partitions to --output.
+"""GRPOTrainer.train() (or RLOOTrainer's, with --trainer rloo) under `accelerate launch`: one generation (2 prompts x 4
+completions, one prompt's group on each process), SGD so that the update is linear in the gradient. Writes, from the
+main process, every process's rollout (queries, responses, scores as `step()` got them), the prompts each process's
+reward function saw, the final weights of every process (gathered whole under ZeRO-3), the log history, the engine's
+class and how many parameters it partitions to --output.
 
     accelerate launch --config_file accelerate_configs/{multi_gpu,deepspeed_zero2,deepspeed_zero3}.yaml \
         --num_processes 2 grpo_trainer_run.py --base_model DIR --output FILE
