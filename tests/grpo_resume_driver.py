@@ -1,7 +1,10 @@
 """A GRPOTrainer run in a fresh process that can be killed with SIGKILL right after a checkpoint, or half way
 through writing one, and resumed (``test_grpo_trainer_resume.py``).
 
-    python grpo_resume_driver.py --out DIR --model PATH [--resume] [--kill-after-save N | --kill-in-save N] --result FILE
+    python grpo_resume_driver.py --out DIR --model PATH [--resume] [--kill-after-save N | --kill-in-save N] [--tools]
+                                 --result FILE
+
+``--tools``: test_grpo_trainer_tools' environment_factory run (its own successor model; ``--model`` unused).
 """
 
 import argparse
@@ -44,12 +47,18 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--kill-after-save", type=int)
     parser.add_argument("--kill-in-save", type=int)
+    parser.add_argument("--tools", action="store_true")
     args = parser.parse_args()
     if args.kill_in_save:
         kill_inside_save(args.kill_in_save)
-    trainer = grpo_helpers.trainer(args.out, model=args.model, reward_funcs=(grpo_helpers.count_good,
-                                   grpo_helpers.length_reward), max_steps=5, save_strategy="steps", save_steps=1,
-                                   beta=0.1)  # fmt: skip
+    if args.tools:
+        from test_grpo_trainer_tools import environment_trainer
+
+        trainer = environment_trainer(args.out, max_steps=5)
+    else:
+        trainer = grpo_helpers.trainer(args.out, model=args.model, reward_funcs=(grpo_helpers.count_good,
+                                       grpo_helpers.length_reward), max_steps=5, save_strategy="steps", save_steps=1,
+                                       beta=0.1)  # fmt: skip
     if args.kill_after_save:
         trainer.add_callback(KillAfterSave(args.kill_after_save))
     trainer.train(resume_from_checkpoint=True if args.resume else None)

@@ -70,7 +70,7 @@ def test_an_unknown_name_is_a_type_error_as_in_trl(name):
 REFUSED = {
     "sync_ref_model": True, "top_entropy_quantile": 0.2, "use_adaptive_entropy": True, "cast_lm_head_to_fp32": True,
     "generation_kwargs": {"top_k": 3}, "vllm_structured_outputs_regex": "a+", "off_policy_mask_threshold": 0.5,
-    "use_bias_correction_kl": True, "multi_objective_aggregation": "normalize_then_sum", "max_tool_calling_iterations": 3,
+    "use_bias_correction_kl": True, "multi_objective_aggregation": "normalize_then_sum",
     "log_unique_prompts": True, "use_transformers_paged": True, "sapo_temperature_neg": 2.0, "pad_to_multiple_of": 8,
     "router_aux_loss_coef": 0.1, "cache_implementation": "static", "ds3_gather_for_generation": False,
     "push_to_hub": True, "torch_compile": True, "fsdp": "full_shard", "dataloader_num_workers": 2,

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 from grpo_helpers import count_good, length_reward, trainer, weights
+from test_grpo_trainer_tools import environment_trainer
 from tiny_models import make_gpt2, make_qwen2
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -50,6 +51,27 @@ def test_resume_from_a_checkpoint_ends_bit_identical_to_the_straight_run(tmp_pat
     assert resumed.lr_scheduler.state_dict()["last_epoch"] == straight.lr_scheduler.state_dict()["last_epoch"]
 
 
+def test_a_resumed_run_with_tools_and_environments_ends_bit_identical_to_the_straight_run(tmp_path):
+    # multi-turn completions (environment_factory): tool tokens out of the loss, one environment per completion
+    straight = environment_trainer(tmp_path / "straight")
+    straight.train()
+    first = environment_trainer(tmp_path / "resumed")
+
+    class StopAt(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 1
+
+    first.add_callback(StopAt())
+    first.train()
+    resumed = environment_trainer(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-1"))
+    assert resumed.state.global_step == straight.state.global_step == 3
+    assert_same_weights(weights(resumed), weights(straight))
+    assert resumed.state.log_history == straight.state.log_history
+    assert any(log["tools/call_frequency"] > 0 for log in straight.state.log_history)
+    assert any(log["frac_reward_zero_std"] < 1 for log in straight.state.log_history)  # the weights moved
+
+
 def _driver(tmp_path, model_dir, out, result, *flags):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE])}
     return subprocess.run([sys.executable, os.path.join(HERE, "grpo_resume_driver.py"), "--out", str(out), "--model",
@@ -57,18 +79,20 @@ def _driver(tmp_path, model_dir, out, result, *flags):
                           timeout=600)  # fmt: skip
 
 
-@pytest.mark.parametrize("kill", [["--kill-after-save", "2"], ["--kill-in-save", "3"]], ids=["after_save", "inside_save"])
+@pytest.mark.parametrize("kill", [["--kill-after-save", "2"], ["--kill-in-save", "3"], ["--kill-after-save", "2", "--tools"]],
+                         ids=["after_save", "inside_save", "tools_after_save"])  # fmt: skip
 def test_a_run_killed_with_sigkill_resumes_in_a_new_process_bit_identical(tmp_path, kill):
     model_dir = tmp_path / "model"
     make_qwen2().save_pretrained(model_dir)
-    done = _driver(tmp_path, model_dir, tmp_path / "straight", tmp_path / "straight.pt")
+    tools = [flag for flag in kill if flag == "--tools"]
+    done = _driver(tmp_path, model_dir, tmp_path / "straight", tmp_path / "straight.pt", *tools)
     assert done.returncode == 0, done.stderr[-3000:]
     killed = _driver(tmp_path, model_dir, tmp_path / "run", tmp_path / "killed.pt", *kill)
     assert killed.returncode == -9, killed.stderr[-3000:]
     left = sorted(os.listdir(tmp_path / "run"))
     # killed inside the save of checkpoint-3: only its temporary folder exists, and resume takes checkpoint-2
     assert left == (["checkpoint-1", "checkpoint-2"] if kill[0] == "--kill-after-save" else ["checkpoint-1", "checkpoint-2", "checkpoint-3.tmp"])
-    resumed = _driver(tmp_path, model_dir, tmp_path / "run", tmp_path / "resumed.pt", "--resume")
+    resumed = _driver(tmp_path, model_dir, tmp_path / "run", tmp_path / "resumed.pt", "--resume", *tools)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     want, got = torch.load(tmp_path / "straight.pt"), torch.load(tmp_path / "resumed.pt")
     assert_same_weights(got["weights"], want["weights"])

@@ -79,6 +79,9 @@ def test_grpo_only_names_are_unknown_as_in_trl():
     for name, value in (("loss_type", "grpo"), ("scale_rewards", "none"), ("delta", 2.0), ("no_such_field", 1)):
         with pytest.raises(TypeError, match=name):
             RLOOConfig(output_dir="out", **{name: value})
+    for name in ("tools", "environment_factory", "rollout_func"):  # TRL's RLOOTrainer takes none of them
+        with pytest.raises(TypeError, match=name):
+            RLOOTrainer(make_gpt2(), [id_sum], args=RLOOConfig(output_dir="out"), train_dataset=dataset(), **{name: []})
 
 
 def test_the_mapping_is_rloo_with_the_kl_in_the_reward():

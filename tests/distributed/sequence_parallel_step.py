@@ -57,6 +57,8 @@ def main() -> None:
                         help="give every process but the group's first other scores (step() must refuse them)")
     parser.add_argument("--padded_pass", type=int, choices=(0, 1), default=0,
                         help="after the steps, generate greedily for 2 queries (a padded pass, not cut)")
+    parser.add_argument("--top_k", type=int, default=0, help="truncated sampling (scored over kept sets), at T 0.7")
+    parser.add_argument("--top_p", type=float, default=1.0, help="truncated sampling, at T 0.7")
     parser.add_argument("--output_dir", required=True)
     args = parser.parse_args()
 
@@ -76,6 +78,9 @@ def main() -> None:
         max_response_length=32 if args.loss_type == "seq_mean_token_sum_norm" else None,
         lm_head_chunk_size=args.lm_head_chunk_size,
         kl_penalty=args.kl_penalty,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        temperature=0.7 if args.top_k or args.top_p < 1.0 else 1.0,
         seed=0,
     )
     set_seed(0)

@@ -41,6 +41,11 @@ class Episode:
         environment: the episode's environment instance, or None.
         reward_sources: ``{source: value}``: each reward function's value by its ``__name__``, the
             environment's reward by its class name (as TRL logs them); NaN where a source did not score it.
+        prompt_length: how many of ``messages`` are the prompt's (with the text ``reset`` joined to them); the
+            rest are the completion's, as reward functions get them.
+        kept_sets: under truncated sampling (docs/truncated_sampling.md) the kept sets the engine's sampler used at
+            each model token (a one-row :class:`~trl_lite.core.kept_sets.KeptSets` over ``response``, none at mask-0
+            positions), or None (an engine that cannot record them: ``step()`` re-derives them).
     """
 
     query: torch.Tensor
@@ -57,6 +62,8 @@ class Episode:
     group_id: int
     environment: object | None = field(default=None, repr=False)
     reward_sources: dict[str, float] = field(default_factory=dict)
+    prompt_length: int = 0
+    kept_sets: object = field(default=None, repr=False)
 
     @property
     def conversation(self) -> str:
@@ -77,7 +84,8 @@ def step_inputs(episodes: list[Episode]) -> dict:
     """``PPOTrainer.step`` keyword arguments for ``episodes``, one row each, in order.
 
     Returns ``queries``, ``responses``, ``response_masks``, ``generation_logprobs`` (lists of 1-D
-    tensors) and ``group_ids``: the episodes of one prompt of one ``run_episodes`` call share an id
+    tensors), ``kept_sets`` (per episode, see :class:`Episode`) and ``group_ids``: the episodes of one
+    prompt of one ``run_episodes`` call share an id
     (numbered 0, 1, ... in order of appearance), or None when every prompt has one episode (so
     the trainer's own grouping or none applies). A group is its prompt: its members' queries may
     differ (environments that start each member apart), and ``step()`` takes explicit ``group_ids``
@@ -93,6 +101,7 @@ def step_inputs(episodes: list[Episode]) -> dict:
         "response_masks": [e.response_mask for e in episodes],
         "generation_logprobs": [e.logprobs for e in episodes],
         "group_ids": group_ids if len(compact) < len(episodes) else None,
+        "kept_sets": [e.kept_sets for e in episodes],
     }
 
 

@@ -17,6 +17,7 @@ import requests
 import torch
 from accelerate.utils import gather_object
 
+from ..core.kept_sets import KeptSets
 from ..engines import GenerationEngine, TransformersEngine, resolve_sampling_kwargs
 from ..engines.generation import RolloutGeneration
 from .chat import ChatFormat, parse_tool_calls
@@ -91,6 +92,7 @@ class _Live:
     response: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    kept: list = field(default_factory=list)  # truncated sampling: per model turn its KeptSets (None: none), per answer its length
     reward: float | None = None
     num_turns: int = 0
     tool_calls: int = 0
@@ -207,7 +209,8 @@ def run_episodes(
                 break
             turns = _generate_turns(engine, playing, kwargs, max_episode_tokens, batch_size)
             with engine.environment_timer():
-                for episode, (tokens, logprobs) in zip(playing, turns):
+                for episode, (tokens, logprobs, kept) in zip(playing, turns):
+                    episode.kept.append(kept)
                     _take_turn(episode, tokens, logprobs, stops, options, engine.context_length)
     with engine.environment_timer():
         _score(live, funcs, weights, has_environments=factories is not None)
@@ -243,8 +246,10 @@ def _resolve_engine(trainer, tokenizer) -> _Engine:
         engine, accelerator = generation.engine, trainer.accelerator
 
         def generate(queries, kwargs, batch_size):
-            """``trainer.generate``: the weight push (and a sleeping engine's waking) first, timed."""
-            return trainer.generate(queries, batch_size=batch_size, return_prompt=False, return_logprobs=True, **kwargs)
+            """``trainer.generate`` (pushes and wakes first, timed), with its sampler's kept sets (taken, for step())."""
+            responses, logprobs = trainer.generate(queries, batch_size=batch_size, return_prompt=False,
+                                                   return_logprobs=True, **kwargs)  # fmt: skip
+            return responses, logprobs, generation.records.take(queries, responses)
 
         environment_timer = lambda: trainer.timed("rollout/environment")  # noqa: E731
     elif isinstance(trainer, GenerationEngine):
@@ -253,7 +258,7 @@ def _resolve_engine(trainer, tokenizer) -> _Engine:
         environment_timer = nullcontext
 
         def generate(queries, kwargs, batch_size):
-            return engine.generate(queries, kwargs, None, batch_size, False, True, True)
+            return (*engine.generate(queries, kwargs, None, batch_size, False, True, True), engine.take_kept_sets())
 
     else:
         raise TypeError(
@@ -396,11 +401,12 @@ def _generate_turns(engine: _Engine, playing: list[_Live], kwargs: dict, max_epi
             continue
         # Built on the CPU: the engine moves each padded chunk in one copy (not one copy per row).
         queries = [torch.tensor(playing[i].query + playing[i].response) for i in rows]
-        responses, logprobs = engine.generate(queries, {**kwargs, "max_new_tokens": size}, batch_size or max(len(queries), 1))
-        for i, tokens, lps in zip(rows, responses, logprobs):
+        responses, logprobs, kept = engine.generate(queries, {**kwargs, "max_new_tokens": size},
+                                                    batch_size or max(len(queries), 1))  # fmt: skip
+        for i, tokens, lps, sets in zip(rows, responses, logprobs, kept or [None] * len(rows)):
             tokens = tokens.tolist()
             end = next((t + 1 for t, token in enumerate(tokens) if token in stops), len(tokens))
-            turns[i] = (tokens[:end], lps[:end].tolist())
+            turns[i] = (tokens[:end], lps[:end].tolist(), None if sets is None else sets.first(end))
     return turns
 
 
@@ -436,6 +442,7 @@ def _take_turn(episode: _Live, tokens, logprobs, stops, options: _Options, conte
         episode.truncated = episode.done = True
         return
     episode.response += ids
+    episode.kept.append(len(ids))  # the template's and the answer's tokens: no actions, no sets
     episode.mask += [0] * len(ids)
     episode.logprobs += [0.0] * len(ids)
     episode.rendered = rendered
@@ -478,6 +485,7 @@ def _episode(live: _Live, k: int, first_group: int) -> Episode:
         response=torch.tensor(live.response, dtype=torch.long),
         response_mask=torch.tensor(live.mask, dtype=torch.long),
         logprobs=torch.tensor(live.logprobs, dtype=torch.float32),
+        kept_sets=None if any(kept is None for kept in live.kept) else KeptSets.joined(live.kept),
         reward=live.reward,
         num_turns=live.num_turns,
         tool_calls=live.tool_calls,
@@ -488,4 +496,5 @@ def _episode(live: _Live, k: int, first_group: int) -> Episode:
         group_id=first_group + live.index // k,
         environment=live.environment,
         reward_sources=live.reward_sources,
+        prompt_length=live.prompt_length,
     )

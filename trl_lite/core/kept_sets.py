@@ -135,11 +135,18 @@ def kept_ids(scores: torch.Tensor, labels: torch.Tensor, truncation: Truncation)
     candidates = _top_k_candidates(scores.to(torch.promote_types(scores.dtype, torch.float32)), truncation)
     if candidates is not None and candidates[0].shape[-1] <= truncation.bound:
         return _compact(*candidates, labels.reshape(-1, 1))
-    keep = kept_mask(scores, truncation)
+    return ids_of_mask(kept_mask(scores, truncation), scores, labels, truncation.bound)
+
+
+@torch.no_grad()
+def ids_of_mask(keep: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor, bound: int = MAX_KEPT):
+    """:func:`kept_ids` of a kept mask ``keep`` ``(R, V)`` bool (written: each ``labels`` token set in it) - the
+    rule's, or the tokens a sampler left finite - capped at ``bound`` tokens besides the label, the most probable
+    by ``scores`` ``(R, V)`` kept."""
     keep.scatter_(-1, labels.reshape(-1, 1), True)
     counts = keep.sum(-1)
     width = int(counts.max()) if counts.numel() else 1
-    bound = truncation.bound + 1
+    bound = bound + 1
     if width > bound:  # the most probable bound - 1 tokens and the label
         ranked = scores.to(torch.float32).masked_fill(~keep, -math.inf)
         ranked.scatter_(-1, labels.reshape(-1, 1), math.inf)
@@ -151,6 +158,28 @@ def kept_ids(scores: torch.Tensor, labels: torch.Tensor, truncation: Truncation)
     rows, cols = keep.nonzero(as_tuple=True)
     starts = torch.cumsum(counts, 0) - counts
     ids[rows, torch.arange(rows.numel(), device=rows.device) - starts[rows]] = cols
+    return ids, counts
+
+
+def padded_ids(ids: torch.Tensor, width: int) -> torch.Tensor:
+    """Padded set ids ``(N, K)`` widened to ``(N, width)`` with each set's first id (the padding of a set)."""
+    return ids if ids.shape[1] >= width else torch.cat([ids, ids[:, :1].expand(-1, width - ids.shape[1])], 1)
+
+
+@torch.no_grad()
+def fill_holes(scores: torch.Tensor, labels: torch.Tensor, ids, counts, truncation: Truncation):
+    """The replayed sets ``ids`` ``(R, K)`` / ``counts`` ``(R,)`` of ``R`` positions with every position that has
+    none (count 0: no recorded set; ``ids`` None: none has one) given the set ``truncation``'s rule makes from
+    ``scores`` ``(R, V)`` (``z / T``) - the re-derivation fallback (docs/truncated_sampling.md)."""
+    if ids is None:
+        return kept_ids(scores, labels, truncation)
+    holes = (counts == 0).nonzero().squeeze(-1)
+    if holes.numel() == 0:
+        return ids, counts
+    made, made_counts = kept_ids(scores[holes], labels[holes], truncation)
+    width = max(ids.shape[1], made.shape[1])
+    ids, counts = padded_ids(ids, width).clone(), counts.clone()
+    ids[holes], counts[holes] = padded_ids(made, width), made_counts
     return ids, counts
 
 
@@ -219,6 +248,105 @@ class KeptSets:
         inside = torch.arange(ids.shape[1], device=rows.device) < counts.reshape(-1, 1)
         return KeptSets(offsets, ids[inside].to(torch.int32), self.width)
 
+    @classmethod
+    def one_row(cls, ids: torch.Tensor, counts: torch.Tensor) -> KeptSets:
+        """The sets of one response's ``n`` positions from padded ``ids`` ``(n, K)`` and ``counts`` ``(n,)`` (0: none)."""
+        n = counts.shape[0]
+        return cls.from_passes(1, n, [(torch.arange(n, device=ids.device), ids, counts)], ids.device)
+
+    @classmethod
+    def joined(cls, pieces: list) -> KeptSets:
+        """One row's sets: ``pieces`` one-row :class:`KeptSets` and ints (that many positions without a set, e.g. a
+        tool's tokens), in order along the response."""
+        device = next((p.ids.device for p in pieces if isinstance(p, KeptSets)), torch.device("cpu"))
+        counts = [p.counts.to(device) if isinstance(p, KeptSets) else torch.zeros(p, dtype=torch.int64, device=device)
+                  for p in pieces]  # fmt: skip
+        counts = torch.cat(counts) if counts else torch.zeros(0, dtype=torch.int64, device=device)
+        offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=device)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        ids = [p.ids.to(device) for p in pieces if isinstance(p, KeptSets)]
+        return cls(offsets, torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32, device=device), counts.numel())
+
+    @classmethod
+    def stacked(cls, records: list, width: int, device) -> KeptSets:
+        """The sets of ``len(records)`` rows of ``width`` positions: row ``b``'s first positions from ``records[b]``
+        (a one-row :class:`KeptSets` of at most ``width`` positions), none where it is None."""
+        counts = torch.zeros(len(records), width, dtype=torch.int64, device=device)
+        ids = []
+        for b, record in enumerate(records):
+            if record is not None:
+                counts[b, : record.width] = record.counts.to(device)
+                ids.append(record.ids.to(device))
+        offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=device)
+        torch.cumsum(counts.reshape(-1), 0, out=offsets[1:])
+        return cls(offsets, torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32, device=device), width)
+
+    def first(self, n: int) -> KeptSets:
+        """The sets of a one-row :class:`KeptSets`'s first ``n`` positions."""
+        end = int(self.offsets[n])
+        return KeptSets(self.offsets[: n + 1], self.ids[:end], n)
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """Each position's set size ``(rows * width,)`` (0: no set)."""
+        return self.offsets[1:] - self.offsets[:-1]
+
     @property
     def nbytes(self) -> int:
         return self.offsets.numel() * 8 + self.ids.numel() * 4
+
+
+# The most responses a RecordedSets holds between two takes (the oldest dropped first).
+MAX_RECORDED_ROWS = 4096
+
+
+class RecordedSets:
+    """The kept sets a sampler recorded for the responses it returned, found again by their tokens.
+
+    Classic code hands ``step()`` the responses ``generate()`` returned, sliced or copied: :meth:`take` finds each
+    row's record by its query and response token ids (the response without the prompt; an encoder-decoder's with
+    its start token). A row edited since, or sampled elsewhere, has none. Bounded: :meth:`take` empties the store
+    (what it did not match is dropped), and past ``max_rows`` records the oldest go.
+    """
+
+    def __init__(self, max_rows: int = MAX_RECORDED_ROWS):
+        self.max_rows = max_rows
+        self._sets: dict = {}
+
+    def __len__(self) -> int:
+        return len(self._sets)
+
+    def record(self, queries: list, responses: list, sets: list) -> None:
+        """``sets[i]``: the one-row :class:`KeptSets` of ``responses[i]``'s generated tokens, or None."""
+        for key, kept in zip(_token_keys(queries, responses), sets):
+            if kept is not None:
+                self._sets.pop(key, None)
+                self._sets[key] = kept
+        while len(self._sets) > self.max_rows:
+            self._sets.pop(next(iter(self._sets)))
+
+    def take(self, queries: list, responses: list) -> list | None:
+        """Per row its record or None (None for all: no row has one); the store is empty afterwards."""
+        if not self._sets:
+            return None
+        found = [self._sets.get(key) for key in _token_keys(queries, responses)]
+        self._sets.clear()
+        return found if any(kept is not None for kept in found) else None
+
+    def clear(self) -> None:
+        self._sets.clear()
+
+
+def _token_keys(queries: list, responses: list) -> list[tuple]:
+    """``(query ids, response ids)`` per row, read to the host in one copy."""
+    tensors = [t.reshape(-1) for pair in zip(queries, responses) for t in pair]
+    if not tensors:
+        return []
+    device = tensors[0].device
+    flat = torch.cat([t.to(device=device, dtype=torch.long) for t in tensors]).tolist()
+    keys, start = [], 0
+    for query, response in zip(tensors[::2], tensors[1::2]):
+        middle, end = start + query.numel(), start + query.numel() + response.numel()
+        keys.append((tuple(flat[start:middle]), tuple(flat[middle:end])))
+        start = end
+    return keys

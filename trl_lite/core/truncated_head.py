@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .kept_sets import Truncation, kept_ids
+from .kept_sets import Truncation, fill_holes, padded_ids
 from .lm_head import _chunk_logits, _logits_dtype, _scratch, _softmax_stats, _work_buffer, autocast_state
 from .lm_head import check_head_options, head_input
 from .lm_head import under_autocast
@@ -119,12 +119,14 @@ def truncated_head(hidden, weight, bias, labels, ids, counts, chunk_size: int = 
 @torch.no_grad()
 def truncated_head_logprobs(hidden, weight, bias, labels, chunk_size: int = 0, temperature: float = 1.0,
                             ids=None, counts=None, derive: Truncation | None = None, full_entropy: bool = False):  # fmt: skip
-    """Without grad: ``log pi_T^K`` of ``labels`` ``(N,)`` over the given sets (``ids``, ``counts``) or, with
-    ``derive``, over sets made here from each chunk's ``z / T`` by its rule. Returns ``(logprobs, entropy_K,
-    entropy or None, ids, counts)``: the untruncated entropy with ``full_entropy``; the sets used (padded)."""
+    """Without grad: ``log pi_T^K`` of ``labels`` ``(N,)`` over the given sets (``ids``, ``counts``) and, with
+    ``derive``, over sets made here from each chunk's ``z / T`` by its rule where none is given (all when ``ids`` is
+    None; a count 0 elsewhere: :func:`.kept_sets.fill_holes`). Returns ``(logprobs, entropy_K, entropy or None, ids,
+    counts)``: the untruncated entropy with ``full_entropy``; the sets used (padded)."""
     check_head_options(chunk_size, temperature)
-    if (ids is None) == (derive is None):
-        raise ValueError("truncated_head_logprobs takes the kept sets (ids and counts) or a rule to derive them (derive).")
+    if ids is None and derive is None:
+        raise ValueError("truncated_head_logprobs takes the kept sets (ids and counts), a rule to derive them (derive), "
+                         "or both.")  # fmt: skip
     hidden = head_input(hidden, weight)
     n, dtype = hidden.shape[0], _logits_dtype(weight)
     step = chunk_size or max(n, 1)
@@ -137,17 +139,16 @@ def truncated_head_logprobs(hidden, weight, bias, labels, chunk_size: int = 0, t
     for start in range(0, n, step):
         rows = slice(start, start + step)
         z = _chunk_logits(hidden[rows], weight, bias, temperature, buffer)
+        chunk_ids, chunk_counts = (None, None) if ids is None else (ids[rows], counts[rows])
         if derive is not None:
-            chunk_ids, chunk_counts = kept_ids(z, flat_labels[rows].reshape(-1), derive)
+            chunk_ids, chunk_counts = fill_holes(z, flat_labels[rows].reshape(-1), chunk_ids, chunk_counts, derive)
             made.append((chunk_ids, chunk_counts))
-        else:
-            chunk_ids, chunk_counts = ids[rows], counts[rows]
         _, _, logprobs[rows], entropy[rows] = _kept_stats(z, flat_labels[rows], chunk_ids, chunk_counts)
         if full is not None:  # last: in cache-sized pieces, turning z into the softmax in place
             _softmax_stats(z, flat_labels[rows], torch.empty_like(full[rows]), full[rows], None, scratch)
     if derive is not None:
         width = max((i.shape[1] for i, _ in made), default=1)
-        ids = torch.cat([torch.cat([i, i[:, :1].expand(-1, width - i.shape[1])], 1) for i, _ in made]) if made else (
+        ids = torch.cat([padded_ids(i, width) for i, _ in made]) if made else (
             torch.zeros((0, 1), dtype=torch.int64, device=hidden.device))  # fmt: skip
         counts = torch.cat([c for _, c in made]) if made else torch.zeros(0, dtype=torch.int64, device=hidden.device)
     return logprobs, entropy, full, ids, counts
@@ -162,7 +163,7 @@ def truncated_from_logits(logits, labels, temperature: float = 1.0, ids=None, co
     z = z if temperature == 1.0 else z / temperature
     flat_labels = labels.reshape(-1, 1)
     if derive is not None:
-        ids, counts = kept_ids(z.detach(), labels.reshape(-1), derive)
+        ids, counts = fill_holes(z.detach(), labels.reshape(-1), ids, counts, derive)
     _, _, logprobs, entropy = _kept_stats(z, flat_labels, ids, counts)
     full = _full_entropy(z.detach()) if full_entropy else None
     return logprobs, entropy, full, ids, counts

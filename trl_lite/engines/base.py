@@ -53,6 +53,15 @@ class GenerationEngine(ABC):
         (``log pi_T^K``, docs/algorithm_rollouts.md section 23); else None.
         """
 
+    def take_kept_sets(self) -> list | None:
+        """Per row of the last :meth:`generate` call the kept sets its sampler used (one-row
+        :class:`~trl_lite.core.kept_sets.KeptSets` over the row's generated tokens), once; None when the call did not
+        truncate or the engine cannot tell (:attr:`no_kept_sets`; the trainer then re-derives them)."""
+        return None
+
+    # Why an engine cannot return its sampler's kept sets (named in the trainer's once-per-run message), or None.
+    no_kept_sets: str | None = None
+
     @abstractmethod
     def generate_one(self, query: torch.Tensor, generation_kwargs: dict, return_prompt: bool) -> torch.Tensor:
         """The classic single-query output: a ``(k, S)`` tensor of token ids, rows padded with the pad id."""

@@ -18,6 +18,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from ..core.kept_sets import RecordedSets
 from ..parallel.fsdp import is_sharded, unsharded
 from .base import GenerationEngine
 from .lora_sync import AdapterSpec, AdapterSync, AdapterUpdate, ByteTally, adapter_spec, resolve_lora_sync
@@ -45,7 +46,9 @@ class RolloutGeneration:
         full_weights: a context-manager factory around each push (FSDP2: the policy's shards gathered whole
             for it, :func:`~trl_lite.parallel.fsdp.unsharded`); default none.
 
-    ``last_push_bytes``: the bytes of the tensors the last push read (0 before any).
+    ``last_push_bytes``: the bytes of the tensors the last push read (0 before any). ``records``: the kept sets the
+    engine's sampler recorded for the rows of the ``generate`` calls since the last ``step()`` took them
+    (:class:`~trl_lite.core.kept_sets.RecordedSets`, docs/truncated_sampling.md).
     """
 
     def __init__(self, engine: GenerationEngine, reference_engine: GenerationEngine, timer,
@@ -60,6 +63,7 @@ class RolloutGeneration:
         self.version = version
         self._held_version = None
         self.last_push_bytes = 0
+        self.records = RecordedSets()
         self._awake_depth = 0  # nesting of awake()
         self._warned_kwargs: set[str] = set()  # classic kwargs that differ from PPOConfig, warned once per run
         # The trainer's sequence-parallel part, whose group's processes return the same generations (see build_generation).
@@ -179,12 +183,25 @@ class RolloutGeneration:
                 return response, self.reference_engine.generate_one(query_tensor, generation_kwargs, return_prompt)
             args = (length_sampler, batch_size, return_prompt, remove_padding)
             responses, logprobs = self.engine.generate(list(query_tensor), generation_kwargs, *args, return_logprobs)
+            self._record(list(query_tensor), responses, return_prompt, generation_kwargs)
             out = [responses]
             if generate_ref_response:
                 out.append(self.reference_engine.generate(list(query_tensor), generation_kwargs, *args, False)[0])
+                self.reference_engine.take_kept_sets()  # the reference's samples are not the policy's to train on
             if return_logprobs:
                 out.append(logprobs)
             return out[0] if len(out) == 1 else tuple(out)
+
+    def _record(self, queries, responses, return_prompt, generation_kwargs) -> None:
+        """Keep the kept sets the engine's sampler used for ``responses`` in :attr:`records`, by their tokens."""
+        kept = self.engine.take_kept_sets()
+        if kept is None or self.sequence is not None and self.sequence.cuts:
+            return  # a sequence-parallel group's processes each sampled a share: re-derived alike on all of them
+        per_query = int(generation_kwargs.get("num_return_sequences") or 1)
+        queries = [query for query in queries for _ in range(per_query)]
+        if return_prompt and not getattr(self.engine, "is_encoder_decoder", False):
+            responses = [response[len(query) :] for query, response in zip(queries, responses)]
+        self.records.record(queries, responses, kept)
 
     def _warn_differing(self, differing) -> None:
         """One warning per run for the classic kwargs, each named once, that sample other than ``PPOConfig``."""

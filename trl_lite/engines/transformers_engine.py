@@ -10,6 +10,7 @@ from contextlib import AbstractContextManager, contextmanager
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from ..core.kept_sets import KeptSets, ids_of_mask
 from ..parallel.fsdp import is_sharded, unsharded
 from .base import GenerationEngine, trim_rows
 from .temperature import Sampling, resolve_sampling_kwargs
@@ -82,8 +83,10 @@ class TransformersEngine(GenerationEngine):
         self.is_zero3 = is_zero3
         self.sampling = sampling
         self.halve_on_oom = halve_on_oom
-        # Whether PPOConfig truncates: returned log-probs are then log pi_T^K over the warpers' kept sets.
+        # Whether PPOConfig truncates: returned log-probs are then log pi_T^K over the warpers' kept sets, and a
+        # sampling call records those sets (take_kept_sets).
         self.truncates = sampling.top_k > 0 or sampling.top_p < 1.0 or sampling.min_p > 0.0
+        self._kept = None  # the last generate's rows' kept sets (one-row KeptSets each), until taken
 
     @contextmanager
     def _generation_model(self):
@@ -141,17 +144,26 @@ class TransformersEngine(GenerationEngine):
                 # generate's per-step logits follow the beams, not the sequences it returns.
                 raise ValueError(f"return_logprobs=True needs num_beams=1, got num_beams={kwargs['num_beams']!r}.")
             kwargs.update(output_logits=True, return_dict_in_generate=True)
-            if self.truncates:
-                kwargs.update(output_scores=True)  # the warpers' output: -inf outside each step's kept set
+        self._kept = None
+        if self.truncates and int(kwargs.get("num_beams") or 1) == 1:
+            # The warpers' output: -inf outside each step's kept set, recorded (a greedy call has no warper).
+            kwargs.update(output_scores=True, return_dict_in_generate=True)
         # transformers returns the k sequences of each prompt next to each other (repeat_interleave).
         per_query = int(kwargs.get("num_return_sequences") or 1)
         outputs = [None] * (len(queries) * per_query)
         logprobs = [None] * len(outputs) if return_logprobs else None
+        kept = [None] * len(outputs) if kwargs.get("output_scores") else None
         order = sorted(range(len(queries)), key=lambda i: len(queries[i]))
         starts = range(0, len(queries), batch_size)
         with self._generation_model() as gen_model, _mask_is_passed():
             # Again with the model's defaults: a call that leaves do_sample to them may sample.
-            kwargs = resolve_sampling_kwargs(kwargs, self.sampling, _generation_defaults(gen_model))
+            defaults = _generation_defaults(gen_model)
+            kwargs = resolve_sampling_kwargs(kwargs, self.sampling, defaults)
+            samples = kwargs.get("do_sample") if kwargs.get("do_sample") is not None else getattr(defaults, "do_sample", 0)
+            if kept is not None and not samples:
+                kept = None  # greedy: nothing truncated what it chose
+                kwargs.pop("output_scores")
+                kwargs["return_dict_in_generate"] = return_logprobs
             for _ in range(self._missing_generate_calls(len(starts))):
                 # Under ZeRO-3 every forward pass is a collective, so a process with fewer chunks
                 # than another joins the extra calls with a one-row stand-in whose output is dropped.
@@ -166,7 +178,7 @@ class TransformersEngine(GenerationEngine):
                     rows, rng = chunk[done : done + size], self._rng_state()
                     try:
                         self._generate_rows(gen_model, queries, rows, kwargs, outputs, logprobs, return_prompt,
-                                            remove_padding)  # fmt: skip
+                                            remove_padding, kept)  # fmt: skip
                         done += len(rows)
                         continue
                     except torch.OutOfMemoryError:
@@ -179,11 +191,20 @@ class TransformersEngine(GenerationEngine):
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()
                     warnings.warn(f"generate() ran out of memory on {len(rows)} queries: going on in chunks of {size}.")
+        self._kept = kept
         return outputs, logprobs
 
-    def _generate_rows(self, gen_model, queries, rows, kwargs, outputs, logprobs, return_prompt, remove_padding):
+    def take_kept_sets(self) -> list | None:
+        """Per row of the last :meth:`generate` the kept sets its warpers left (one-row
+        :class:`~trl_lite.core.kept_sets.KeptSets` over the generated tokens, capped as the trainer's), once; None
+        when the call did not truncate (greedy, or ``PPOConfig`` untruncated)."""
+        kept, self._kept = self._kept, None
+        return kept
+
+    def _generate_rows(self, gen_model, queries, rows, kwargs, outputs, logprobs, return_prompt, remove_padding,
+                       kept=None):  # fmt: skip
         """One ``generate`` call on the queries ``rows`` (positions into ``queries``), left-padded; writes each
-        row's responses (and log-probs, when ``logprobs`` is a list) into its slots."""
+        row's responses (and log-probs, when ``logprobs`` is a list; kept sets, when ``kept`` is) into its slots."""
         device, pad = self.accelerator.device, self.pad_token_id
         per_query = int(kwargs.get("num_return_sequences") or 1)
         input_ids = _left_padded([queries[i] for i in rows], pad, device)
@@ -194,21 +215,24 @@ class TransformersEngine(GenerationEngine):
         ).long()
         generated = gen_model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         return_logprobs = logprobs is not None
-        sequences = generated.sequences if return_logprobs else generated
+        sequences = generated.sequences if kwargs.get("return_dict_in_generate") else generated
         row_lengths = [n for n in lengths for _ in range(per_query)]
         trimmed = self.trim(sequences, input_ids.shape[1], row_lengths, return_prompt, remove_padding)
         chunk_logprobs = None
         if return_logprobs:
-            kept = generated.scores if self.truncates else None  # greedy rows: no warper, every token kept
-            chunk_logprobs = _sampled_logprobs(sequences, generated.logits, self.temperature, kept)
+            warped = generated.scores if kept is not None else None  # greedy rows: no warper, every token kept
+            chunk_logprobs = _sampled_logprobs(sequences, generated.logits, self.temperature, warped)
+        prompt = [(1 if self.is_encoder_decoder else n) if (return_prompt or self.is_encoder_decoder) else 0
+                  for n in row_lengths]  # fmt: skip
+        generated_counts = [len(generation) - p for generation, p in zip(trimmed, prompt)]
+        chunk_kept = _recorded_sets(sequences, generated.scores, generated_counts) if kept is not None else None
         for index, generation in enumerate(trimmed):
             slot = rows[index // per_query] * per_query + index % per_query
             outputs[slot] = generation
             if return_logprobs:
-                prompt = (1 if self.is_encoder_decoder else row_lengths[index]) if (
-                    return_prompt or self.is_encoder_decoder
-                ) else 0  # fmt: skip
-                logprobs[slot] = chunk_logprobs[index, : len(generation) - prompt]
+                logprobs[slot] = chunk_logprobs[index, : generated_counts[index]]
+            if kept is not None:
+                kept[slot] = chunk_kept[index]
 
     def _rng_state(self):
         """torch's random state on the host and the device (to replay a failed chunk's draws), when it may be needed."""
@@ -267,3 +291,22 @@ def _sampled_logprobs(sequences: torch.Tensor, logits: tuple[torch.Tensor, ...],
         outside.scatter_(-1, tokens.unsqueeze(-1), False)  # the sampled token is in its set
         steps = steps.masked_fill(outside, -float("inf"))
     return torch.log_softmax(steps, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def _recorded_sets(sequences: torch.Tensor, scores: tuple[torch.Tensor, ...], counts: list[int]) -> list[KeptSets]:
+    """Each row's kept sets from the warpers' per-step scores (T tensors ``(n, V)``, -inf outside a step's set):
+    row ``i``'s first ``counts[i]`` generated tokens (the last T columns of ``sequences (n, S)``), a one-row
+    :class:`~trl_lite.core.kept_sets.KeptSets` each, capped at ``MAX_KEPT`` tokens as the trainer's sets."""
+    n, steps = sequences.shape[0], len(scores)
+    tokens = sequences[:, sequences.shape[1] - steps :]
+    passes = []
+    for t, step in enumerate(scores):
+        rows = [i for i in range(n) if counts[i] > t]
+        if rows:
+            index = torch.tensor(rows, device=step.device)
+            ids, kept = ids_of_mask(step[index] > -float("inf"), step[index], tokens[index, t])
+            passes.append((index * steps + t, ids, kept))
+    every = KeptSets.from_passes(n, steps, passes, sequences.device)
+    offsets = every.offsets.tolist()  # one read for the chunk: where each row's sets begin and end
+    return [KeptSets(every.offsets[i * steps : i * steps + counts[i] + 1] - offsets[i * steps],
+                     every.ids[offsets[i * steps] : offsets[i * steps + counts[i]]], counts[i]) for i in range(n)]  # fmt: skip

@@ -155,6 +155,9 @@ class VLLMEngine(GenerationEngine):
     """
 
     needs_weight_sync = True
+    # Why the kept sets are re-derived for vLLM (docs/truncated_sampling.md).
+    no_kept_sets = ("trl_lite does not ask vLLM for its sampling mask: vLLM 0.32 returns it (return_sampling_mask) only "
+                    "under its Model Runner V2, which needs Triton, and its CPU backend has none")  # fmt: skip
 
     def __init__(self, backend, eos_token_id: int | None, pad_token_id: int, generation_defaults=None,
                  sampling: Sampling = Sampling()):  # fmt: skip

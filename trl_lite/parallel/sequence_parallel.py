@@ -35,6 +35,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..core.kept_sets import padded_ids
 from ..models.packed_attention import ROW_LENGTHS, packed_sdpa_attention_forward, packed_sdpa_mask
 from ..models.varlen_attention import packed_rows
 from .no_sequence_parallel import NoSequenceParallel
@@ -109,6 +110,14 @@ class SequencePass:
             _GatherPieces.apply(t, parallel.group, self.slot_counts, parallel.rank) if t is not None else None
             for t in per_slot
         )  # fmt: skip
+
+    def gather_sets(self, ids: torch.Tensor, counts: torch.Tensor) -> tuple:
+        """A truncated pass's kept sets of this slice's slots, ids ``(n_local, K_local)`` and counts ``(n_local,)``,
+        gathered to the pass's ``(N, K)`` and ``(N,)``: ``K`` the group's widest (one small all-reduce), each set
+        padded with its first id (docs/truncated_sampling.md)."""
+        width = torch.tensor([ids.shape[1]], device=ids.device)
+        dist.all_reduce(width, op=dist.ReduceOp.MAX, group=self.parallel.group)
+        return self.gather_slots(padded_ids(ids, int(width)), counts)
 
     @property
     def attention_keywords(self) -> dict:

@@ -356,7 +356,10 @@ class AsyncRollouts:
                 f"{self.max_staleness} the importance-sampling correction needs them. Generate with "
                 "generate(..., return_logprobs=True) and return them, or pass off_policy_correction=False."
             )
-        return dict(batch)
+        batch = dict(batch)
+        if "kept_sets" not in batch:  # truncated sampling: the sets the producer's engine recorded for these rows
+            batch["kept_sets"] = self._generation.rollout_generation.records.take(batch["queries"], batch["responses"])
+        return batch
 
 
 _END = object()

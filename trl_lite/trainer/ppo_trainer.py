@@ -66,6 +66,7 @@ from .step_inputs import (
     check_constructor_args,
     check_critic_args,
     choose_packing,
+    kept_sets_of,
     resolve_group_ids,
     staleness,
     validate_generation_logprobs,
@@ -99,9 +100,8 @@ class PPOTrainer(ClassicHelpersMixin):
         lr_scheduler: stepped once per ``step()``.
         value_model: a separate critic (docs/algorithm.md section 9): a decoder-only transformers
             ``AutoModelForSequenceClassification`` with ``num_labels=1`` (e.g. a reward model), a PEFT
-            model of one, or a :class:`~trl_lite.models.ValueModel`; it then gives the values and is
-            trained by the value loss alone; the policy (which may be a plain causal LM) trains on the
-            policy loss, and a value head it has is frozen and not run.
+            model of one, or a :class:`~trl_lite.models.ValueModel`; it then gives the values and is trained by the
+            value loss alone; the policy (maybe a plain causal LM) trains on the policy loss; its value head is frozen, not run.
         critic_optimizer: the critic's optimizer; default ``Adam`` at ``config.critic_learning_rate``.
     """
 
@@ -279,6 +279,7 @@ class PPOTrainer(ClassicHelpersMixin):
         ptx_inputs: list[torch.LongTensor] | None = None,
         generation_logprobs: list[torch.Tensor] | None = None,
         policy_version: int | list[int] | None = None,
+        kept_sets: list | None = None,
     ) -> dict:
         """Run one PPO step on ``batch_size`` (query, response, score) triplets of this process.
 
@@ -289,16 +290,16 @@ class PPOTrainer(ClassicHelpersMixin):
         token sequences whose language-modelling loss joins the policy's loss (section 10); row ``i``
         goes into the mini-batches of triplet ``i``. ``generation_logprobs``: per row, a 1-D float
         tensor with the log-prob of each response token under the engine that sampled it
-        (``generate(..., return_logprobs=True)``); the step then reports the gap to the policy
-        (``rollout/logprob_diff/mean|max``) and, with ``importance_sampling_correction="tis"``, weights
-        the policy loss (section 15). ``policy_version``: the ``current_step`` whose weights generated
-        the batch (one int, or one per row); the step then reports ``rollout/staleness/mean|max`` (section 17).
+        (``generate(..., return_logprobs=True)``); the step then reports the gap to the policy (``rollout/logprob_diff``)
+        and, with ``importance_sampling_correction="tis"``, weights the policy loss (section 15). ``policy_version``: the
+        ``current_step`` whose weights generated the batch (one int, or one per row): ``rollout/staleness`` (section 17).
+        ``kept_sets`` (truncated sampling, section 23): per row its sampler's kept sets or None; default: those the
+        engine recorded for the responses it generated since the last step, found by their tokens.
         Returns the statistics of section 8 (floats and 1-D numpy arrays); critic-free estimators
         report no value statistics.
         """
-        batch = self._check_step_inputs(
-            queries, responses, scores, response_masks, group_ids, ptx_inputs, generation_logprobs, policy_version
-        )
+        batch = self._check_step_inputs(queries, responses, scores, response_masks, group_ids, ptx_inputs,
+                                        generation_logprobs, policy_version, kept_sets)  # fmt: skip
         config = self.config
         clock = self.experience_maker.clock
         t0 = clock.mark()
@@ -328,7 +329,7 @@ class PPOTrainer(ClassicHelpersMixin):
         return stats
 
     def _check_step_inputs(self, queries, responses, scores, response_masks, group_ids, ptx_inputs,
-                           generation_logprobs, policy_version) -> StepBatch:  # fmt: skip
+                           generation_logprobs, policy_version, kept_sets=None) -> StepBatch:  # fmt: skip
         """Every check of ``step()``'s arguments, before any state changes; the batch they make."""
         config = self.config
         actions = validate_step_inputs(
@@ -343,6 +344,7 @@ class PPOTrainer(ClassicHelpersMixin):
             queries, responses, scores, response_masks, groups, generation_logprobs, ptx_inputs,
             staleness(policy_version, self.current_step, config.batch_size),
             num_groups=int(groups.max()) + 1 if groups is not None else None, actions=actions,
+            kept_sets=kept_sets_of(kept_sets, queries, responses, self.is_encoder_decoder, self.generation.records),
         )  # fmt: skip
 
     def generate(
@@ -363,13 +365,11 @@ class PPOTrainer(ClassicHelpersMixin):
         other: entries ``i*k .. i*k+k-1`` answer query ``i``, the layout ``step()`` expects for
         ``num_samples_per_query=k``. One query gives the ``(k, S)`` output of ``generate``.
         With ``generate_ref_response`` the reference model's responses are returned too (always by
-        transformers). With ``return_logprobs=True`` (a list only) the last returned element is one
-        1-D float tensor per row: the log-probability of each generated token (prompt excluded) under
-        ``softmax(logits / PPOConfig.temperature)`` of the generating model, untruncated by top-k/top-p,
-        ready for ``step(..., generation_logprobs=...)``. Sampling is from ``PPOConfig``'s distribution, the
-        model's ``generation_config`` overridden with a warning; a kwarg that differs samples as given on the
-        transformers engine, as classic TRL did, with one warning per run (the trainer scores under ``PPOConfig``'s
-        distribution; docs/truncated_sampling.md); ``use_vllm`` and the engines' own entry points refuse it.
+        transformers). With ``return_logprobs=True`` (a list only) the last returned element is one 1-D float tensor
+        per row: each generated token's log-prob under ``PPOConfig``'s distribution (``log pi_T^K`` when it truncates),
+        for ``step(..., generation_logprobs=...)``. Sampling follows ``PPOConfig`` (the model's ``generation_config``
+        overridden with a warning); a differing kwarg samples as given on transformers, as classic TRL did, warned once
+        (docs/truncated_sampling.md: scoring, and the kept sets recorded for ``step()``); ``use_vllm`` refuses it.
 
         The transformers engine (default) generates in chunks of ``batch_size`` queries and draws
         ``length_sampler`` once per chunk; under ZeRO-3 generation is collective (every process calls

@@ -21,6 +21,7 @@ from ..models import (
     PreTrainedModelWrapper,
     ValueModel,
 )
+from ..core.kept_sets import KeptSets
 from ..models.modeling_base import is_peft_model
 from .layout.rows import actions_per_row, concat_by_device
 from .ppo_config import PPOConfig
@@ -352,6 +353,27 @@ def validate_generation_logprobs(generation_logprobs, responses) -> None:
             f"generation_logprobs[{i}] must hold finite log-probabilities (<= 0), got values in "
             f"[{lp.min().item()}, {lp.max().item()}]."
         )
+
+
+def kept_sets_of(kept_sets, queries, responses, is_encoder_decoder: bool, records) -> list | None:
+    """``step(..., kept_sets=...)`` checked - per response a one-row :class:`~trl_lite.core.kept_sets.KeptSets` over
+    its generated tokens (``len(response)``, an encoder-decoder's less its start token) or None - or, when not given,
+    the sets ``records`` (the engine's :class:`~trl_lite.core.kept_sets.RecordedSets`) holds for the rows' tokens.
+    ``records`` is emptied either way (docs/truncated_sampling.md)."""
+    recorded = records.take(queries, responses) if kept_sets is None else records.clear()
+    if kept_sets is None:
+        return recorded
+    if not isinstance(kept_sets, (list, tuple)) or len(kept_sets) != len(responses):
+        given = len(kept_sets) if isinstance(kept_sets, (list, tuple)) else type(kept_sets).__name__
+        raise ValueError(f"kept_sets must be a list of {len(responses)} KeptSets or None (one per response), got {given}.")
+    shift = 1 if is_encoder_decoder else 0
+    for i, (kept, response) in enumerate(zip(kept_sets, responses)):
+        if kept is not None and (not isinstance(kept, KeptSets) or kept.width != max(len(response) - shift, 0)
+                                 or kept.offsets.numel() != kept.width + 1):  # fmt: skip
+            what = f"KeptSets of width {kept.width}" if isinstance(kept, KeptSets) else type(kept).__name__
+            raise ValueError(f"kept_sets[{i}] must be None or a one-row KeptSets over the {len(response) - shift} "
+                             f"generated tokens of responses[{i}], got {what}.")  # fmt: skip
+    return list(kept_sets)
 
 
 def validate_ptx_inputs(ptx_inputs, config, is_encoder_decoder: bool, vocab_size: int) -> None:

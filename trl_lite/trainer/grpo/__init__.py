@@ -8,6 +8,7 @@ below and the packages outside the trainer; nothing imports it but ``trl_lite.tr
 - ``prompts.py`` - which rows each generation takes, prompt ids (text or chat template);
 - ``rewards.py`` - the reward functions and models, checked, with TRL's ``None`` rule;
 - ``rollout.py`` - one generation: completions, rewards, ``step()``'s inputs, TRL's metrics;
+- ``agents.py`` - TRL's ``tools`` / ``environment_factory``: multi-turn completions by ``agents.run_episodes``;
 - ``checkpoints.py`` - ``checkpoint-N`` folders for exact resume;
 - ``grpo_trainer.py`` - ``GRPOTrainer``: the loop, callbacks, logs, ``evaluate``, ``save_model``;
 - ``rloo_config.py`` - ``RLOOConfig`` (TRL 1.x's names and defaults) and its one mapping onto the GRPO parts;

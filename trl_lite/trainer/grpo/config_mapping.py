@@ -37,7 +37,7 @@ GRPO_HONOURED = frozenset({
     "epsilon", "delta", "epsilon_high", "importance_sampling_level", "reward_weights", "scale_rewards", "loss_type",
     "mask_truncated_completions", "entropy_coef", "vllm_importance_sampling_correction",
     "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max", "vllm_importance_sampling_cap",
-    "log_completions", "log_multimodal", "num_completions_to_print",
+    "log_completions", "log_multimodal", "num_completions_to_print", "max_tool_calling_iterations",
 })  # fmt: skip
 HONOURED = TRAINING_ARGUMENTS_HONOURED | GRPO_HONOURED
 

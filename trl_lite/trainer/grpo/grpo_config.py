@@ -116,7 +116,9 @@ class GRPOConfig(TrainingArguments):
     entropy_coef_max: float = field(default=1.0, metadata=_help("Only with use_adaptive_entropy (not supported)."))
     entropy_coef_delta: float = field(default=0.005, metadata=_help("Only with use_adaptive_entropy (not supported)."))
     entropy_target: float = field(default=0.2, metadata=_help("Only with use_adaptive_entropy (not supported)."))
-    max_tool_calling_iterations: int | None = field(default=None, metadata=_help("Not supported by trl_lite."))
+    max_tool_calling_iterations: int | None = field(
+        default=None, metadata=_help("Tool-calling rounds per completion at most (None: until max_completion_length).")
+    )
     vllm_importance_sampling_correction: bool = field(
         default=True, metadata=_help("With vLLM: TIS (needs vllm_importance_sampling_mode='token_truncate').")
     )

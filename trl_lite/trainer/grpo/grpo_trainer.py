@@ -38,6 +38,7 @@ from transformers.trainer_utils import TrainOutput
 from ..accelerate_setup import launched_processes
 from ..ppo_trainer import PPOTrainer
 from ..step_inputs import NoDatasetWarning
+from .agents import AgentRollouts, environment_rows, with_environment_rewards
 from .checkpoints import load_checkpoint, resolve_checkpoint, save_checkpoint
 from .config_mapping import optimizer_steps_per_generation, to_ppo_config
 from .grpo_config import GRPOConfig
@@ -75,19 +76,20 @@ class GRPOTrainer:
         callbacks: transformers ``TrainerCallback`` s, added to the default ones.
         optimizers: ``(optimizer, lr_scheduler)``; None: AdamW with ``args``' hyperparameters, ``get_scheduler``.
         peft_config: a PEFT config applied to the model (its reference is the model without the adapter).
-        quantization_config, tools, rollout_func, environment_factory: TRL's; not supported (``ValueError`` when set).
+        tools / environment_factory: TRL's: functions the model calls, and a factory (or ``{name: factory}``) of one
+            environment per completion (``reset``, tool methods, optional ``get_reward``); :mod:`.agents`.
+        quantization_config, rollout_func: TRL's; not supported (``ValueError`` when set).
     """
 
     # What RLOOTrainer (rloo_trainer.py) changes: its config, its mapping, where the KL metric comes from.
     config_class, algorithm = GRPOConfig, "GRPO"
     to_ppo_config = staticmethod(to_ppo_config)
 
-    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None,
                  environment_factory=None):  # fmt: skip
-        for name, value in (("quantization_config", quantization_config), ("tools", tools),
-                            ("rollout_func", rollout_func), ("environment_factory", environment_factory)):  # fmt: skip
+        for name, value in (("quantization_config", quantization_config), ("rollout_func", rollout_func)):
             if value is not None:
                 raise ValueError(f"{name} is not supported by trl_lite's GRPOTrainer, got {value!r}; pass None.")
         model_name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
@@ -95,8 +97,9 @@ class GRPOTrainer:
             args = self.config_class(output_dir=f"{str(model_name).rstrip('/').split('/')[-1]}-{self.algorithm}")
         if not isinstance(args, self.config_class):
             raise TypeError(f"args must be a trl_lite {self.config_class.__name__}, got {type(args).__name__}.")
-        if train_dataset is None:
-            raise ValueError("train_dataset is required: a datasets.Dataset or IterableDataset with a 'prompt' column.")
+        if tools is not None and not isinstance(tools, (list, tuple)):
+            raise TypeError(f"tools must be a list of functions, got {type(tools).__name__}.")
+        train_dataset = train_dataset if train_dataset is not None else environment_rows(environment_factory, args)
         self.args = args
         model = self._load_model(model, args)
         if processing_class is None:
@@ -104,11 +107,21 @@ class GRPOTrainer:
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
         self.processing_class = processing_class
+        agents, reward_weights = None, args.reward_weights
+        if tools or environment_factory is not None:  # checked here, before any state changes
+            agents = AgentRollouts(tools, environment_factory, args.max_tool_calling_iterations, processing_class,
+                                   args.chat_template_kwargs)  # fmt: skip
+            agents.check_dataset(train_dataset)
+            reward_funcs, reward_weights, reward_processing_classes = with_environment_rewards(
+                agents.reward_sources, reward_funcs, reward_weights, reward_processing_classes)
+        if reward_funcs is None:
+            raise ValueError("reward_funcs is required (a function, a model or a list of them) unless the environments "
+                             "of environment_factory score completions with get_reward().")  # fmt: skip
         if peft_config is not None:
             from peft import get_peft_model
 
             model = get_peft_model(model, peft_config)
-        self.reward_funcs = RewardFunctions(reward_funcs, args.reward_weights, reward_processing_classes,
+        self.reward_funcs = RewardFunctions(reward_funcs, reward_weights, reward_processing_classes,
                                             args.model_init_kwargs, args.chat_template_kwargs)  # fmt: skip
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.steps_per_generation = optimizer_steps_per_generation(args)
@@ -133,7 +146,8 @@ class GRPOTrainer:
         self.rollout = GRPORollout(self.ppo, processing_class, self.reward_funcs, args.num_generations,
                                    args.max_completion_length, args.mask_truncated_completions,
                                    logprobs=self.ppo_config.importance_sampling_correction is not None,
-                                   chat_template_kwargs=args.chat_template_kwargs, keep_table=args.log_completions)  # fmt: skip
+                                   chat_template_kwargs=args.chat_template_kwargs, keep_table=args.log_completions,
+                                   agents=agents)  # fmt: skip
         self.state = TrainerState(is_local_process_zero=self.accelerator.is_local_main_process,
                                   is_world_process_zero=self.accelerator.is_main_process)  # fmt: skip
         self.control = TrainerControl()
@@ -238,7 +252,8 @@ class GRPOTrainer:
         if generation.has_actions:  # else every completion is out of the loss: nothing to train on (no step)
             stats = self.ppo.step(generation.queries, generation.responses, generation.scores,
                                   response_masks=generation.response_masks,
-                                  generation_logprobs=generation.generation_logprobs)  # fmt: skip
+                                  generation_logprobs=generation.generation_logprobs, group_ids=generation.group_ids,
+                                  kept_sets=generation.kept_sets)  # fmt: skip
             for name, key in STEP_METRICS.items():
                 metrics[name] = float(stats[key])
             metrics.update({name: float(stats[key]) for name, key in SAMPLING_METRICS.items() if key in stats})

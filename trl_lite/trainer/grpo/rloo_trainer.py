@@ -19,6 +19,13 @@ class RLOOTrainer(GRPOTrainer):
     config_class, algorithm = RLOOConfig, "RLOO"
     to_ppo_config = staticmethod(to_ppo_config)
 
+    def __init__(self, model, reward_funcs, args: RLOOConfig | None = None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+                 quantization_config=None, peft_config=None):  # fmt: skip
+        """TRL's RLOO signature: GRPO's without ``tools``, ``rollout_func`` and ``environment_factory``."""
+        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+                         reward_processing_classes, callbacks, optimizers, quantization_config, peft_config)  # fmt: skip
+
     def _kl(self, stats: dict) -> float:
         """TRL's RLOO ``kl``: the mean per-token ``lp_old - lp_ref`` over the completions' tokens, which is the
         step's mean per-token KL penalty ``-beta * kl`` divided by ``-beta``."""

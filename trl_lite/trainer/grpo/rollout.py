@@ -3,7 +3,8 @@ inputs of ``PPOTrainer.step`` and TRL's metrics of the generation.
 
 Rows no reward function scored (all ``None``) and, with ``mask_truncated_completions``, truncated completions are
 dropped from the loss (a zero response mask); an unscored row's score is its group's NaN-aware mean, so it adds
-nothing to the group's centred rewards.
+nothing to the group's centred rewards. With TRL's ``tools`` / ``environment_factory`` each completion is a
+multi-turn episode (:mod:`.agents`): the tool and template tokens are out of the loss and out of the lengths.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class Generation:
     generation_logprobs: list[torch.Tensor] | None
     metric_rows: torch.Tensor
     table: dict[str, list] = field(default_factory=dict)
+    group_ids: list[int] | None = None  # multi-turn episodes: a group is its prompt (its members' queries may differ)
+    kept_sets: list | None = None  # multi-turn episodes under truncated sampling: their samplers' kept sets
 
     @property
     def has_actions(self) -> bool:
@@ -38,17 +41,39 @@ class Generation:
         return masks is None or any(bool(m.any()) for m in masks)
 
 
+@dataclass
+class Sampled:
+    """The completions of one generation before scoring, one entry per completion (``k`` consecutive per row).
+
+    ``model_masks``: 1 on the tokens the model sampled (None: all of them); ``prompts``/``completions``: what the
+    reward functions get; ``texts``: the completions as text (the completions table); ``tool_counts``: tool calls
+    and failed calls per completion, or None without tools."""
+
+    queries: list[torch.Tensor]
+    responses: list[torch.Tensor]
+    logprobs: list[torch.Tensor] | None
+    model_masks: list[torch.Tensor] | None
+    prompts: list
+    completions: list
+    texts: list[str]
+    truncated: torch.Tensor
+    reward_kwargs: dict = field(default_factory=dict)
+    tool_counts: tuple[torch.Tensor, torch.Tensor] | None = None
+    kept_sets: list | None = None  # episodes' (docs/truncated_sampling.md); single-turn: step() finds the engine's
+
+
 class GRPORollout:
     """Makes :class:`Generation` s with a ``PPOTrainer`` (engine and accelerator), a tokenizer and the reward functions.
 
     ``num_generations``: completions per prompt; ``max_completion_length``: their most tokens; ``mask_truncated``:
     TRL's ``mask_truncated_completions``; ``logprobs``: whether ``step()`` gets the engine's log-probs (TIS);
-    ``keep_table``: whether each generation keeps its texts and rewards for ``log_completions``.
+    ``keep_table``: whether each generation keeps its texts and rewards for ``log_completions``; ``agents``: an
+    :class:`.agents.AgentRollouts` (TRL's ``tools`` / ``environment_factory``) or None for single-turn completions.
     """
 
     def __init__(self, ppo_trainer, tokenizer, rewards, num_generations: int, max_completion_length: int,
                  mask_truncated: bool = False, logprobs: bool = False, chat_template_kwargs: dict | None = None,
-                 keep_table: bool = False):  # fmt: skip
+                 keep_table: bool = False, agents=None):  # fmt: skip
         self.ppo = ppo_trainer
         self.tokenizer = tokenizer
         self.rewards = rewards
@@ -58,10 +83,35 @@ class GRPORollout:
         self.logprobs = logprobs
         self.chat_template_kwargs = chat_template_kwargs or {}
         self.keep_table = keep_table
+        self.agents = agents
 
     def run(self, rows: list[dict], num_generations: int | None = None, **reward_kwargs) -> Generation:
         """Generate, decode and score ``num_generations`` (default: the run's) completions per row."""
         k = num_generations or self.num_generations
+        sampled = self._episodes(rows, k) if self.agents is not None else self._sample(rows, k)
+        responses = sampled.responses
+        columns = {key: [row[key] for row in rows for _ in range(k)] for key in rows[0] if key not in ("prompt", "completion", "completion_ids")}  # fmt: skip
+        per_func = self.rewards(sampled.prompts, sampled.completions, [r.tolist() for r in responses], columns,
+                                **sampled.reward_kwargs, **reward_kwargs)  # fmt: skip
+        rewards = self.rewards.combine(per_func)
+        truncated = sampled.truncated
+        scores = _scores_for_step(rewards, k)
+        dropped = torch.isnan(rewards) | (truncated if self.mask_truncated else torch.zeros_like(truncated))
+        masks = sampled.model_masks
+        if dropped.any():
+            masks = [(m if m is not None else torch.ones_like(r)) * (0 if drop else 1)
+                     for r, m, drop in zip(responses, masks or [None] * len(responses), dropped.tolist())]  # fmt: skip
+        metric_rows = _metric_rows(per_func, rewards, sampled)
+        table = {}
+        if self.keep_table:  # log_completions: the prompts and completions as text, with each function's reward
+            table = {"prompt": self.tokenizer.batch_decode(sampled.queries, skip_special_tokens=True),
+                     "completion": sampled.texts, **{name: per_func[:, j].tolist() for j, name in enumerate(self.rewards.names)}}  # fmt: skip
+        group_ids = [i // k for i in range(len(responses))] if self.agents is not None else None
+        return Generation(sampled.queries, responses, [torch.tensor(s) for s in scores.tolist()], masks,
+                          sampled.logprobs, metric_rows, table, group_ids, sampled.kept_sets)  # fmt: skip
+
+    def _sample(self, rows: list[dict], k: int) -> Sampled:
+        """One ``generate`` call: ``k`` single-turn completions per row."""
         prompts = [row["prompt"] for row in rows]
         queries = prompt_ids(self.tokenizer, prompts, self.chat_template_kwargs)
         out = self.ppo.generate(
@@ -70,24 +120,28 @@ class GRPORollout:
         )  # fmt: skip
         responses, engine_logprobs = (out[0], out[-1]) if self.logprobs else (out, None)
         responses = to_host_together(responses)  # one copy back for decoding and rewards, no read per row
-        repeated = [p for p in prompts for _ in range(k)]
-        columns = {key: [row[key] for row in rows for _ in range(k)] for key in rows[0] if key not in ("prompt", "completion", "completion_ids")}  # fmt: skip
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-        completions = completions_of(prompts, texts)
-        per_func = self.rewards(repeated, completions, [r.tolist() for r in responses], columns, **reward_kwargs)
-        rewards = self.rewards.combine(per_func)
         eos = set(self.ppo._eos_ids)
         truncated = torch.tensor([len(r) == 0 or int(r[-1]) not in eos for r in responses])
-        scores = _scores_for_step(rewards, k)
-        dropped = torch.isnan(rewards) | (truncated if self.mask_truncated else torch.zeros_like(truncated))
-        masks = [torch.full_like(r, 0 if drop else 1) for r, drop in zip(responses, dropped.tolist())] if dropped.any() else None
-        metric_rows = _metric_rows(per_func, rewards, responses, truncated, queries, k)
-        table = {}
-        if self.keep_table:  # log_completions: the prompts and completions as text, with each function's reward
-            table = {"prompt": [text for text in self.tokenizer.batch_decode(queries, skip_special_tokens=True) for _ in range(k)],
-                     "completion": texts, **{name: per_func[:, j].tolist() for j, name in enumerate(self.rewards.names)}}  # fmt: skip
-        return Generation([q for q in queries for _ in range(k)], responses, [torch.tensor(s) for s in scores.tolist()],
-                          masks, engine_logprobs, metric_rows, table)  # fmt: skip
+        return Sampled([q for q in queries for _ in range(k)], responses, engine_logprobs, None,
+                       [p for p in prompts for _ in range(k)], completions_of(prompts, texts), texts, truncated)  # fmt: skip
+
+    def _episodes(self, rows: list[dict], k: int) -> Sampled:
+        """Multi-turn episodes (TRL's ``tools`` / ``environment_factory``, :mod:`.agents`): ``k`` per row."""
+        episodes = self.agents.episodes(self.ppo, rows, k, self.max_completion_length)
+        prompts = [e.messages[: e.prompt_length] for e in episodes]
+        completions = [e.messages[e.prompt_length :] for e in episodes]
+        texts = ["\n".join(f"{m['role']}: {m['content']}" for m in completion) for completion in completions]
+        truncated = torch.tensor([self.agents.truncated(e.response) for e in episodes])
+        environments = {"environments": [e.environment for e in episodes]} if self.agents.factories is not None else {}
+        tool_counts = None
+        if self.agents.has_tools:
+            tool_counts = (torch.tensor([float(e.tool_calls) for e in episodes]),
+                           torch.tensor([float(e.tool_errors) for e in episodes]))  # fmt: skip
+        return Sampled([e.query for e in episodes], [e.response for e in episodes],
+                       [e.logprobs for e in episodes] if self.logprobs else None, [e.response_mask for e in episodes],
+                       prompts, completions, texts, truncated, environments, tool_counts,
+                       [e.kept_sets for e in episodes])  # fmt: skip
 
     def metrics(self, metric_rows: list[torch.Tensor], k: int) -> list[dict[str, float]]:
         """TRL's metrics of each generation of ``metric_rows`` (their :attr:`Generation.metric_rows`, all of one
@@ -100,8 +154,10 @@ class GRPORollout:
         return [self._metrics(table[:, g].numpy(), k) for g in range(table.shape[1])]
 
     def _metrics(self, table, k: int) -> dict[str, float]:
-        """TRL's metrics of one generation's ``(rows, 4 + functions)`` table of every process."""
-        lengths, truncated, tokens, rewards, per_func = table[:, 0], table[:, 1] > 0, table[:, 2], table[:, 3], table[:, 4:]
+        """TRL's metrics of one generation's table (:func:`_metric_rows`) of every process."""
+        functions = len(self.rewards.names)
+        lengths, truncated, tokens, rewards = table[:, 0], table[:, 1] > 0, table[:, 2], table[:, 3]
+        per_func = table[:, 4 : 4 + functions]
         terminated = lengths[~truncated]
         metrics = {
             "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
@@ -115,17 +171,27 @@ class GRPORollout:
         metrics["reward"], metrics["reward_std"] = _nan_mean_std(rewards)
         group_std = [_nan_mean_std(group)[1] for group in rewards.reshape(-1, k)]
         metrics["frac_reward_zero_std"] = sum(abs(std) < 1e-8 for std in group_std) / len(group_std)
+        if table.shape[1] > 4 + functions:  # tool counts; TRL's: calls per completion, failed calls per call
+            calls, failures = table[:, 4 + functions].sum(), table[:, 5 + functions].sum()
+            metrics["tools/call_frequency"] = calls / len(table)
+            metrics["tools/failure_frequency"] = failures / calls if calls > 0 else 0.0
         metrics = {name: float(value) for name, value in metrics.items()}
         metrics["_tokens"] = float(tokens.sum())
         return metrics
 
 
-def _metric_rows(per_func, rewards, responses, truncated, queries, k) -> torch.Tensor:
-    """This process's rows of a generation as one float64 host table ``(rows, 4 + functions)``: length, truncated,
-    tokens (prompt + completion), reward, then each function's reward."""
-    lengths = torch.tensor([len(r) for r in responses], dtype=torch.float64)
-    tokens = torch.tensor([len(q) for q in queries], dtype=torch.float64).repeat_interleave(k) + lengths
-    return torch.cat([torch.stack([lengths, truncated.double(), tokens, rewards.double()], 1), per_func.double()], 1)
+def _metric_rows(per_func, rewards, sampled: Sampled) -> torch.Tensor:
+    """This process's rows of a generation as one float64 host table ``(rows, 4 + functions [+ 2])``: length,
+    truncated, tokens (prompt + completion), reward, each function's reward [, tool calls and failed calls]. Lengths
+    and tokens count the model's own tokens (TRL: not the tools')."""
+    masks = sampled.model_masks
+    counted = [float(m.sum()) for m in masks] if masks is not None else [len(r) for r in sampled.responses]
+    lengths = torch.tensor(counted, dtype=torch.float64)
+    tokens = torch.tensor([len(q) for q in sampled.queries], dtype=torch.float64) + lengths
+    columns = [torch.stack([lengths, sampled.truncated.double(), tokens, rewards.double()], 1), per_func.double()]
+    if sampled.tool_counts is not None:
+        columns.append(torch.stack(sampled.tool_counts, 1).double())
+    return torch.cat(columns, 1)
 
 
 def _nan_mean_std(values: np.ndarray) -> tuple[float, float]:

@@ -24,7 +24,8 @@ class StepBatch:
     ``staleness (B,)``: per row, the policy updates (``step()`` calls) since its generation, or None;
     ``num_groups``: how many groups ``groups`` names (its ids are dense in ``[0, num_groups)``), a host int;
     ``actions``: per row its action tokens (host ints, from the input checks), or None (then counted on the host
-    before the batch's copy).
+    before the batch's copy); ``kept_sets``: under truncated sampling per row the kept sets its sampler recorded
+    (a one-row :class:`~trl_lite.core.kept_sets.KeptSets`) or None (re-derived), or None for every row.
     """
 
     queries: list
@@ -37,6 +38,7 @@ class StepBatch:
     staleness: torch.Tensor | None = None
     num_groups: int | None = None
     actions: tuple | None = None
+    kept_sets: list | None = None
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,7 @@ class ExperienceMaker:
         # Section 3: forward passes without grad, and section 15: the gap to the generating engine
         t = self.clock.mark()
         rows = self.forward.make_rows(batch.queries, batch.responses, batch.response_masks, prompts)
+        rows = self.forward.replaying(rows, batch.kept_sets)  # truncated sampling: the sampler's sets (section 23)
         mask = rows.action_mask
         logprobs, ref_logprobs, values, full_kl = self.passes(rows)
         # Truncated sampling: the rows carry the rollout's kept sets to every training pass (docs/algorithm_rollouts.md section 23).

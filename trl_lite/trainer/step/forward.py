@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import torch
 
 from ...core.kept_sets import KeptSets, Truncation
+from ...engines.vllm_engine import VLLMEngine
 from ...models.dropout import has_dropout
 from ...models.packed_attention import ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths, without_cudnn
 from ...models.varlen_attention import packed_rows
@@ -89,6 +90,7 @@ class ForwardPass:
         self._kept_passes = None  # the rollout's policy passes' kept sets: (keys, ids, counts) per pass
         self._rollout_kept = None  # (KeptSets, untruncated entropy (B, L)) of the last rollout
         self._said_rederived = False
+        self.no_kept_sets = None  # why the run's engine cannot record its sampler's kept sets, or None
 
     @classmethod
     def build(cls, accelerator, policy, reference, critic, tokenizer, config, pack: bool, memory: MemoryBackoff,
@@ -120,12 +122,7 @@ class ForwardPass:
                       dropout=has_dropout(policy, critic),
                       schedule=Schedule.of(config, (reference is not None) + 1),
                       truncation=Truncation.of(config, order="vllm" if config.use_vllm else "transformers"))  # fmt: skip
-        if forward.truncation is not None and sequence.cuts:
-            raise ValueError(
-                f"top_k={config.top_k}, top_p={config.top_p}, min_p={config.min_p} (truncated sampling, scored over "
-                "each position's kept set) is not available with sequence parallelism yet: the kept sets are not cut "
-                "over the group's processes. Sample untruncated (the defaults) or run without sequence parallelism."
-            )
+        forward.no_kept_sets = VLLMEngine.no_kept_sets if config.use_vllm else None  # why vLLM's are re-derived
         return forward
 
     @property
@@ -225,11 +222,42 @@ class ForwardPass:
         return self._sequence_pass.gather_slots(*per_slot)
 
     def kept_of(self, rows: Rows, idx: torch.Tensor, slots: tuple):
-        """The kept sets ``(ids (N, K), counts (N,))`` of a pass's slots ``(b, k)`` over rows ``idx``, or None for
-        rows that carry none (an untruncated run)."""
+        """The kept sets ``(ids (N, K), counts (N,))`` of a pass's slots ``(b, k)`` over rows ``idx`` - under sequence
+        parallelism of this process's slice of them (the last :meth:`head_inputs`' cut) - or None for rows that carry
+        none (an untruncated run)."""
         if rows.kept is None:
             return None
-        return rows.kept.for_slots(idx[slots[0]], slots[1])
+        row, position = idx[slots[0]], slots[1]
+        if self._sequence_pass is not None:
+            row, position = row[self._sequence_pass.slots], position[self._sequence_pass.slots]
+        return rows.kept.for_slots(row, position)
+
+    def replaying(self, rows: Rows, records: list | None) -> Rows:
+        """``rows`` carrying the sampler's own kept sets (docs/algorithm_rollouts.md section 23): ``records`` per row a
+        one-row :class:`~trl_lite.core.kept_sets.KeptSets` over its compact positions, or None (no record: the
+        rollout pass re-derives that row's sets; said once per run, with why)."""
+        if self.truncation is None:
+            return rows
+        why = self.no_kept_sets or ("not among those the trainer's engine generated since the last step: edited, "
+                                    "sampled elsewhere, by a single-query or a greedy generate()")  # fmt: skip
+        if self.sequence.cuts:  # every process of the group must score alike: the sets are re-derived, slice by slice
+            records, why = None, "under sequence parallelism the group's processes each sampled a share"
+        records = records or [None] * len(rows)
+        missing = sum(record is None for record in records)
+        if missing and not self._said_rederived:
+            self._said_rederived = True
+            cut = self.truncation
+            warnings.warn(
+                f"PPOConfig truncates sampling (top_k={cut.top_k}, top_p={cut.top_p}, min_p={cut.min_p}): {missing} of "
+                f"{len(rows)} responses have no kept sets recorded by their sampler ({why}), so their sets are "
+                f"re-derived from the rollout pass's logits by the {cut.order} sampler's rule and order; where they "
+                "differ from the sampler's at a cut-off, a tie or a penalty, rollout/logprob_diff shows it. Said once "
+                "per run (docs/truncated_sampling.md).",
+                stacklevel=5,
+            )
+        if missing == len(rows):
+            return rows
+        return dataclasses.replace(rows, kept=KeptSets.stacked(records, rows.action_mask.shape[1], self.device))
 
     def with_kept(self, rows: Rows) -> tuple[Rows, torch.Tensor | None]:
         """``rows`` carrying the kept sets the last :meth:`rollout`'s policy passes made, and the policy's untruncated
@@ -321,9 +349,14 @@ class ForwardPass:
             model, rows, index, idx, lm_head_inputs=choice.fused, return_values=return_values, critic=critic
         )
         if truncated and self.truncation is not None:
-            logprobs, _, entropy, ids, counts = self.head.truncated(choice, outputs, targets, self.temperature,
-                                                                    self.truncation)  # fmt: skip
+            # The sampler's sets where the rows carry them (replayed), the rule's from these logits elsewhere.
+            kept = self.kept_of(rows, idx, slots)
+            logprobs, _, entropy, ids, counts = self.head.truncated(choice, outputs, targets, self.temperature, kept,
+                                                                    derive=self.truncation)  # fmt: skip
             if self._kept_passes is not None:
+                if self._sequence_pass is not None:  # the slice's sets and entropy, whole on every process of the group
+                    ids, counts = self._sequence_pass.gather_sets(ids, counts)
+                    (entropy,) = self._sequence_pass.gather_slots(entropy)
                 keys = idx[slots[0]] * rows.action_mask.shape[1] + slots[1]
                 self._kept_passes.append((keys, ids, counts, entropy))
         else:
@@ -352,18 +385,6 @@ class ForwardPass:
         if critic is not None:
             critic.eval()
         models = (policy, reference, critic, policy_values, full_kl, policy_pass, reference_pass)
-
-        if self.truncation is not None and policy_pass and not self._said_rederived:
-            self._said_rederived = True
-            cut = self.truncation
-            warnings.warn(
-                f"PPOConfig truncates sampling (top_k={cut.top_k}, top_p={cut.top_p}, min_p={cut.min_p}): the trainer "
-                f"scores each token under pi_T renormalised over its position's kept set, re-derived from the rollout "
-                f"pass's logits by the {cut.order} sampler's rule and order (the sampler's own sets are not passed to "
-                "step()); where they differ at a cut-off or a tie, rollout/logprob_diff shows it. Said once per run "
-                "(docs/truncated_sampling.md).",
-                stacklevel=4,
-            )
 
         def passes():
             out = torch.zeros(4 if full_kl else 3, batch, width, device=self.device)

@@ -141,12 +141,11 @@ class HeadPath:
 
         return call_head(head, head_pass, outputs) if choice.partitioned else head_pass(outputs)
 
-    def truncated(self, choice: HeadChoice, outputs, targets, temperature: float, kept):
+    def truncated(self, choice: HeadChoice, outputs, targets, temperature: float, kept, derive: Truncation | None = None):
         """A truncated pass's head: ``(logprobs, entropy_K, entropy or None, ids, counts)`` under ``pi_T^K``.
-        ``kept``: the slots' sets ``(ids, counts)``, or a :class:`~trl_lite.core.kept_sets.Truncation` to make them
-        here from the pass's own logits (no grad; the untruncated entropy beside)."""
-        derive = kept if isinstance(kept, Truncation) else None
-        ids, counts = (None, None) if derive is not None else kept
+        ``kept``: the slots' sets ``(ids, counts)`` (a count 0: none), or None; ``derive`` (the rollout, no grad; the
+        untruncated entropy beside): the rule that makes the sets missing there from the pass's own logits."""
+        ids, counts = (None, None) if kept is None else kept
         head, chunk = choice.head, choice.chunk
         if head is None:
             return truncated_from_logits(outputs, targets, temperature, ids, counts, derive, derive is not None)
