@@ -176,7 +176,7 @@ def run(args) -> None:
     torch.save(trainer_state(trainer, stats), _per_process(args.out))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         trainer.accelerator.wait_for_everyone()
-        os._exit(0)  # see tests/distributed/common.py: finish
+        trainer.accelerator.end_training()
 
 
 def main() -> None:

@@ -5,16 +5,20 @@ CUDA accelerate then settles a single-process state; before the fix, DeepSpeed f
 data parallel ran each process alone on the whole dataset. `tests/distributed/state_first_loop.py` runs one
 `step()` per dataloader batch on 2 processes (12 rows, 2 per process and step); the tests check that the run is
 the one of a trainer built first: 3 steps per process on disjoint rows, the same weights on both processes and
-the same weights as the trainer-first run. Classic's `ppo.py` itself (`examples/classic/ppo.py`) then runs under
-classic's own ZeRO-3 config and plain data parallel, and must exit 0 without any exit wrapper. The in-process tests
-check the errors where the state cannot be rebuilt (`build_accelerator`) and the ZeRO-3 and exit fixes.
+the same weights as the trainer-first run. Classic's `ppo.py` and `ppo_multi_adapter.py` themselves
+(`examples/classic/`) then run under classic's own ZeRO-1/2/3 and multi_gpu files
+(written by `classic_config`) and must exit 0 without any exit wrapper, as must a ZeRO-3 run that ended
+training, launched 4 times. The in-process tests check the errors where the state cannot be rebuilt
+(`build_accelerator`) and the ZeRO-3 and exit fixes.
 """
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import yaml
 from accelerate.state import AcceleratorState, GradientState, PartialState
 # assets: the fixture of local stand-ins for the hub assets
 from test_classic_examples import CLASSIC, _jsonl, _review, assets  # noqa: F401
@@ -94,54 +98,54 @@ def test_an_accelerator_with_fewer_processes_than_launched_is_an_error(launched_
         build_accelerator(PPOConfig(accelerator_kwargs={"cpu": False}))
 
 
-# Classic TRL 0.11.4's examples/accelerate_configs/deepspeed_zero3.yaml: bf16, zero3_init_flag true (models built
-# under the launch are partitioned as they load), 8 processes (2 below).
-CLASSIC_ZERO3 = """\
-compute_environment: LOCAL_MACHINE
-debug: false
-deepspeed_config:
-  deepspeed_multinode_launcher: standard
-  offload_optimizer_device: none
-  offload_param_device: none
-  zero3_init_flag: true
-  zero3_save_16bit_model: true
-  zero_stage: 3
-distributed_type: DEEPSPEED
-downcast_bf16: 'no'
-machine_rank: 0
-main_training_function: main
-mixed_precision: bf16
-num_machines: 1
-num_processes: 8
-rdzv_backend: static
-same_network: true
-tpu_env: []
-tpu_use_cluster: false
-tpu_use_sudo: false
-use_cpu: false
-"""
+# The settings of classic TRL 0.11.4's examples/accelerate_configs/ files, field by field (their launcher defaults:
+# bf16, 8 processes; 2 are launched here). Classic's ZeRO-3 file sets zero3_init_flag: models built under the launch
+# are partitioned as they load. Written out per test rather than kept as copies of classic's files.
+_CLASSIC_COMMON = {
+    "compute_environment": "LOCAL_MACHINE", "debug": False, "downcast_bf16": "no", "machine_rank": 0,
+    "main_training_function": "main", "mixed_precision": "bf16", "num_machines": 1, "num_processes": 8,
+    "rdzv_backend": "static", "same_network": True, "tpu_env": [], "tpu_use_cluster": False, "tpu_use_sudo": False,
+    "use_cpu": False,
+}  # fmt: skip
+_CLASSIC_ZERO = {"deepspeed_multinode_launcher": "standard", "zero3_init_flag": False}
+_CLASSIC_NO_OFFLOAD = {"offload_optimizer_device": "none", "offload_param_device": "none"}
+CLASSIC_SETTINGS = {
+    "deepspeed_zero1": {"distributed_type": "DEEPSPEED",
+                        "deepspeed_config": {**_CLASSIC_ZERO, "gradient_accumulation_steps": 1, "zero_stage": 1}},
+    "deepspeed_zero2": {"distributed_type": "DEEPSPEED",
+                        "deepspeed_config": {**_CLASSIC_ZERO, **_CLASSIC_NO_OFFLOAD, "zero_stage": 2}},
+    "deepspeed_zero3": {"distributed_type": "DEEPSPEED",
+                        "deepspeed_config": {**_CLASSIC_ZERO, **_CLASSIC_NO_OFFLOAD, "zero3_init_flag": True,
+                                             "zero3_save_16bit_model": True, "zero_stage": 3}},
+    "multi_gpu": {"distributed_type": "MULTI_GPU", "gpu_ids": "all"},
+}  # fmt: skip
+CONFIGS = list(CLASSIC_SETTINGS)
 
 
-@pytest.mark.parametrize("config", ["classic_zero3", "multi_gpu"])
+def classic_config(name: str, directory) -> Path:
+    """Classic's `name`.yaml, written into `directory`."""
+    path = Path(directory) / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({**_CLASSIC_COMMON, **CLASSIC_SETTINGS[name]}))
+    return path
+
+
+@pytest.mark.parametrize("config", CONFIGS)
 def test_classic_ppo_script_runs_and_exits_0(config, assets, tmp_path):  # noqa: F811
-    """Classic `ppo.py` as it is (imports changed), launched directly: it ends after its last step without
-    `end_training`, so the interpreter exits with the process group alive unless the trainer destroys it.
-    `PartialState()` first, the policy loaded before the trainer, the classifier pipeline after it (kept whole
-    under classic ZeRO-3's zero3_init_flag): 16 reviews, 4 per process and step, so 2 steps on each of the
+    """Classic `ppo.py` as it is (imports changed), launched directly under classic's own config: it ends after its
+    last step without `end_training`, so the interpreter exits with the process group alive unless the trainer
+    destroys it. `PartialState()` first, the policy loaded before the trainer, the classifier pipeline after it (kept
+    whole under classic ZeRO-3's zero3_init_flag): 16 reviews, 4 per process and step, so 2 steps on each of the
     2 processes; `launch` fails on any exit status but 0 (an abort at exit is -6)."""
-    if config == "classic_zero3":
-        config = tmp_path / "deepspeed_zero3.yaml"
-        config.write_text(CLASSIC_ZERO3)
     args = ["--model_name", assets["policy"], "--query_dataset", assets["imdb"]]
     args += ["--reward_model", f"sentiment-analysis:{assets['sentiment']}", "--batch_size", "4", "--mini_batch_size", "2"]
-    result = launch(config, CLASSIC / "ppo.py", *args)
+    result = launch(classic_config(config, tmp_path), CLASSIC / "ppo.py", *args)
     assert result.stderr.count("2/2 [") >= 2, result.stderr[-3000:]
     assert "/4 [" not in result.stderr  # a process training alone would take 4 steps
 
 
-
-def test_classic_multi_adapter_script_runs_and_exits_0(assets, tmp_path):  # noqa: F811
-    """Classic `ppo_multi_adapter.py` (imports changed) launched directly on 2 processes of plain data parallel:
+@pytest.mark.parametrize("config", CONFIGS)
+def test_classic_multi_adapter_script_runs_and_exits_0(config, assets, tmp_path):  # noqa: F811
+    """Classic `ppo_multi_adapter.py` (imports changed) launched directly on 2 processes under classic's own config:
     1,600 rows, train[:1%] = 16, batches of 8 on each of the 2 processes: one step each, and exit status 0."""
     rng = random.Random(1)
     rows = [{"chosen": _review(rng, 16), "rejected": _review(rng, 16)} for _ in range(1600)]
@@ -149,26 +153,35 @@ def test_classic_multi_adapter_script_runs_and_exits_0(assets, tmp_path):  # noq
     args = ["--model_name", assets["multi_base"], "--dataset_name", str(tmp_path / "hh")]
     args += ["--rm_adapter", assets["rm_adapter"]]
     args += ["--use_safetensors", "True", "--load_in_4bit", "False"]
-    result = launch("multi_gpu", CLASSIC / "ppo_multi_adapter.py", *args)
+    result = launch(classic_config(config, tmp_path), CLASSIC / "ppo_multi_adapter.py", *args)
     assert result.stderr.count("1it [") >= 2 and "2it [" not in result.stderr, result.stderr[-3000:]
 
+
 EXIT_PROBE = """
-import atexit, sys
+import _thread, atexit, sys, time
 import torch.distributed as dist
+import yaml
 atexit.register(lambda: print("group alive at exit:", dist.is_initialized()))  # first registered: runs last
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
 from trl_lite import PPOConfig
 from trl_lite.trainer.accelerate_setup import build_accelerator
 build_accelerator(PPOConfig())
 build_accelerator(PPOConfig())  # a second trainer registers nothing more
+def native():  # a thread outside `threading`, as a C++ thread that asks for the GIL is
+    time.sleep(0.3)
+    print("native thread finished", flush=True)
+_thread.start_new_thread(native, ())
 """
 
 
-def test_the_process_group_is_destroyed_before_interpreter_shutdown():
-    """gloo's worker threads abort a process whose interpreter is finalizing while they still free finished
-    collectives' tensors (3 of 16 2-process classic `ppo.py` runs exited -6; the race is timing-dependent, so
-    this checks its precondition): once a trainer's accelerator is built, the group is gone by the time the
-    script's own exit handlers (registered before the trainer) run."""
+def test_the_process_group_is_destroyed_and_native_threads_finish_before_interpreter_shutdown():
+    """gloo's worker threads free finished collectives' tensors after the process has moved on, and a tensor
+    that Python has let go needs the GIL to be freed: a worker that asks for it once the interpreter is finalizing
+    is unwound and the process aborts (exit -6; 2 of 40 2-process ZeRO-3 runs of `equivalence_step.py`, both in
+    gloo's `runLoop` freeing an all-gather held by a barrier). This checks the exit handler's two parts: once a
+    trainer's accelerator is built, the group is gone by the time the script's own exit handlers (registered
+    before the trainer) run, and a thread that holds a thread state outside `threading` (what such a worker has
+    while it waits for the GIL) runs to its end instead of being cut off by finalization."""
     import os
     import subprocess
     import sys
@@ -182,6 +195,18 @@ def test_the_process_group_is_destroyed_before_interpreter_shutdown():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "group alive at exit: False" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "native thread finished" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+def test_a_zero3_run_that_ended_training_exits_0_every_time(tmp_path):
+    """`tests/distributed/equivalence_step.py` (one step, full weights gathered, `end_training`, then a normal
+    exit) under ZeRO-3 on 2 processes, 4 times: `launch` fails on any exit status but 0."""
+    for run in range(4):
+        out = tmp_path / str(run)
+        out.mkdir()
+        launch("deepspeed_zero3", SCRIPTS / "equivalence_step.py", "--output_dir", str(out))
+        assert (out / "result.pt").exists()
+
 
 def test_zero3_init_off_context_loads_models_whole():
     """accelerate 1.x's `zero3_init_context_manager(enable=False)` registers transformers' ZeRO-3 config again,

@@ -59,7 +59,8 @@ def test_completions_stay_within_max_completion_length_and_truncated_ones_can_be
     for response, mask in zip(generation.responses, generation.response_masks or [None] * 8):
         truncated = int(response[-1]) != eos
         assert mask is None or bool(mask.any()) == (not truncated)
-    assert generation.metrics["completions/clipped_ratio"] == sum(int(r[-1]) != eos for r in generation.responses) / 8
+    (metrics,) = run.rollout.metrics([generation.metric_rows], 4)
+    assert metrics["completions/clipped_ratio"] == sum(int(r[-1]) != eos for r in generation.responses) / 8
 
 
 class Recorder(TrainerCallback):

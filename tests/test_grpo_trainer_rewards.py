@@ -166,7 +166,8 @@ def test_unscored_rows_are_out_of_the_loss_and_the_logged_reward_is_nan_aware(tm
     generation = run.rollout.run(run.prompts.next_rows())
     assert [int(m.any()) for m in generation.response_masks] == [1, 0] * 4
     assert [float(s) for s in generation.scores] == [2.0] * 8
-    assert generation.metrics["reward"] == 2.0 and generation.metrics["rewards/half/mean"] == 2.0
+    (metrics,) = run.rollout.metrics([generation.metric_rows], 4)
+    assert metrics["reward"] == 2.0 and metrics["rewards/half/mean"] == 2.0
 
 
 def test_reward_weights_must_match_the_functions(tmp_path):

@@ -391,3 +391,54 @@ def test_every_synchronising_operation_of_a_step_is_in_the_sync_budget(count_dev
     assert sum(counts.values()) == expected, "\n".join(f"{k}: {n}" for k, n in sorted(sites.items()))
     assert set(counts) <= {"_local_scalar_dense", "tolist", "cpu"}, sites
     assert sum(counts.values()) <= 2 * passes + 1
+
+
+# --- One GRPOTrainer iteration: what the trainer adds to its step ------------------------------------------
+
+
+@pytest.mark.cpu_only
+def test_a_grpo_trainer_iteration_adds_one_copy_of_the_completions_to_its_step(count_device_syncs, tmp_path):
+    """``GRPOTrainer.train()`` for one generation, counted at the dispatcher as above: the trainer's own code
+    (``trainer/grpo/``) reads nothing of the device; its one addition is the completions' copy back to the host
+    for decoding and the reward functions (one ``.cpu()`` in transfer.py beside the step's statistics copy), not
+    one read per completion. On one process the generation metrics need no device at all. (Prefix sharing off:
+    the CPU stand-in of the varlen kernel above takes equal query and key lengths only.)"""
+    import dataclasses
+
+    from grpo_helpers import config, dataset, length_reward, tokenizer
+
+    from trl_lite import GRPOTrainer
+    from trl_lite.trainer.grpo.config_mapping import to_ppo_config
+
+    class WithoutPrefixSharing(GRPOTrainer):
+        to_ppo_config = staticmethod(lambda args, n: dataclasses.replace(to_ppo_config(args, n), prefix_sharing=False))
+
+    grpo = WithoutPrefixSharing(make_gpt2(), [length_reward], args=config(tmp_path, max_steps=1, gradient_checkpointing=False),
+                                train_dataset=dataset(), processing_class=tokenizer())  # fmt: skip
+    _, counts, sites = count_device_syncs(grpo.ppo, grpo.train)
+    assert {site: n for site, n in sites.items() if "trainer/grpo/" in site[1]} == {}, sites
+    copies = {site: n for site, n in sites.items() if site[0] == "cpu"}
+    assert list(copies.values()) == [2] and next(iter(copies))[1].startswith("trainer/step/transfer.py"), sites
+
+
+def test_the_generation_metrics_are_made_once_per_log_not_per_generation(tmp_path):
+    """With ``logging_steps=2`` four generations make their metrics in two calls (one gather each on several
+    processes), and the logs are the same as when every generation's metrics are made at once."""
+    from grpo_helpers import length_reward
+    from grpo_helpers import trainer as grpo_trainer
+
+    runs = []
+    for logging_steps in (2, 1):
+        grpo = grpo_trainer(tmp_path / str(logging_steps), reward_funcs=(length_reward,), max_steps=4,
+                            logging_steps=logging_steps, gradient_checkpointing=False)  # fmt: skip
+        calls, metrics = [], grpo.rollout.metrics
+        grpo.rollout.metrics = lambda rows, k: calls.append(len(rows)) or metrics(rows, k)
+        grpo.train()
+        runs.append((calls, grpo.state.log_history, grpo.state.num_input_tokens_seen))
+    (calls2, logs2, tokens2), (calls1, logs1, tokens1) = runs
+    assert calls2 == [2, 2] and calls1 == [1, 1, 1, 1] and tokens2 == tokens1
+    for logged in logs2:  # a window's mean equals the mean of its generations' logs
+        window = [entry for entry in logs1 if logged["step"] - 2 < entry["step"] <= logged["step"]]
+        for name in ("reward", "reward_std", "completions/mean_length", "rewards/length_reward/mean"):
+            assert logged[name] == pytest.approx(sum(entry[name] for entry in window) / 2), name
+        assert logged["num_tokens"] == window[-1]["num_tokens"]

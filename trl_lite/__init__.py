@@ -22,6 +22,8 @@ from .trainer import (
     PPOTrainer,
     RewardConfig,
     RewardTrainer,
+    RLOOConfig,
+    RLOOTrainer,
     RunningMoments,
 )
 
@@ -41,6 +43,8 @@ __all__ = [
     "PreTrainedModelWrapper",
     "RewardConfig",
     "RewardTrainer",
+    "RLOOConfig",
+    "RLOOTrainer",
     "RunningMoments",
     "TextEnvironment",
     "TextHistory",

@@ -156,14 +156,12 @@ def main() -> None:
     args = parser.parse_args()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    trainer = None
     for case in args.cases.split(","):
         run_case(case, rank, world_size, args.output_dir)
     from accelerate import PartialState
 
     PartialState().wait_for_everyone()
-    del trainer
-    os._exit(0)
+    PartialState().destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ queries each process's engine generated for, and the trailing shapes of the piec
 
 import argparse
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from common import finish, full_named_parameters
 
 from tiny_models import VOCAB_SIZE, make_gpt2, make_gpt2_critic, make_qwen2, make_tokenizer
 from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer, set_seed
+from trl_lite.core.kept_sets import KeptSets
 from trl_lite.parallel import sequence_parallel, sequence_parallel_size
 
 # (query, response) tokens of each row of each group's batch; rows 2k and 2k + 1 share their query (one
@@ -59,6 +61,10 @@ def main() -> None:
                         help="after the steps, generate greedily for 2 queries (a padded pass, not cut)")
     parser.add_argument("--top_k", type=int, default=0, help="truncated sampling (scored over kept sets), at T 0.7")
     parser.add_argument("--top_p", type=float, default=1.0, help="truncated sampling, at T 0.7")
+    parser.add_argument("--replay", type=int, choices=(0, 1), default=0,
+                        help="truncated: first a step on the generated rows, over the kept sets the group recorded")
+    parser.add_argument("--replay_from", default=None,
+                        help="a --replay run's result.pt: step its generated rows over its kept sets instead")
     parser.add_argument("--output_dir", required=True)
     args = parser.parse_args()
 
@@ -130,6 +136,31 @@ def main() -> None:
     if trainer.accelerator.process_index % sp_size:
         torch.rand(trainer.accelerator.process_index)
 
+    # Truncated sampling: a step on the group's generated rows, replaying the kept sets its processes recorded while
+    # sampling (gathered with the responses); the reference steps the same rows over the same sets, passed explicitly.
+    replay = None
+    if args.replay or args.replay_from:
+        queries, scores = batch(group, 0)[0], [torch.tensor(float(i)) for i in range(4)]
+        if args.replay_from:
+            source = torch.load(args.replay_from, weights_only=False)["replay"]
+            rows = [torch.tensor(r) for r in source["responses"]]
+            kept = [KeptSets(torch.tensor(o), torch.tensor(i, dtype=torch.int32), len(o) - 1) for o, i in source["kept"]]
+        else:
+            rows = [row[len(query) :] for query, row in zip(queries, generated)]  # generate() returned the prompts
+            kept = trainer.generation.records.take(queries, rows)
+        assert kept is not None and all(k is not None for k in kept)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            replayed = trainer.step(queries, rows, scores, kept_sets=kept)
+        kept_lists = [(k.offsets.tolist(), k.ids.tolist()) for k in kept]
+        every = [kept_lists]
+        if trainer.accelerator.num_processes > 1:
+            every = [None] * trainer.accelerator.num_processes
+            dist.all_gather_object(every, kept_lists)
+        replay = {"responses": [r.tolist() for r in rows], "kept": kept_lists, "same_on_every_process": all(
+                  e == kept_lists for e in every), "rederived": any("re-derived" in str(w.message) for w in caught),
+                  "stats": {k: v for k, v in replayed.items() if not k.startswith("time/")}}  # fmt: skip
+
     # The trailing shape of every piece the group gathers (trl_lite's gathers of per-slot and per-token results).
     gathered_shapes = set()
     gather = sequence_parallel._GatherPieces.apply
@@ -169,6 +200,7 @@ def main() -> None:
             "generated_queries": generated_queries,
             "gathered_shapes": sorted(gathered_shapes),
             "greedy": greedy,
+            "replay": replay,
         }
         torch.save(result, os.path.join(args.output_dir, "result.pt"))
     if trainer.accelerator.num_processes > 1:

@@ -161,6 +161,41 @@ def ids_of_mask(keep: torch.Tensor, scores: torch.Tensor, labels: torch.Tensor, 
     return ids, counts
 
 
+@torch.no_grad()
+def finite_ids(scores: torch.Tensor, bound: int = MAX_KEPT) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens a sampler's processed ``scores`` ``(R, V)`` leave finite, before its token is known: padded ids
+    ``(R, K)`` int64 and counts ``(R,)`` - in vocabulary order, or (when a set holds over ``bound + 1`` tokens) the
+    ``bound + 1`` most probable of every set, most probable first, so :func:`with_labels` can drop the last."""
+    keep = scores > -math.inf
+    counts = keep.sum(-1)
+    width = int(counts.max()) if counts.numel() else 1
+    if width > bound + 1:
+        top = torch.topk(scores.to(torch.float32).masked_fill(~keep, -math.inf), bound + 1, dim=-1)
+        valid = top.values > -math.inf
+        return torch.where(valid, top.indices, top.indices[:, :1]), valid.sum(-1)
+    ids = torch.zeros(scores.shape[0], max(width, 1), dtype=torch.int64, device=scores.device)
+    rows, cols = keep.nonzero(as_tuple=True)
+    starts = torch.cumsum(counts, 0) - counts
+    ids[rows, torch.arange(rows.numel(), device=rows.device) - starts[rows]] = cols
+    return ids, counts
+
+
+@torch.no_grad()
+def with_labels(ids: torch.Tensor, counts: torch.Tensor, labels: torch.Tensor, bound: int = MAX_KEPT):
+    """:func:`finite_ids`'s sets with each position's sampled token ``labels`` ``(R,)`` in them: the sets
+    :func:`ids_of_mask` makes of the same scores (the label added where missing; a set over the cap keeps its
+    ``bound`` most probable tokens and the label). Padded ids ``(R, K)`` (padding: the label) and counts ``(R,)``."""
+    labels = labels.reshape(-1, 1).to(ids.device)
+    inside = torch.arange(ids.shape[1], device=ids.device) < counts.unsqueeze(-1)
+    missing = ~((ids == labels) & inside).any(-1, keepdim=True)
+    ids = torch.cat([ids, labels], dim=-1)
+    at = torch.where(counts > bound, counts - 1, counts).unsqueeze(-1)  # capped: the least probable makes room
+    ids.scatter_(-1, at, torch.where(missing, labels, ids.gather(-1, at)))
+    counts = counts + (missing.squeeze(-1) & (counts <= bound))
+    inside = torch.arange(ids.shape[1], device=ids.device) < counts.unsqueeze(-1)
+    return torch.where(inside, ids, labels), counts
+
+
 def padded_ids(ids: torch.Tensor, width: int) -> torch.Tensor:
     """Padded set ids ``(N, K)`` widened to ``(N, width)`` with each set's first id (the padding of a set)."""
     return ids if ids.shape[1] >= width else torch.cat([ids, ids[:, :1].expand(-1, width - ids.shape[1])], 1)
@@ -296,6 +331,15 @@ class KeptSets:
         return self.offsets.numel() * 8 + self.ids.numel() * 4
 
 
+def rows_of_sets(kept_sets: list | None) -> list | None:
+    """Per row one int64 tensor of its one-row :class:`KeptSets` (offsets, then ids; ``[-1]`` for None), to compare
+    rows' sets across processes; None for None."""
+    if kept_sets is None:
+        return None
+    return [torch.tensor([-1]) if kept is None else torch.cat([kept.offsets, kept.ids.to(torch.int64)])
+            for kept in kept_sets]  # fmt: skip
+
+
 # The most responses a RecordedSets holds between two takes (the oldest dropped first).
 MAX_RECORDED_ROWS = 4096
 
@@ -326,12 +370,33 @@ class RecordedSets:
             self._sets.pop(next(iter(self._sets)))
 
     def take(self, queries: list, responses: list) -> list | None:
-        """Per row its record or None (None for all: no row has one); the store is empty afterwards."""
+        """Per row its record or None (None for all: no row has one); the store is empty afterwards.
+
+        A row whose response is a recorded response's beginning (cut after its EOS, or to a length, as classic
+        scripts cut ``generate``'s padded output) gets that record's first sets: a sampler's set at a position
+        depends on the tokens before it only."""
         if not self._sets:
             return None
-        found = [self._sets.get(key) for key in _token_keys(queries, responses)]
+        keys = _token_keys(queries, responses)
+        found = [self._sets.get(key) for key in keys]
+        if any(kept is None for kept in found):
+            by_query: dict = {}
+            for query, response in self._sets:
+                by_query.setdefault(query, []).append(response)
+            for i, (query, response) in enumerate(keys):
+                if found[i] is None:
+                    found[i] = self._prefix_of(query, response, by_query.get(query, ()))
         self._sets.clear()
         return found if any(kept is not None for kept in found) else None
+
+    def _prefix_of(self, query: tuple, response: tuple, recorded: list) -> KeptSets | None:
+        """The sets of ``response``'s positions from a record of ``query`` whose response begins with it, or None."""
+        n = len(response)
+        for full in recorded:
+            if n and len(full) > n and full[:n] == response:
+                kept = self._sets[(query, full)]
+                return kept.first(kept.width - (len(full) - n))  # an encoder-decoder's start token has no set
+        return None
 
     def clear(self) -> None:
         self._sets.clear()

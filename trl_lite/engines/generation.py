@@ -18,7 +18,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from ..core.kept_sets import RecordedSets
+from ..core.kept_sets import KeptSets, RecordedSets
 from ..parallel.fsdp import is_sharded, unsharded
 from .base import GenerationEngine
 from .lora_sync import AdapterSpec, AdapterSync, AdapterUpdate, ByteTally, adapter_spec, resolve_lora_sync
@@ -64,6 +64,7 @@ class RolloutGeneration:
         self._held_version = None
         self.last_push_bytes = 0
         self.records = RecordedSets()
+        self._pending = None  # under sequence parallelism, the rows a share's generate recorded (_group_generate)
         self._awake_depth = 0  # nesting of awake()
         self._warned_kwargs: set[str] = set()  # classic kwargs that differ from PPOConfig, warned once per run
         # The trainer's sequence-parallel part, whose group's processes return the same generations (see build_generation).
@@ -150,9 +151,33 @@ class RolloutGeneration:
             return self._generate(queries, length_sampler, batch_size, return_prompt, generate_ref_response,
                                   remove_padding, return_logprobs, classic, **generation_kwargs)  # fmt: skip
 
-        if self.sequence is None:
-            return generate(query_tensor)
-        return self.sequence.generate(generate, query_tensor, check=_check_queries)
+        if self.sequence is None or not self.sequence.cuts:
+            if self.sequence is None:
+                return generate(query_tensor)
+            return self.sequence.generate(generate, query_tensor, check=_check_queries)
+        return self._group_generate(generate, query_tensor)
+
+    def _group_generate(self, generate, queries):
+        """``generate(queries)`` over a sequence-parallel group (:meth:`~trl_lite.parallel.SequenceParallel.generate`:
+        each process samples a share, all return the group's rows) with the kept sets each process recorded gathered
+        alongside, row by row, so every process of the group holds the same :attr:`records` and replays them alike."""
+        shape = []
+
+        def recording(share):
+            self._pending = []  # _record keeps this call's rows here: (query, response, (offsets, ids) or None)
+            try:
+                out = generate(share)
+            finally:
+                pending, self._pending = self._pending, None
+            shape.append(isinstance(out, tuple))
+            return (*out, pending) if isinstance(out, tuple) else (out, pending)
+
+        *out, pending = self.sequence.generate(recording, queries, check=_check_queries)
+        if pending:
+            rows = [(query, response, None if kept is None else KeptSets(kept[0], kept[1], kept[0].numel() - 1))
+                    for query, response, kept in pending]  # fmt: skip
+            self.records.record(*(list(column) for column in zip(*rows)))
+        return tuple(out) if shape[0] else out[0]
 
     def _generate(self, query_tensor, length_sampler, batch_size, return_prompt, generate_ref_response, remove_padding,
                   return_logprobs, classic, **generation_kwargs):  # fmt: skip
@@ -178,9 +203,12 @@ class RolloutGeneration:
                 if length_sampler is not None:
                     generation_kwargs["max_new_tokens"] = length_sampler()
                 response = self.engine.generate_one(query_tensor, generation_kwargs, return_prompt)
+                self._record([query_tensor], list(response), return_prompt, generation_kwargs)
                 if not generate_ref_response:
                     return response
-                return response, self.reference_engine.generate_one(query_tensor, generation_kwargs, return_prompt)
+                reference = self.reference_engine.generate_one(query_tensor, generation_kwargs, return_prompt)
+                self.reference_engine.take_kept_sets()  # the reference's samples are not the policy's to train on
+                return response, reference
             args = (length_sampler, batch_size, return_prompt, remove_padding)
             responses, logprobs = self.engine.generate(list(query_tensor), generation_kwargs, *args, return_logprobs)
             self._record(list(query_tensor), responses, return_prompt, generation_kwargs)
@@ -195,13 +223,17 @@ class RolloutGeneration:
     def _record(self, queries, responses, return_prompt, generation_kwargs) -> None:
         """Keep the kept sets the engine's sampler used for ``responses`` in :attr:`records`, by their tokens."""
         kept = self.engine.take_kept_sets()
-        if kept is None or self.sequence is not None and self.sequence.cuts:
-            return  # a sequence-parallel group's processes each sampled a share: re-derived alike on all of them
+        if kept is None:
+            return
         per_query = int(generation_kwargs.get("num_return_sequences") or 1)
         queries = [query for query in queries for _ in range(per_query)]
         if return_prompt and not getattr(self.engine, "is_encoder_decoder", False):
             responses = [response[len(query) :] for query, response in zip(queries, responses)]
-        self.records.record(queries, responses, kept)
+        if self._pending is None:
+            self.records.record(queries, responses, kept)
+        else:  # a sequence-parallel share: gathered over the group with the responses (_group_generate)
+            self._pending += [(query.cpu(), response.cpu(), None if sets is None else (sets.offsets.cpu(), sets.ids.cpu()))
+                              for query, response, sets in zip(queries, responses, kept)]  # fmt: skip
 
     def _warn_differing(self, differing) -> None:
         """One warning per run for the classic kwargs, each named once, that sample other than ``PPOConfig``."""

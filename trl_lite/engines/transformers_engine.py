@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Callable
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from ..core.kept_sets import KeptSets, ids_of_mask
 from ..parallel.fsdp import is_sharded, unsharded
 from .base import GenerationEngine, trim_rows
+from .kept_recorder import KeptRecorder, recorded_rows, recording
 from .temperature import Sampling, resolve_sampling_kwargs
 
 _NO_MASK_WARNING = "We strongly recommend passing in an `attention_mask`"
@@ -105,16 +105,32 @@ class TransformersEngine(GenerationEngine):
                 yield unwrapped
 
     def generate_one(self, query, generation_kwargs, return_prompt):
-        """One 1-D query (on the CPU or the accelerator's device) -> ``(k, S)`` on the accelerator's device."""
+        """One 1-D query (on the CPU or the accelerator's device) -> ``(k, S)`` on the accelerator's device (classic
+        TRL's shape: the ``generate`` output as it is, a row ended early padded). A truncating sampling call records
+        each row's kept sets over all its generated columns (:meth:`take_kept_sets`), as a list call does."""
         query = query.unsqueeze(0).to(self.accelerator.device)
         kwargs = resolve_sampling_kwargs(generation_kwargs, self.sampling)  # refused before the model is touched
+        self._kept = None
         with self._generation_model() as model:
             # Again with the model's defaults: a call that leaves do_sample to them may sample.
             kwargs = resolve_sampling_kwargs(kwargs, self.sampling, _generation_defaults(model))
-            response = model.generate(input_ids=query, **kwargs)
+            recorder = KeptRecorder() if self._records(kwargs, _generation_defaults(model)) else None
+            with recording(model, recorder) if recorder is not None else nullcontext():
+                response = model.generate(input_ids=query, **kwargs)
+        steps = response.shape[1] - (1 if self.is_encoder_decoder else query.shape[1])
+        if recorder is not None:
+            self._kept = recorded_rows(recorder.step_sets(response, steps), [steps] * response.shape[0])
         if not return_prompt and not self.is_encoder_decoder:
             response = response[:, query.shape[1] :]
         return response
+
+    def _records(self, kwargs, defaults) -> bool:
+        """Whether a call with (resolved) ``kwargs`` records its kept sets: ``PPOConfig`` truncates and the call samples
+        one sequence at a time (``do_sample``, else the model's; ``num_beams`` 1). A greedy call records nothing: it
+        drew from no distribution, and its rows are scored under ``PPOConfig``'s ``pi_T^K``, the sets re-derived
+        (docs/truncated_sampling.md, "Greedy calls")."""
+        samples = kwargs.get("do_sample") if kwargs.get("do_sample") is not None else getattr(defaults, "do_sample", 0)
+        return bool(self.truncates and samples and int(kwargs.get("num_beams") or 1) == 1)
 
     def generate(self, queries, generation_kwargs, length_sampler, batch_size, return_prompt, remove_padding,
                  return_logprobs):  # fmt: skip
@@ -145,25 +161,17 @@ class TransformersEngine(GenerationEngine):
                 raise ValueError(f"return_logprobs=True needs num_beams=1, got num_beams={kwargs['num_beams']!r}.")
             kwargs.update(output_logits=True, return_dict_in_generate=True)
         self._kept = None
-        if self.truncates and int(kwargs.get("num_beams") or 1) == 1:
-            # The warpers' output: -inf outside each step's kept set, recorded (a greedy call has no warper).
-            kwargs.update(output_scores=True, return_dict_in_generate=True)
         # transformers returns the k sequences of each prompt next to each other (repeat_interleave).
         per_query = int(kwargs.get("num_return_sequences") or 1)
         outputs = [None] * (len(queries) * per_query)
         logprobs = [None] * len(outputs) if return_logprobs else None
-        kept = [None] * len(outputs) if kwargs.get("output_scores") else None
         order = sorted(range(len(queries)), key=lambda i: len(queries[i]))
         starts = range(0, len(queries), batch_size)
         with self._generation_model() as gen_model, _mask_is_passed():
             # Again with the model's defaults: a call that leaves do_sample to them may sample.
             defaults = _generation_defaults(gen_model)
             kwargs = resolve_sampling_kwargs(kwargs, self.sampling, defaults)
-            samples = kwargs.get("do_sample") if kwargs.get("do_sample") is not None else getattr(defaults, "do_sample", 0)
-            if kept is not None and not samples:
-                kept = None  # greedy: nothing truncated what it chose
-                kwargs.pop("output_scores")
-                kwargs["return_dict_in_generate"] = return_logprobs
+            kept = [None] * len(outputs) if self._records(kwargs, defaults) else None
             for _ in range(self._missing_generate_calls(len(starts))):
                 # Under ZeRO-3 every forward pass is a collective, so a process with fewer chunks
                 # than another joins the extra calls with a one-row stand-in whose output is dropped.
@@ -213,19 +221,22 @@ class TransformersEngine(GenerationEngine):
             torch.arange(input_ids.shape[1], device=device)
             >= (input_ids.shape[1] - torch.tensor(lengths, device=device)).unsqueeze(1)
         ).long()
-        generated = gen_model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        recorder = KeptRecorder() if kept is not None else None
+        with recording(gen_model, recorder) if recorder is not None else nullcontext():
+            generated = gen_model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         return_logprobs = logprobs is not None
         sequences = generated.sequences if kwargs.get("return_dict_in_generate") else generated
         row_lengths = [n for n in lengths for _ in range(per_query)]
         trimmed = self.trim(sequences, input_ids.shape[1], row_lengths, return_prompt, remove_padding)
+        steps = sequences.shape[1] - (1 if self.is_encoder_decoder else input_ids.shape[1])
+        step_sets = recorder.step_sets(sequences, steps) if recorder is not None else None
         chunk_logprobs = None
-        if return_logprobs:
-            warped = generated.scores if kept is not None else None  # greedy rows: no warper, every token kept
-            chunk_logprobs = _sampled_logprobs(sequences, generated.logits, self.temperature, warped)
+        if return_logprobs:  # greedy rows (no step_sets): no warper, every token kept
+            chunk_logprobs = _sampled_logprobs(sequences, generated.logits, self.temperature, step_sets)
         prompt = [(1 if self.is_encoder_decoder else n) if (return_prompt or self.is_encoder_decoder) else 0
                   for n in row_lengths]  # fmt: skip
         generated_counts = [len(generation) - p for generation, p in zip(trimmed, prompt)]
-        chunk_kept = _recorded_sets(sequences, generated.scores, generated_counts) if kept is not None else None
+        chunk_kept = recorded_rows(step_sets, generated_counts) if kept is not None else None
         for index, generation in enumerate(trimmed):
             slot = rows[index // per_query] * per_query + index % per_query
             outputs[slot] = generation
@@ -275,38 +286,24 @@ def _generation_defaults(model):
 
 
 def _sampled_logprobs(sequences: torch.Tensor, logits: tuple[torch.Tensor, ...], temperature: float,
-                      kept: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:  # fmt: skip
+                      step_sets: list | None = None) -> torch.Tensor:  # fmt: skip
     """Log-probabilities ``(n, T)`` of the T generated tokens (the last T columns of ``sequences (n, S)``)
     under ``softmax(z / temperature)`` of the raw per-step logits ``z`` (T tensors ``(n, V)``), in float32 or
     wider. Dividing by 1.0 changes no bit: the classic run's log-probs are those of the raw logits.
 
-    ``kept``: the warpers' scores of each step (``output_scores``, -inf outside the kept set): the log-probs are
-    then ``log pi_T^K``, ``softmax(z / temperature)`` renormalised over the set the sampler kept (docs/algorithm_rollouts.md
-    section 23) - the raw logits over the recorded set, not the processed scores (a penalty is not scored)."""
+    ``step_sets``: per step the sampler's kept sets (:meth:`~.kept_recorder.KeptRecorder.step_sets`: ids ``(n, K)``,
+    counts ``(n,)``, each holding its token): the log-probs are then ``log pi_T^K``, ``softmax(z / temperature)``
+    renormalised over the set the sampler kept (docs/algorithm_rollouts.md section 23) - the raw logits over the
+    recorded set, not the processed scores (a penalty is not scored)."""
     steps = torch.stack(logits, dim=1)
     steps = steps.to(torch.promote_types(steps.dtype, torch.float32)) / temperature
-    tokens = sequences[:, sequences.shape[1] - len(logits) :]
-    if kept is not None:
-        outside = torch.stack(kept, dim=1) == -float("inf")
-        outside.scatter_(-1, tokens.unsqueeze(-1), False)  # the sampled token is in its set
-        steps = steps.masked_fill(outside, -float("inf"))
-    return torch.log_softmax(steps, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def _recorded_sets(sequences: torch.Tensor, scores: tuple[torch.Tensor, ...], counts: list[int]) -> list[KeptSets]:
-    """Each row's kept sets from the warpers' per-step scores (T tensors ``(n, V)``, -inf outside a step's set):
-    row ``i``'s first ``counts[i]`` generated tokens (the last T columns of ``sequences (n, S)``), a one-row
-    :class:`~trl_lite.core.kept_sets.KeptSets` each, capped at ``MAX_KEPT`` tokens as the trainer's sets."""
-    n, steps = sequences.shape[0], len(scores)
-    tokens = sequences[:, sequences.shape[1] - steps :]
-    passes = []
-    for t, step in enumerate(scores):
-        rows = [i for i in range(n) if counts[i] > t]
-        if rows:
-            index = torch.tensor(rows, device=step.device)
-            ids, kept = ids_of_mask(step[index] > -float("inf"), step[index], tokens[index, t])
-            passes.append((index * steps + t, ids, kept))
-    every = KeptSets.from_passes(n, steps, passes, sequences.device)
-    offsets = every.offsets.tolist()  # one read for the chunk: where each row's sets begin and end
-    return [KeptSets(every.offsets[i * steps : i * steps + counts[i] + 1] - offsets[i * steps],
-                     every.ids[offsets[i * steps] : offsets[i * steps + counts[i]]], counts[i]) for i in range(n)]  # fmt: skip
+    tokens = sequences[:, sequences.shape[1] - len(logits) :].unsqueeze(-1)
+    if step_sets is None:
+        return torch.log_softmax(steps, dim=-1).gather(-1, tokens).squeeze(-1)
+    picked = steps.gather(-1, tokens).squeeze(-1)
+    norms = []
+    for t, (ids, counts) in enumerate(step_sets[: len(logits)]):
+        kept = steps[:, t].gather(-1, ids.to(steps.device))
+        inside = torch.arange(ids.shape[1], device=steps.device) < counts.to(steps.device).unsqueeze(-1)
+        norms.append(torch.logsumexp(kept.masked_fill(~inside, -float("inf")), dim=-1))
+    return picked - torch.stack(norms, dim=1)

@@ -222,7 +222,7 @@ class SequenceParallel:
     def check_same_rows(self, *parts) -> None:
         """Raise ValueError on every process of the group unless all were given the same rows of a step: equal
         ``parts`` (each a tensor, a list of per-row tensors, or None; ``step()``'s queries, responses, masks,
-        PTX inputs and scores).
+        PTX inputs, scores and kept sets).
 
         A group trains one batch: its processes cut the same packed passes and exchange their slices, which with
         different rows fail inside the attention exchange (or train on wrong numbers). Each process gathers every
@@ -233,7 +233,7 @@ class SequenceParallel:
         if len(set(fingerprints)) > 1:
             raise ValueError(
                 f"step() got different rows on the {self.size} processes of a sequence-parallel group (fingerprints of "
-                f"their queries, responses, response_masks, ptx_inputs and scores, by rank in the group: {fingerprints}). "
+                f"their queries, responses, response_masks, ptx_inputs, scores and kept sets, by rank in the group: {fingerprints}). "
                 "A group trains one batch: pass each of its processes the same rows (choose the batch by "
                 "accelerator.process_index // sp_size, or sample it with trainer.generate(), which gives the group one "
                 "generation)."

@@ -9,7 +9,7 @@ Rooms below, imported downward only (``tests/test_layout.py``): ``step/`` (the d
 per-token layout) -> the packages outside the trainer (``core``, ``models``, ``engines``, ``parallel``).
 """
 
-from .grpo import GRPOConfig, GRPOTrainer
+from .grpo import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from .ppo_config import PPOConfig
 from .ppo_trainer import PPOTrainer
 from .reward import RewardConfig, RewardDataCollatorWithPadding, RewardTrainer
@@ -28,5 +28,7 @@ __all__ = [
     "RewardConfig",
     "RewardDataCollatorWithPadding",
     "RewardTrainer",
+    "RLOOConfig",
+    "RLOOTrainer",
     "RunningMoments",
 ]

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import atexit
 import copy
+import ctypes
 import logging
 import os
+import threading
+import time
 import warnings
 from contextlib import contextmanager
 
@@ -131,24 +134,82 @@ _DESTROY_REGISTERED = []
 
 
 def destroy_process_group_at_exit() -> None:
-    """End torch's process groups when the interpreter exits, while it can still run Python (once per process).
+    """End torch's process groups when the interpreter exits, while it can still run Python (once per process),
+    and let torch's collective worker threads finish with the interpreter before it finalizes.
 
-    A script that never calls ``destroy_process_group()`` (classic TRL's examples end after their last step)
-    leaves gloo's worker threads holding finished collectives and their tensors. When such a thread frees a
-    tensor after interpreter finalization has begun it cannot take the GIL, is unwound and the process aborts
-    ("terminate called without an active exception", exit -6) although its work is done. An ``atexit`` handler
-    runs before finalization; registered here, after torch's and accelerate's imports, it runs before theirs.
-    A script that destroyed the group itself (``accelerator.end_training()``) makes it a no-op.
+    gloo runs collectives on C++ worker threads. A finished barrier holds the collectives queued before it, and
+    the thread that ran it drops them after the waiting process has moved on; dropping them frees their tensors,
+    and a tensor whose Python object the script has already let go needs the GIL to be freed. If the interpreter
+    has begun finalizing by then, the thread cannot take the GIL, is unwound and the process aborts ("terminate
+    called without an active exception", exit -6) although every result is written. ``destroy_process_group()``
+    does not stop those threads while anything else holds the group (DeepSpeed's engine, its ZeRO-3 parameters
+    and ``deepspeed.utils.groups`` do; so does a DDP module), so this runs whether or not the script ended the
+    run itself (``accelerator.end_training()``; classic TRL's examples end after their last step without it).
+    The handler is registered here, after torch's and accelerate's imports, so it runs before theirs.
     """
     if _DESTROY_REGISTERED or not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return
     _DESTROY_REGISTERED.append(True)
-    atexit.register(_destroy_process_group)
+    atexit.register(_end_process_groups)
 
 
-def _destroy_process_group() -> None:
+def _end_process_groups() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    release_interpreter_to_native_threads()
+
+
+def _foreign_thread_states() -> int:
+    """How many threads hold a Python thread state without being ``threading`` threads: C++ threads that hold or
+    wait for the GIL (pybind11 gives a thread a state for as long as it holds the GIL, waiting included)."""
+    api = ctypes.pythonapi
+    state = api.PyInterpreterState_ThreadHead(api.PyInterpreterState_Get())
+    states = 0
+    while state:  # under the GIL no state is deleted; one created meanwhile goes in front of the head read
+        states += 1
+        state = api.PyThreadState_Next(state)
+    python = sum(1 for t in threading.enumerate() if not isinstance(t, threading._DummyThread))
+    return states - python
+
+
+def _gloo_workers_running() -> bool:
+    """Whether one of torch's gloo worker threads (named ``pt_gloo_runloop``) is running or waiting for a CPU
+    (Linux's /proc; False where it cannot be read): such a thread may be about to free a finished collective."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name, state = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2]
+        if name.startswith("pt_gloo") and state in "RD":
+            return True
+    return False
+
+
+def release_interpreter_to_native_threads(settle_s: float = 0.02, limit_s: float = 5.0) -> None:
+    """Hold the interpreter back from finalizing, with the GIL released, until no C++ thread holds or waits for
+    the GIL and no gloo worker thread is running (see :func:`destroy_process_group_at_exit`): a worker whose
+    barrier has just completed runs on to free what it held, and asks for the GIL (a thread state appears) or
+    goes back to sleep. Both must have been seen quiet for ``settle_s``; ``limit_s`` bounds the wait (a C++
+    thread that keeps a thread state for good is not waited on longer).
+    """
+    for name, restype, argtypes in (
+        ("PyInterpreterState_Get", ctypes.c_void_p, []),
+        ("PyInterpreterState_ThreadHead", ctypes.c_void_p, [ctypes.c_void_p]),
+        ("PyThreadState_Next", ctypes.c_void_p, [ctypes.c_void_p]),
+    ):
+        getattr(ctypes.pythonapi, name).restype = restype
+        getattr(ctypes.pythonapi, name).argtypes = argtypes
+    start = quiet_since = time.monotonic()
+    while (now := time.monotonic()) - quiet_since < settle_s and now - start < limit_s:
+        if _foreign_thread_states() > 0 or _gloo_workers_running():
+            quiet_since = now
+        time.sleep(0.001)  # releases the GIL
 
 
 def unregister_zero3_config_when_init_off(plugin) -> None:

@@ -10,10 +10,14 @@ below and the packages outside the trainer; nothing imports it but ``trl_lite.tr
 - ``rollout.py`` - one generation: completions, rewards, ``step()``'s inputs, TRL's metrics;
 - ``agents.py`` - TRL's ``tools`` / ``environment_factory``: multi-turn completions by ``agents.run_episodes``;
 - ``checkpoints.py`` - ``checkpoint-N`` folders for exact resume;
-- ``grpo_trainer.py`` - ``GRPOTrainer``: the loop, callbacks, logs, ``evaluate``, ``save_model``.
+- ``grpo_trainer.py`` - ``GRPOTrainer``: the loop, callbacks, logs, ``evaluate``, ``save_model``;
+- ``rloo_config.py`` - ``RLOOConfig`` (TRL 1.x's names and defaults) and its one mapping onto the GRPO parts;
+- ``rloo_trainer.py`` - ``RLOOTrainer``: ``GRPOTrainer`` with RLOO's config, mapping and ``kl`` metric.
 """
 
 from .grpo_config import GRPOConfig
 from .grpo_trainer import GRPOTrainer
+from .rloo_config import RLOOConfig
+from .rloo_trainer import RLOOTrainer
 
-__all__ = ["GRPOConfig", "GRPOTrainer"]
+__all__ = ["GRPOConfig", "GRPOTrainer", "RLOOConfig", "RLOOTrainer"]

@@ -76,11 +76,11 @@ def _plain(value):
     return value
 
 
-def refused_fields(args) -> list[str]:
-    """The fields of ``args`` trl_lite does not honour that differ from their defaults, in field order."""
+def refused_fields(args, honoured=HONOURED) -> list[str]:
+    """The fields of ``args`` not in ``honoured`` that differ from their defaults, in field order."""
     refused = []
     for f in dataclasses.fields(args):
-        if f.name in HONOURED or not f.init:
+        if f.name in honoured or not f.init:
             continue
         default = _default(f)
         if default is not dataclasses.MISSING and _plain(getattr(args, f.name)) != _plain(default):
@@ -96,12 +96,8 @@ def check_grpo_config(args) -> None:
         values = ", ".join(f"{name}={getattr(args, name)!r}" for name in refused)
         raise ValueError(f"trl_lite's GRPOTrainer does not support {values}: leave {'it' if len(refused) == 1 else 'them'} "
                          "at TRL's default (docs/migrating_from_trl.md lists every field).")  # fmt: skip
-    for name, accepted in ACCEPTED_VALUES.items():
-        if getattr(getattr(args, name), "value", getattr(args, name)) not in accepted:
-            raise ValueError(f"{name}={getattr(args, name)!r} is not supported by trl_lite's GRPOTrainer; accepted: {accepted}.")
+    check_common(args)
     args.scale_rewards = {True: "group", False: "none"}.get(args.scale_rewards, args.scale_rewards)
-    if args.bf16 is None:  # TRL: on unless fp16; here only where the device has bf16 (TRL's default fails on a CPU)
-        args.bf16 = not args.fp16 and not args.use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if args.vllm_importance_sampling_cap is not None:
         warnings.warn("vllm_importance_sampling_cap is deprecated: use vllm_importance_sampling_clip_max.", FutureWarning,
                       stacklevel=4)  # fmt: skip
@@ -112,12 +108,23 @@ def check_grpo_config(args) -> None:
             "use_vllm, set vllm_importance_sampling_mode='token_truncate' (per-token weights min(ratio, "
             "vllm_importance_sampling_clip_max), trl_lite's TIS) or vllm_importance_sampling_correction=False."
         )
+    if args.delta is not None and not args.delta > 1.0 + (args.epsilon_high if args.epsilon_high is not None else args.epsilon):
+        raise ValueError(f"delta must be None or > 1 + epsilon_high (two-sided GRPO's bound above the clip), got {args.delta}.")
+
+
+def check_common(args) -> None:
+    """What GRPO and RLOO check alike (``ValueError`` naming the field): the values of :data:`ACCEPTED_VALUES`
+    among ``args``' fields, the group and completion sizes; then ``bf16`` as TRL resolves it and TRL's sizes."""
+    for name, accepted in ACCEPTED_VALUES.items():
+        if hasattr(args, name) and getattr(getattr(args, name), "value", getattr(args, name)) not in accepted:
+            raise ValueError(f"{name}={getattr(args, name)!r} is not supported by trl_lite's {type(args).__name__[:-6]}"
+                             f"Trainer; accepted: {accepted}.")  # fmt: skip
+    if args.bf16 is None:  # TRL: on unless fp16; here only where the device has bf16 (TRL's default fails on a CPU)
+        args.bf16 = not args.fp16 and not args.use_cpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if args.num_generations is None or args.num_generations < 2:
         raise ValueError(f"num_generations must be an int >= 2 (GRPO's group), got {args.num_generations!r}.")
     if args.max_completion_length is None or args.max_completion_length < 1:
         raise ValueError(f"max_completion_length must be an int >= 1, got {args.max_completion_length!r}.")
-    if args.delta is not None and not args.delta > 1.0 + (args.epsilon_high if args.epsilon_high is not None else args.epsilon):
-        raise ValueError(f"delta must be None or > 1 + epsilon_high (two-sided GRPO's bound above the clip), got {args.delta}.")
     _derive_batch_sizes(args, int(os.environ.get("WORLD_SIZE", "1")))
 
 

@@ -52,6 +52,12 @@ STEP_METRICS = {
     "clip_ratio/high_mean": "ppo/policy/clipfrac_high", "clip_ratio/region_mean": "ppo/policy/clipfrac",
     "loss": "ppo/loss/total",
 }  # fmt: skip
+# ... and those a step reports only with the engine's log-probs (use_vllm with the importance-sampling correction).
+SAMPLING_METRICS = {
+    "sampling/sampling_logp_difference/mean": "rollout/logprob_diff/mean",
+    "sampling/sampling_logp_difference/max": "rollout/logprob_diff/max",
+    "sampling/importance_sampling_ratio/mean": "rollout/is_weight/mean",
+}  # fmt: skip
 
 
 class GRPOTrainer:
@@ -75,6 +81,10 @@ class GRPOTrainer:
         quantization_config, rollout_func: TRL's; not supported (``ValueError`` when set).
     """
 
+    # What RLOOTrainer (rloo_trainer.py) changes: its config, its mapping, where the KL metric comes from.
+    config_class, algorithm = GRPOConfig, "GRPO"
+    to_ppo_config = staticmethod(to_ppo_config)
+
     def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None,
@@ -84,9 +94,9 @@ class GRPOTrainer:
                 raise ValueError(f"{name} is not supported by trl_lite's GRPOTrainer, got {value!r}; pass None.")
         model_name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
         if args is None:
-            args = GRPOConfig(output_dir=f"{str(model_name).rstrip('/').split('/')[-1]}-GRPO")
-        if not isinstance(args, GRPOConfig):
-            raise TypeError(f"args must be a trl_lite GRPOConfig, got {type(args).__name__}.")
+            args = self.config_class(output_dir=f"{str(model_name).rstrip('/').split('/')[-1]}-{self.algorithm}")
+        if not isinstance(args, self.config_class):
+            raise TypeError(f"args must be a trl_lite {self.config_class.__name__}, got {type(args).__name__}.")
         if tools is not None and not isinstance(tools, (list, tuple)):
             raise TypeError(f"tools must be a list of functions, got {type(tools).__name__}.")
         train_dataset = train_dataset if train_dataset is not None else environment_rows(environment_factory, args)
@@ -116,7 +126,7 @@ class GRPOTrainer:
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.steps_per_generation = optimizer_steps_per_generation(args)
         num_processes = launched_processes()
-        self.ppo_config = to_ppo_config(args, num_processes)
+        self.ppo_config = self.to_ppo_config(args, num_processes)
         optimizer, lr_scheduler = optimizers
         optimizer = optimizer or _adamw(model, args)
         with warnings.catch_warnings():  # step() gets the batches made here, not a dataset's
@@ -146,6 +156,7 @@ class GRPOTrainer:
         self.callback_handler = CallbackHandler(defaults + list(callbacks or []), self.model, processing_class,
                                                 optimizer, self.lr_scheduler)  # fmt: skip
         self._metrics: dict[str, list[float]] = {}
+        self._pending_rows: list[torch.Tensor] = []  # each generation's metric rows, until _flush_metrics
         self._last_table: dict[str, list] = {}
 
     @staticmethod
@@ -212,6 +223,8 @@ class GRPOTrainer:
                 state.global_step += 1
                 state.epoch = self._epoch()
                 self.control = self.callback_handler.on_step_end(args, state, self.control)
+            if self.control.should_log or self.control.should_save or self.control.should_evaluate:
+                self._flush_metrics()
             if self.control.should_log:
                 self._log_window()
             if self.control.should_evaluate and self.eval_dataset is not None:
@@ -219,6 +232,7 @@ class GRPOTrainer:
             if self.control.should_save:
                 save_checkpoint(self.ppo, state, self._loop_state(), args.output_dir, args.save_total_limit)
                 self.control = self.callback_handler.on_save(args, state, self.control)
+        self._flush_metrics()
         self.control = self.callback_handler.on_train_end(args, state, self.control)
         train_loss = sum(losses) / len(losses) if losses else 0.0
         return TrainOutput(state.global_step, train_loss, {"train_loss": train_loss, "epoch": state.epoch})
@@ -232,9 +246,8 @@ class GRPOTrainer:
     def _generation_step(self) -> dict[str, float]:
         """One generation and its update: TRL's metrics of it."""
         generation = self.rollout.run(self.prompts.next_rows(), trainer_state=self.state)
-        metrics = dict(generation.metrics)
-        self.state.num_input_tokens_seen += int(metrics.pop("_tokens"))
-        metrics["num_tokens"] = float(self.state.num_input_tokens_seen)
+        self._pending_rows.append(generation.metric_rows)
+        metrics = {}
         self._last_table = generation.table
         if generation.has_actions:  # else every completion is out of the loss: nothing to train on (no step)
             stats = self.ppo.step(generation.queries, generation.responses, generation.scores,
@@ -243,9 +256,26 @@ class GRPOTrainer:
                                   kept_sets=generation.kept_sets)  # fmt: skip
             for name, key in STEP_METRICS.items():
                 metrics[name] = float(stats[key])
+            metrics.update({name: float(stats[key]) for name, key in SAMPLING_METRICS.items() if key in stats})
             if self.args.beta != 0.0:
-                metrics["kl"] = float(stats["ppo/policy/kl_loss"])
+                metrics["kl"] = self._kl(stats)
         return metrics
+
+    def _kl(self, stats: dict) -> float:
+        """TRL's ``kl``: the mean k3 estimate the loss used."""
+        return float(stats["ppo/policy/kl_loss"])
+
+    def _flush_metrics(self) -> None:
+        """The generation metrics of the generations since the last flush (and ``num_input_tokens_seen``): made
+        only where they are read (a log, a checkpoint, an evaluation, the end), in one gather over processes."""
+        if not self._pending_rows:
+            return
+        for metrics in self.rollout.metrics(self._pending_rows, self.args.num_generations):
+            self.state.num_input_tokens_seen += int(metrics.pop("_tokens"))
+            metrics["num_tokens"] = float(self.state.num_input_tokens_seen)
+            for name, value in metrics.items():
+                self._metrics.setdefault(name, []).append(value)
+        self._pending_rows = []
 
     def _log_window(self) -> None:
         """Log the means of the metrics since the last log (TRL's window), the learning rate and the epoch."""
@@ -288,7 +318,8 @@ class GRPOTrainer:
         size = self.args.per_device_eval_batch_size
         sums: dict[str, list[float]] = {}
         for start in range(0, len(share), size):
-            metrics = self.rollout.run(share[start : start + size], num_generations=k, trainer_state=self.state).metrics
+            generation = self.rollout.run(share[start : start + size], num_generations=k, trainer_state=self.state)
+            (metrics,) = self.rollout.metrics([generation.metric_rows], k)
             metrics.pop("_tokens")
             for name, value in metrics.items():
                 sums.setdefault(name, []).append(value)

@@ -15,19 +15,21 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..step.transfer import to_host_together
 from .prompts import completions_of, prompt_ids
 
 
 @dataclass
 class Generation:
-    """What one generation hands to ``step()`` (``queries`` repeated per completion), and its metrics."""
+    """What one generation hands to ``step()`` (``queries`` repeated per completion, on the host), and the host
+    table of this process's rows that TRL's metrics are made from (:meth:`GRPORollout.metrics`)."""
 
     queries: list[torch.Tensor]
     responses: list[torch.Tensor]
     scores: list[torch.Tensor]
     response_masks: list[torch.Tensor] | None
     generation_logprobs: list[torch.Tensor] | None
-    metrics: dict[str, float]
+    metric_rows: torch.Tensor
     table: dict[str, list] = field(default_factory=dict)
     group_ids: list[int] | None = None  # multi-turn episodes: a group is its prompt (its members' queries may differ)
     kept_sets: list | None = None  # multi-turn episodes under truncated sampling: their samplers' kept sets
@@ -99,14 +101,14 @@ class GRPORollout:
         if dropped.any():
             masks = [(m if m is not None else torch.ones_like(r)) * (0 if drop else 1)
                      for r, m, drop in zip(responses, masks or [None] * len(responses), dropped.tolist())]  # fmt: skip
-        metrics = self._metrics(per_func, rewards, sampled, k)
+        metric_rows = _metric_rows(per_func, rewards, sampled)
         table = {}
         if self.keep_table:  # log_completions: the prompts and completions as text, with each function's reward
             table = {"prompt": self.tokenizer.batch_decode(sampled.queries, skip_special_tokens=True),
                      "completion": sampled.texts, **{name: per_func[:, j].tolist() for j, name in enumerate(self.rewards.names)}}  # fmt: skip
         group_ids = [i // k for i in range(len(responses))] if self.agents is not None else None
         return Generation(sampled.queries, responses, [torch.tensor(s) for s in scores.tolist()], masks,
-                          sampled.logprobs, metrics, table, group_ids, sampled.kept_sets)  # fmt: skip
+                          sampled.logprobs, metric_rows, table, group_ids, sampled.kept_sets)  # fmt: skip
 
     def _sample(self, rows: list[dict], k: int) -> Sampled:
         """One ``generate`` call: ``k`` single-turn completions per row."""
@@ -117,6 +119,7 @@ class GRPORollout:
             max_new_tokens=self.max_completion_length, num_return_sequences=k,
         )  # fmt: skip
         responses, engine_logprobs = (out[0], out[-1]) if self.logprobs else (out, None)
+        responses = to_host_together(responses)  # one copy back for decoding and rewards, no read per row
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
         eos = set(self.ppo._eos_ids)
         truncated = torch.tensor([len(r) == 0 or int(r[-1]) not in eos for r in responses])
@@ -140,17 +143,18 @@ class GRPORollout:
                        prompts, completions, texts, truncated, environments, tool_counts,
                        [e.kept_sets for e in episodes])  # fmt: skip
 
-    def _metrics(self, per_func, rewards, sampled: Sampled, k) -> dict[str, float]:
-        """TRL's generation metrics over every process's rows (one gather of one ``(rows, 4 + functions [+ 2])``
-        table). Lengths and tokens count the model's own tokens (TRL: not the tools')."""
-        masks = sampled.model_masks
-        counted = [float(m.sum()) for m in masks] if masks is not None else [len(r) for r in sampled.responses]
-        lengths = torch.tensor(counted, dtype=torch.float64)
-        tokens = torch.tensor([len(q) for q in sampled.queries], dtype=torch.float64) + lengths
-        columns = [torch.stack([lengths, sampled.truncated.double(), tokens, rewards.double()], 1), per_func.double()]
-        if sampled.tool_counts is not None:
-            columns.append(torch.stack(sampled.tool_counts, 1).double())
-        table = self.ppo.accelerator.gather(torch.cat(columns, 1).to(self.ppo.accelerator.device)).cpu().numpy()
+    def metrics(self, metric_rows: list[torch.Tensor], k: int) -> list[dict[str, float]]:
+        """TRL's metrics of each generation of ``metric_rows`` (their :attr:`Generation.metric_rows`, all of one
+        shape) over every process's rows: on several processes one gather of all of them (one device copy each
+        way), on one none. ``k``: completions per prompt. Each dict also holds ``_tokens`` (prompt + completion)."""
+        table = torch.stack(metric_rows, 1)  # (rows, generations, columns)
+        accelerator = self.ppo.accelerator
+        if accelerator.num_processes > 1:
+            table = accelerator.gather(table.to(accelerator.device, non_blocking=True)).cpu()
+        return [self._metrics(table[:, g].numpy(), k) for g in range(table.shape[1])]
+
+    def _metrics(self, table, k: int) -> dict[str, float]:
+        """TRL's metrics of one generation's table (:func:`_metric_rows`) of every process."""
         functions = len(self.rewards.names)
         lengths, truncated, tokens, rewards = table[:, 0], table[:, 1] > 0, table[:, 2], table[:, 3]
         per_func = table[:, 4 : 4 + functions]
@@ -167,13 +171,27 @@ class GRPORollout:
         metrics["reward"], metrics["reward_std"] = _nan_mean_std(rewards)
         group_std = [_nan_mean_std(group)[1] for group in rewards.reshape(-1, k)]
         metrics["frac_reward_zero_std"] = sum(abs(std) < 1e-8 for std in group_std) / len(group_std)
-        if sampled.tool_counts is not None:  # TRL's: calls per completion, failed calls per call
+        if table.shape[1] > 4 + functions:  # tool counts; TRL's: calls per completion, failed calls per call
             calls, failures = table[:, 4 + functions].sum(), table[:, 5 + functions].sum()
             metrics["tools/call_frequency"] = calls / len(table)
             metrics["tools/failure_frequency"] = failures / calls if calls > 0 else 0.0
         metrics = {name: float(value) for name, value in metrics.items()}
         metrics["_tokens"] = float(tokens.sum())
         return metrics
+
+
+def _metric_rows(per_func, rewards, sampled: Sampled) -> torch.Tensor:
+    """This process's rows of a generation as one float64 host table ``(rows, 4 + functions [+ 2])``: length,
+    truncated, tokens (prompt + completion), reward, each function's reward [, tool calls and failed calls]. Lengths
+    and tokens count the model's own tokens (TRL: not the tools')."""
+    masks = sampled.model_masks
+    counted = [float(m.sum()) for m in masks] if masks is not None else [len(r) for r in sampled.responses]
+    lengths = torch.tensor(counted, dtype=torch.float64)
+    tokens = torch.tensor([len(q) for q in sampled.queries], dtype=torch.float64) + lengths
+    columns = [torch.stack([lengths, sampled.truncated.double(), tokens, rewards.double()], 1), per_func.double()]
+    if sampled.tool_counts is not None:
+        columns.append(torch.stack(sampled.tool_counts, 1).double())
+    return torch.cat(columns, 1)
 
 
 def _nan_mean_std(values: np.ndarray) -> tuple[float, float]:

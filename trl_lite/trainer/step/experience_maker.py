@@ -24,6 +24,7 @@ from ...core import (
     sequence_to_tokens,
     truncated_importance_weights,
 )
+from ...core.kept_sets import rows_of_sets
 from ..layout.rows import actions_per_row, to_device
 from ..memory.prefix_sharing import prompt_ids
 from .experience import Experience, StepBatch, scores_tensor
@@ -95,7 +96,9 @@ class ExperienceMaker:
         # The batch's tensors reach the device in one copy (see transfer.py for every sync of a step).
         batch, ends_with_eos = batch_to_device(batch, self.device, ends_with_eos)
         # A sequence-parallel group trains one batch: checked before its first exchange.
-        self.sequence.check_same_rows(batch.queries, batch.responses, batch.response_masks, batch.ptx_inputs, batch.scores)
+        # Their kept sets too: every process replays the same sets (the group's records, gathered by generate()).
+        self.sequence.check_same_rows(batch.queries, batch.responses, batch.response_masks, batch.ptx_inputs, batch.scores,
+                                      rows_of_sets(batch.kept_sets))  # fmt: skip
         scores = self.shape_scores(scores_tensor(batch.scores, self.device), lengths, ends_with_eos)
 
         # Section 3: forward passes without grad, and section 15: the gap to the generating engine

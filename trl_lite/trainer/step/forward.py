@@ -238,10 +238,9 @@ class ForwardPass:
         rollout pass re-derives that row's sets; said once per run, with why)."""
         if self.truncation is None:
             return rows
-        why = self.no_kept_sets or ("not among those the trainer's engine generated since the last step: edited, "
-                                    "sampled elsewhere, by a single-query or a greedy generate()")  # fmt: skip
-        if self.sequence.cuts:  # every process of the group must score alike: the sets are re-derived, slice by slice
-            records, why = None, "under sequence parallelism the group's processes each sampled a share"
+        why = self.no_kept_sets or ("not among those the trainer's engine sampled since the last step: edited, "
+                                    "sampled elsewhere, or by a greedy generate() (do_sample=False draws from no "
+                                    "distribution; its rows are scored under PPOConfig's)")  # fmt: skip
         records = records or [None] * len(rows)
         missing = sum(record is None for record in records)
         if missing and not self._said_rederived:

@@ -1,0 +1,83 @@
+"""GRPOTrainer with ``use_vllm=True`` (vllm_mode 'colocate', and 'server' on a ``python -m trl_lite.vllm_server``
+subprocess; vLLM on the CPU): two generations of ``.train()`` through the engine. The second generation samples from
+the weights the first update made (pushed once, before it), the engine's log-probs equal a float64 recomputation
+with the weights each generation was sampled from and the trainer's own log-probs (TRL's ``sampling/*`` metrics),
+and the logged metrics are those of the rows the engine returned.
+
+The tiny GPT-2 is 64 wide with 2 heads: vLLM's CPU attention needs a head size of at least 32.
+"""
+
+import copy
+
+import pytest
+import torch
+from engine_checks import assert_sampled_rows_and_logprobs
+from grpo_helpers import length_reward, trainer
+from test_vllm_server import launched_server
+from tiny_models import make_gpt2
+
+import vllm  # noqa: F401  (a test dependency: without it this module fails, it is not skipped)
+
+pytestmark = pytest.mark.xdist_group("vllm_engine")
+
+EOS, K, NEW = 1, 4, 6
+
+
+def test_train_on_a_colocated_vllm_engine_samples_from_the_pushed_weights(tmp_path):
+    _train_and_check(tmp_path, make_gpt2(seed=1, n_embd=64))
+
+
+def test_train_on_a_vllm_server_samples_from_the_pushed_weights(tmp_path):
+    lm = make_gpt2(seed=1, n_embd=64)
+    lm.save_pretrained(tmp_path / "served")
+    with launched_server(tmp_path / "served", tmp_path / "server.log", max_model_len=64) as (url, _):
+        _train_and_check(tmp_path, lm, vllm_mode="server", vllm_server_base_url=url)
+
+
+def _train_and_check(tmp_path, lm, **vllm):
+    """Two generations of ``.train()`` on the engine ``vllm`` configures; the checks of the module docstring."""
+    grpo = trainer(tmp_path / "out", model=lm, reward_funcs=(length_reward,), max_steps=2, max_completion_length=NEW,
+                   use_vllm=True, vllm_importance_sampling_mode="token_truncate", vllm_max_model_length=64,
+                   gradient_checkpointing=False, **vllm)  # fmt: skip
+    ppo = grpo.ppo
+    assert ppo.config.use_vllm and ppo.config.importance_sampling_correction == "tis"
+    assert ppo.config.vllm_mode == vllm.get("vllm_mode", "colocate")
+    steps, pushes = [], []
+    step, push = ppo.step, ppo.generation.push
+
+    def recording_step(queries, responses, scores, **kwargs):
+        policy = copy.deepcopy(grpo.model).eval()  # the weights this generation was sampled from
+        stats = step(queries, responses, scores, **kwargs)
+        steps.append((queries, responses, kwargs["generation_logprobs"], policy, stats))
+        return stats
+
+    def recording_push(named):
+        pushes.append(len(steps))
+        return push(named)
+
+    ppo.step, ppo.generation.push = recording_step, recording_push
+    try:
+        grpo.train()
+    finally:
+        ppo.generation.close()
+
+    assert len(steps) == 2 and pushes == [1]  # the first update pushed once, before the second generation
+    for queries, responses, logprobs, policy, _ in steps:
+        rows = [torch.cat([q, r]) for q, r in zip(queries, responses)]
+        assert_sampled_rows_and_logprobs(rows, logprobs, policy, queries[::K], K, NEW, EOS)
+    # the second generation's log-probs are the updated policy's, not the initial one's
+    queries, responses, logprobs, _, _ = steps[1]
+    initial = steps[0][3]
+    rows = [torch.cat([q, r]) for q, r in zip(queries, responses)]
+    with pytest.raises(AssertionError):
+        assert_sampled_rows_and_logprobs(rows, logprobs, initial, queries[::K], K, NEW, EOS)
+
+    # TRL's metrics: the engine's log-probs against the trainer's, and the completions the engine returned
+    for (_, responses, _, _, stats), logged in zip(steps, grpo.state.log_history):
+        assert logged["sampling/sampling_logp_difference/max"] == pytest.approx(stats["rollout/logprob_diff/max"])
+        assert 0 <= logged["sampling/sampling_logp_difference/mean"] <= logged["sampling/sampling_logp_difference/max"] < 1e-4
+        assert logged["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4)
+        assert logged["completions/mean_length"] == pytest.approx(sum(len(r) for r in responses) / len(responses))
+        lengths_reward = [0.1 * len(r) + sum(int(t) % 2 == 0 for t in r) / max(len(r), 1) for r in responses]
+        assert logged["reward"] == pytest.approx(sum(lengths_reward) / len(responses), rel=1e-6)
+    assert grpo.state.global_step == 2
