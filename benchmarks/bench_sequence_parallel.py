@@ -25,15 +25,19 @@ Each run also reports the growth of its peak resident size (``VmHWM``, reset bef
 size before each of the first two (unprofiled) steps, and how much of the first step's growth is file-backed
 pages (``RssFile``: library code run for the first time), the memory glibc's malloc holds free in its heaps after
 the first step (``mallinfo2``'s ``fordblks``: freed blocks kept for reuse, resident, counted in the growth but not
-in the tensor peak) and the first step's CPU seconds (user + system, of this process). ``--return_freed_cpu_memory``
-runs every case with ``PPOConfig(keep_freed_cpu_memory=False)`` (glibc's own malloc settings);
-``--mmap_threshold BYTES`` also fixes glibc's mmap threshold (``MALLOC_MMAP_THRESHOLD_``, which turns its dynamic
-threshold off; ``MALLOC_TRIM_THRESHOLD_=2147483647``), so that every block above it is mapped on its own and
-returned when freed (docs/sequence_parallel.md, "Resident memory").
+in the tensor peak) and the first and second steps' CPU seconds (user + system, of this process);
+``--no_tensor_peak`` skips the profiled steps. By default the trainer sets glibc's malloc itself
+(``PPOConfig.keep_freed_cpu_memory``: blocks up to 32 MiB kept on 1 process, a lower mmap threshold and one arena
+on a process of the group; trl_lite/trainer/memory/cpu_memory.py).
+``--return_freed_cpu_memory`` runs every case with ``PPOConfig(keep_freed_cpu_memory=False)`` (glibc's own malloc
+settings); ``--mmap_threshold BYTES`` starts every process with glibc's mmap threshold fixed
+(``MALLOC_MMAP_THRESHOLD_``, which turns its dynamic threshold off; ``MALLOC_TRIM_THRESHOLD_=2147483647``), which
+the trainer then leaves alone: every block above it is mapped on its own and returned when freed; 33554432 gives
+every process the 1-process setting (docs/sequence_parallel.md, "Resident memory").
 
 Usage:
     python benchmarks/bench_sequence_parallel.py [--lengths 8192 16384] [--layers 2] [--width 256] [--heads 4]
-        [--gradient_checkpointing] [--return_freed_cpu_memory] [--mmap_threshold 1048576]
+        [--gradient_checkpointing] [--return_freed_cpu_memory] [--mmap_threshold 1048576] [--no_tensor_peak]
 """
 
 import argparse
@@ -86,21 +90,23 @@ def worker(args) -> None:
         if not growth:
             seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start  # the first step's times
             heap_free = malloc_free_mb()
+        else:
+            second_cpu = cpu_seconds() - cpu_start
         growth.append((resident_mb("VmHWM") - before, resident_mb("RssFile") - file_before))
     peaks = []
-    for _ in range(2):
+    for _ in range(0 if args.no_tensor_peak else 2):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
             trainer.step(queries, responses, scores)
         peaks.append(tensor_peak_mb(prof))
         del prof
-    peak = max(peaks)
+    peak = max(peaks, default=None)
     result = {
         "rank": trainer.accelerator.process_index, "processes": trainer.accelerator.num_processes,
         "deepspeed": trainer.is_deepspeed_enabled,
         "sp_size": sequence_parallel_size(trainer.accelerator), "threads": torch.get_num_threads(),
         "tensor_peak_mb": peak, "tensor_peaks_mb": peaks, "step_seconds": seconds, "loss": stats["ppo/loss/total"],
         "resident_growth_mb": growth[0][0], "file_growth_mb": growth[0][1], "second_growth_mb": growth[1][0],
-        "heap_free_mb": heap_free, "cpu_seconds": cpu,
+        "heap_free_mb": heap_free, "cpu_seconds": cpu, "second_cpu_seconds": second_cpu,
     }  # fmt: skip
     print(RESULT_MARKER + json.dumps(result), flush=True)
     trainer.accelerator.wait_for_everyone()
@@ -170,9 +176,9 @@ def run(args, processes: int, deepspeed: bool = True) -> list[dict]:
     sequence-parallel group of ``processes``, or as 1 process without sequence parallelism."""
     worker_args = [str(Path(__file__).resolve()), "--worker", "--lengths", *map(str, args.lengths), "--layers",
                    str(args.layers), "--width", str(args.width), "--heads", str(args.heads)]  # fmt: skip
-    for flag in ("gradient_checkpointing", "return_freed_cpu_memory"):
-        if getattr(args, flag) or (flag == "return_freed_cpu_memory" and args.mmap_threshold is not None):
-            worker_args.append(f"--{flag}")  # a fixed mmap threshold needs the trainer to leave malloc alone
+    for flag in ("gradient_checkpointing", "return_freed_cpu_memory", "no_tensor_peak"):
+        if getattr(args, flag):
+            worker_args.append(f"--{flag}")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": str(max(args.threads // processes, 1))}
     if args.mmap_threshold is not None:
         env.update(MALLOC_MMAP_THRESHOLD_=str(args.mmap_threshold), MALLOC_TRIM_THRESHOLD_=str(2**31 - 1))
@@ -204,7 +210,9 @@ def main() -> None:
     parser.add_argument("--return_freed_cpu_memory", action="store_true",
                         help="PPOConfig(keep_freed_cpu_memory=False): glibc's own malloc settings")
     parser.add_argument("--mmap_threshold", type=int, default=None,
-                        help="bytes: glibc maps every block above it on its own (implies --return_freed_cpu_memory)")
+                        help="bytes: glibc maps every block above it on its own (the trainer leaves it alone)")
+    parser.add_argument("--no_tensor_peak", action="store_true",
+                        help="skip the two profiled steps (no tensor peak; the resident growth and times only)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -216,27 +224,31 @@ def main() -> None:
     checkpointing = ", gradient checkpointing" if args.gradient_checkpointing else ""
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     malloc = "" if args.mmap_threshold is None else f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}"
-    malloc += ", keep_freed_cpu_memory=False" if args.return_freed_cpu_memory or args.mmap_threshold else ""
+    malloc += ", keep_freed_cpu_memory=False" if args.return_freed_cpu_memory else ""
     print(f"load average {load}; rows {args.lengths} tokens; {args.layers} x {args.width}, {args.heads} "
           f"heads{checkpointing}{malloc}")  # fmt: skip
     print("| processes | DeepSpeed | sp_size | threads each | tensor peak per process (MB) | of 1 process | "
           "of 1 DeepSpeed process | 2 peaks (MB) | resident growth, first step (MB) | of 1 process | of it file-backed "
           "(MB) | malloc's free heap (MB) | resident growth, second step (MB) | of 1 process | step (s) | "
-          "step CPU (s) |")  # fmt: skip
-    print("| ---: | --- |" + " ---: |" * 14)
+          "step CPU (s) | second step CPU (s) |")  # fmt: skip
+    print("| ---: | --- |" + " ---: |" * 15)
     for r in [alone, alone_deepspeed, *group]:
-        ratio = r["tensor_peak_mb"] / alone["tensor_peak_mb"]
-        ratio_deepspeed = r["tensor_peak_mb"] / alone_deepspeed["tensor_peak_mb"]
-        both = " / ".join(f"{p:.0f}" for p in r["tensor_peaks_mb"])
+        if args.no_tensor_peak:
+            peak = ratio = ratio_deepspeed = both = "-"
+        else:
+            peak = f"{r['tensor_peak_mb']:.0f}"
+            ratio = f"{r['tensor_peak_mb'] / alone['tensor_peak_mb']:.2f}"
+            ratio_deepspeed = f"{r['tensor_peak_mb'] / alone_deepspeed['tensor_peak_mb']:.2f}"
+            both = " / ".join(f"{p:.0f}" for p in r["tensor_peaks_mb"])
         resident = r["resident_growth_mb"] / alone["resident_growth_mb"]
         # the 1 process's second step often grows by nothing (its first step's heap serves it): no ratio then
         second = f"{r['second_growth_mb'] / alone['second_growth_mb']:.2f}" if alone["second_growth_mb"] >= 1 else "-"
         heap_free = "-" if r["heap_free_mb"] is None else f"{r['heap_free_mb']:.0f}"
         print(f"| {r['processes']} (rank {r['rank']}) | {'ZeRO-2' if r['deepspeed'] else 'no'} | {r['sp_size']} | "
-              f"{r['threads']} | {r['tensor_peak_mb']:.0f} | {ratio:.2f} | {ratio_deepspeed:.2f} | {both} | "
+              f"{r['threads']} | {peak} | {ratio} | {ratio_deepspeed} | {both} | "
               f"{r['resident_growth_mb']:.0f} | {resident:.2f} | {r['file_growth_mb']:.0f} | {heap_free} | "
               f"{r['second_growth_mb']:.0f} | {second} | {r['step_seconds']:.1f} | "
-              f"{r['cpu_seconds']:.1f} |")  # fmt: skip
+              f"{r['cpu_seconds']:.1f} | {r['second_cpu_seconds']:.1f} |")  # fmt: skip
     print(f"loss: 1 process {alone['loss']:.6f}, 1 DeepSpeed process {alone_deepspeed['loss']:.6f}, "
           f"sequence-parallel {group[0]['loss']:.6f}")  # fmt: skip
 

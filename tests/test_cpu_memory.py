@@ -1,12 +1,17 @@
-"""The glibc setting behind PPOConfig.keep_freed_cpu_memory, measured by the kernel's page-fault count."""
+"""The glibc settings behind PPOConfig.keep_freed_cpu_memory: measured by the kernel's page-fault count and
+malloc's own accounting, and which settings the trainer asks for where."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
+import torch
 
-from trl_lite.trainer.memory.cpu_memory import keep_freed_cpu_memory
+from trl_lite.trainer.memory import cpu_memory
+from trl_lite.trainer.memory.cpu_memory import keep_freed_cpu_memory, set_cpu_malloc
 
 # Runs in a fresh interpreter: the setting is process-wide and must not leak into other tests.
 # Like a mini-batch, each round allocates, touches and frees one and then three 20 MiB tensors
@@ -49,3 +54,117 @@ def test_freed_cpu_memory_is_reused_without_page_faults():
 def test_returns_false_and_changes_nothing_without_glibc(monkeypatch):
     monkeypatch.setattr("platform.libc_ver", lambda *args, **kwargs: ("musl", "1.2"))
     assert keep_freed_cpu_memory() is False
+
+
+# mallinfo2's hblkhd: bytes in blocks mapped on their own (glibc >= 2.33). A 12 MiB block is kept in the heap
+# under the one-process setting (32 MiB threshold) and mapped on its own under the sequence-parallel one (8 MiB);
+# a 4 MiB block stays in the heap under both.
+MAPPED_CHILD = """
+import ctypes, json, sys, torch
+from trl_lite.trainer.memory.cpu_memory import keep_freed_cpu_memory
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+mallinfo2 = ctypes.CDLL(None).mallinfo2
+mallinfo2.restype = MallInfo2
+applied = keep_freed_cpu_memory(*json.loads(sys.argv[1]))
+mapped = {}
+for mib in (4, 12):
+    before = mallinfo2().hblkhd
+    block = torch.empty(mib << 18)  # float32: mib MiB
+    mapped[mib] = mallinfo2().hblkhd - before
+    del block
+print(json.dumps({"applied": applied, "mapped": mapped}))
+"""
+
+
+@pytest.mark.parametrize("args, mapped_mib", [([], []), ([8 << 20, 1], [12])])
+def test_blocks_above_the_threshold_are_mapped_on_their_own(args, mapped_mib):
+    out = subprocess.run([sys.executable, "-c", MAPPED_CHILD, json.dumps(args)], capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["applied"] is True
+    for mib in (4, 12):
+        if mib in mapped_mib:
+            assert result["mapped"][str(mib)] >= mib << 20, result
+        else:
+            assert result["mapped"][str(mib)] == 0, result
+
+
+def _accelerator(device="cpu", sp_size=None):
+    parallelism = None if sp_size is None else SimpleNamespace(sp_size=sp_size)
+    return SimpleNamespace(device=torch.device(device), parallelism_config=parallelism)
+
+
+@pytest.fixture
+def mallopt_calls(monkeypatch):
+    """The mallopt calls set_cpu_malloc makes, recorded instead of made (the test process's malloc stays)."""
+    calls = []
+    monkeypatch.setattr(cpu_memory, "_mallopt", lambda: lambda param, value: calls.append((param, value)) or 1)
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    return calls
+
+
+KEEP_32_MIB = [(-3, 32 << 20), (-1, 2**31 - 1)]
+SEQUENCE_PARALLEL = [(-3, 8 << 20), (-1, 2**31 - 1), (-8, 1)]
+
+
+@pytest.mark.parametrize("sp_size, expected", [(None, KEEP_32_MIB), (1, KEEP_32_MIB), (2, SEQUENCE_PARALLEL),
+                                               (4, SEQUENCE_PARALLEL)])  # fmt: skip
+def test_trainer_sets_malloc_for_one_process_and_for_a_sequence_parallel_group(mallopt_calls, sp_size, expected):
+    assert set_cpu_malloc(SimpleNamespace(keep_freed_cpu_memory=True), _accelerator(sp_size=sp_size)) is True
+    assert mallopt_calls == expected
+
+
+@pytest.mark.parametrize("keep, device", [(False, "cpu"), (True, "cuda"), (True, "meta")])
+def test_no_malloc_setting_when_switched_off_or_off_the_cpu(mallopt_calls, keep, device):
+    for sp_size in (None, 2):
+        config = SimpleNamespace(keep_freed_cpu_memory=keep)
+        assert set_cpu_malloc(config, _accelerator(device, sp_size)) is False
+    assert mallopt_calls == []
+
+
+@pytest.mark.parametrize("variable, value", [
+    ("MALLOC_MMAP_THRESHOLD_", "1048576"),
+    ("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=1048576"),
+    ("GLIBC_TUNABLES", "glibc.cpu.x86_shstk=off:glibc.malloc.mmap_threshold=1"),
+])  # fmt: skip
+def test_a_process_started_with_its_own_mmap_threshold_keeps_it(mallopt_calls, monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)
+    for sp_size in (None, 2):
+        assert set_cpu_malloc(SimpleNamespace(keep_freed_cpu_memory=True), _accelerator(sp_size=sp_size)) is False
+    assert mallopt_calls == []
+
+
+@pytest.mark.parametrize("variable, value", [("MALLOC_ARENA_MAX", "4"), ("GLIBC_TUNABLES", "glibc.malloc.arena_max=4")])
+def test_a_process_started_with_its_own_arenas_keeps_them(mallopt_calls, monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)
+    assert set_cpu_malloc(SimpleNamespace(keep_freed_cpu_memory=True), _accelerator(sp_size=2)) is True
+    assert mallopt_calls == SEQUENCE_PARALLEL[:2]
+
+
+def test_other_glibc_tunables_change_nothing(mallopt_calls, monkeypatch):
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.cpu.hwcaps=-AVX512F:glibc.malloc.hugetlb=1")
+    assert set_cpu_malloc(SimpleNamespace(keep_freed_cpu_memory=True), _accelerator(sp_size=2)) is True
+    assert mallopt_calls == SEQUENCE_PARALLEL
+
+
+def test_no_call_without_glibc(monkeypatch):
+    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX", "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("platform.libc_ver", lambda *args, **kwargs: ("musl", "1.2"))
+    monkeypatch.setattr(cpu_memory.ctypes, "CDLL", lambda *args, **kwargs: pytest.fail("looked up malloc"))
+    for sp_size in (None, 2):
+        assert set_cpu_malloc(SimpleNamespace(keep_freed_cpu_memory=True), _accelerator(sp_size=sp_size)) is False
+
+
+@pytest.mark.parametrize("kwargs", [dict(mmap_threshold=0), dict(mmap_threshold=(32 << 20) + 1),
+                                    dict(mmap_threshold=True), dict(mmap_threshold=1.5), dict(arena_max=0),
+                                    dict(arena_max="1")])  # fmt: skip
+def test_bad_settings_are_rejected_before_any_call(mallopt_calls, kwargs):
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=name):
+        keep_freed_cpu_memory(**kwargs)
+    assert mallopt_calls == []

@@ -46,7 +46,7 @@ from .accelerate_setup import (
     save_full_model,
 )
 from .classic.helpers import ClassicHelpersMixin
-from .memory.cpu_memory import keep_freed_cpu_memory
+from .memory.cpu_memory import set_cpu_malloc
 from .memory.oom_backoff import MemoryBackoff, empty_device_cache
 from .ppo_config import PPOConfig
 from .state.checkpointing import Checkpointer
@@ -157,8 +157,7 @@ class PPOTrainer(ClassicHelpersMixin):
         self.ref_model = ref_model  # None: a PEFT policy's reference is itself without its adapter, or none runs
         if config.disable_dropout:
             disable_dropout_in_model(model, ref_model, self.critic)
-        if config.keep_freed_cpu_memory and self.accelerator.device.type == "cpu":
-            keep_freed_cpu_memory()
+        set_cpu_malloc(config, self.accelerator)  # glibc's malloc on CPU (memory/cpu_memory.py)
         self.optimizer = optimizer or default_optimizer(model, config.learning_rate)
         self.lr_scheduler = lr_scheduler
         self.data_collator = data_collator

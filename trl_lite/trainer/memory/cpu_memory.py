@@ -1,4 +1,4 @@
-"""Keep memory freed between mini-batches inside the process (glibc's malloc, Linux).
+"""glibc's malloc settings for training on the CPU (Linux), set by the trainer itself.
 
 glibc serves each allocation above its mmap threshold with fresh pages from the kernel and hands
 them back on free. A PPO step allocates vocabulary-sized tensors (logits, softmax, the tied
@@ -7,34 +7,95 @@ zeroed by the kernel again and again: on the w1 benchmark (2-core CPU) that was 
 time in a 2.7 s step. Raising the mmap threshold to glibc's maximum and not trimming the heap keeps
 those pages mapped and reused, the way GPU caching allocators keep device memory. Resident memory
 then stays at its peak instead of shrinking between mini-batches.
+
+Every block below the threshold comes from one heap, which fragments: blocks kept for the backward
+sit between freed temporaries, and the heap's free blocks stay resident. That surplus follows the
+order of the allocations, not the number of tokens, so it does not shrink with a sequence-parallel
+process's share of the tokens. A process of a sequence-parallel group therefore gets a lower
+threshold (:data:`SEQUENCE_PARALLEL_MMAP_THRESHOLD`: its largest activations are mapped on their own
+and returned when freed, the smaller blocks are still kept) and one malloc arena, which gloo's
+worker threads then share with the main thread instead of holding arenas of their own
+(docs/sequence_parallel.md, "Resident memory").
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 import sys
+
+from ...parallel import sequence_parallel_size
 
 # mallopt parameters, from glibc's malloc.h.
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 # glibc rejects mmap thresholds above DEFAULT_MMAP_THRESHOLD_MAX: 32 MiB on 64-bit systems.
 _MMAP_THRESHOLD_MAX = 32 << 20
 _TRIM_THRESHOLD = 2**31 - 1  # the largest value mallopt's int argument takes
+# A sequence-parallel process's threshold and arenas (measured: docs/sequence_parallel.md, "Resident memory").
+SEQUENCE_PARALLEL_MMAP_THRESHOLD = 8 << 20
+SEQUENCE_PARALLEL_ARENAS = 1
 
 
-def keep_freed_cpu_memory() -> bool:
-    """Make glibc keep freed blocks of up to 32 MiB for reuse instead of returning them to the OS.
+def _started_with(variable: str, tunable: str) -> bool:
+    """Whether the process was started with glibc's own setting (its environment variable or tunable; glibc reads
+    them once, at start): the trainer then leaves that setting alone."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    return variable in os.environ or any(part.startswith(tunable + "=") for part in tunables.replace(":", " ").split())
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _mallopt():
+    """glibc's ``mallopt``, or None on systems without glibc (macOS, Windows, musl)."""
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return mallopt
+
+
+def keep_freed_cpu_memory(mmap_threshold: int = _MMAP_THRESHOLD_MAX, arena_max: int | None = None) -> bool:
+    """Make glibc keep freed blocks of up to ``mmap_threshold`` bytes (at most 32 MiB) for reuse instead of
+    returning them to the OS, and never trim its heap; with ``arena_max``, let at most that many malloc arenas
+    serve the process's threads.
 
     Process-wide and lasting. Returns True when applied; False (and nothing changes) on systems
     without glibc (macOS, Windows, musl).
     """
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+    if not _is_int(mmap_threshold) or not 0 < mmap_threshold <= _MMAP_THRESHOLD_MAX:
+        raise ValueError(f"mmap_threshold must be an int in [1, {_MMAP_THRESHOLD_MAX}] bytes, got {mmap_threshold!r}.")
+    if arena_max is not None and (not _is_int(arena_max) or arena_max < 1):
+        raise ValueError(f"arena_max must be None or a positive int, got {arena_max!r}.")
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    applied = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+    if applied and arena_max is not None:
+        applied = bool(mallopt(_M_ARENA_MAX, arena_max))
+    return applied
+
+
+def set_cpu_malloc(config, accelerator) -> bool:
+    """The trainer's malloc settings for ``accelerator``'s process under ``config.keep_freed_cpu_memory``: none
+    off the CPU, when switched off, or when the process was started with an mmap threshold of its own
+    (``MALLOC_MMAP_THRESHOLD_`` or the tunable ``glibc.malloc.mmap_threshold``). A process of a sequence-parallel
+    group keeps blocks up to :data:`SEQUENCE_PARALLEL_MMAP_THRESHOLD` and has :data:`SEQUENCE_PARALLEL_ARENAS`
+    arena (unless started with ``MALLOC_ARENA_MAX`` / ``glibc.malloc.arena_max``); any other keeps blocks up to
+    32 MiB. Returns whether a setting was applied."""
+    if not config.keep_freed_cpu_memory or accelerator.device.type != "cpu":
         return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+    if _started_with("MALLOC_MMAP_THRESHOLD_", "glibc.malloc.mmap_threshold"):
+        return False
+    if sequence_parallel_size(accelerator) > 1:
+        arenas = None if _started_with("MALLOC_ARENA_MAX", "glibc.malloc.arena_max") else SEQUENCE_PARALLEL_ARENAS
+        return keep_freed_cpu_memory(SEQUENCE_PARALLEL_MMAP_THRESHOLD, arenas)
+    return keep_freed_cpu_memory()
