@@ -195,8 +195,11 @@ def run(args, processes: int, deepspeed: bool = True) -> list[dict]:
     out = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
-    lines = [line for line in out.stdout.splitlines() if line.startswith(RESULT_MARKER)]
-    return sorted((json.loads(line[len(RESULT_MARKER) :]) for line in lines), key=lambda r: r["rank"])
+    # The processes of a group share one stdout: two results can land on one line, so each is read where its marker
+    # starts, up to the end of its JSON object.
+    decoder, text = json.JSONDecoder(), out.stdout
+    starts = [i + len(RESULT_MARKER) for i in range(len(text)) if text.startswith(RESULT_MARKER, i)]
+    return sorted((decoder.raw_decode(text, start)[0] for start in starts), key=lambda r: r["rank"])
 
 
 def main() -> None:
