@@ -39,7 +39,8 @@ def discover() -> list[str]:
 
 
 def run_help(target: str) -> None:
-    """In a forked child: run `target` with `--help` as `python <target>` (or `python -m`) would, then exit."""
+    """In a forked child: run `target` with `--help` as `python <target>` (or `python -m`) would, then leave
+    through the interpreter's own shutdown (exit handlers, finalization), as that process would."""
     signal.alarm(CHILD_LIMIT_S)
     code = 0
     try:
@@ -60,9 +61,7 @@ def run_help(target: str) -> None:
     except BaseException:
         traceback.print_exc()
         code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    raise SystemExit(code)  # unwinds the child out of `main` and shuts its interpreter down
 
 
 def main(targets: list[str]) -> None:
