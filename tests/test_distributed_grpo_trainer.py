@@ -1,7 +1,8 @@
 """GRPOTrainer under `accelerate launch` on 2 processes (CPU) with the shipped DDP, DeepSpeed ZeRO-2 and ZeRO-3
 configs: each process takes its share of the generation's prompts with their groups whole, the processes end with
 the same weights, the logged metrics are over both processes' rows, and the update equals one process's step() on
-both processes' rollouts together (within float tolerance); RLOOTrainer likewise under DDP."""
+both processes' rollouts together (within float tolerance); RLOOTrainer (beta 0.1: its KL in the reward) likewise
+under the same three configs."""
 
 import os
 import sys
@@ -17,7 +18,8 @@ pytestmark = pytest.mark.xdist_group("distributed")
 
 
 @pytest.mark.parametrize("config, trainer", [("multi_gpu", "grpo"), ("deepspeed_zero2", "grpo"),
-                                             ("deepspeed_zero3", "grpo"), ("multi_gpu", "rloo")])  # fmt: skip
+                                             ("deepspeed_zero3", "grpo"), ("multi_gpu", "rloo"),
+                                             ("deepspeed_zero2", "rloo"), ("deepspeed_zero3", "rloo")])  # fmt: skip
 def test_two_processes_train_as_one_process_on_their_rollouts_together(config, trainer, base_model_dir, tmp_path):
     launch(config, SCRIPTS / "grpo_trainer_run.py", "--base_model", str(base_model_dir), "--output",
            str(tmp_path / "two" / "out.pt"), "--trainer", trainer)  # fmt: skip
