@@ -2,7 +2,8 @@
 subprocess; vLLM on the CPU): two generations of ``.train()`` through the engine. The second generation samples from
 the weights the first update made (pushed once, before it), the engine's log-probs equal a float64 recomputation
 with the weights each generation was sampled from and the trainer's own log-probs (TRL's ``sampling/*`` metrics),
-and the logged metrics are those of the rows the engine returned.
+and the logged metrics are those of the rows the engine returned. TRL's ``tools`` and ``environment_factory`` run their
+multi-turn episodes on the colocated engine the same way (test_grpo_trainer_tools' successor models and Counter).
 
 The tiny GPT-2 is 64 wide with 2 heads: vLLM's CPU attention needs a head size of at least 32.
 """
@@ -13,8 +14,15 @@ import pytest
 import torch
 from engine_checks import assert_sampled_rows_and_logprobs
 from grpo_helpers import length_reward, trainer
+from test_agents import add, expected_layout, make_chat_tokenizer, render_ids, successor_model
+from test_grpo_trainer_tools import ADD_TURN, INCREMENT_TURN, Counter, Spy, even_ids
+from test_grpo_trainer_tools import config as tools_config
+from test_grpo_trainer_tools import dataset as tools_dataset
 from test_vllm_server import launched_server
 from tiny_models import make_gpt2
+from transformers.utils import get_json_schema
+
+from trl_lite import GRPOTrainer
 
 import vllm  # noqa: F401  (a test dependency: without it this module fails, it is not skipped)
 
@@ -81,3 +89,70 @@ def _train_and_check(tmp_path, lm, **vllm):
         lengths_reward = [0.1 * len(r) + sum(int(t) % 2 == 0 for t in r) / max(len(r), 1) for r in responses]
         assert logged["reward"] == pytest.approx(sum(lengths_reward) / len(responses), rel=1e-6)
     assert grpo.state.global_step == 2
+
+
+@pytest.mark.parametrize("agents", ["tools", "environment"])
+def test_tool_and_environment_episodes_train_on_a_colocated_vllm_engine(tmp_path, agents):
+    """TRL's ``tools`` / ``environment_factory`` with ``use_vllm=True`` (colocate): two generations of episodes on the
+    engine, the second on the weights the first update pushed; every completion's tokens and response mask are the chat
+    template's own rendering of its messages, the engine's log-probs of the model's tokens equal a float64
+    recomputation with the weights each generation was sampled from, and the tool metrics and the environments'
+    rewards are those of the episodes the engine played."""
+    lm = successor_model(ADD_TURN if agents == "tools" else INCREMENT_TURN, scale=0.16, seed=1)
+    spy = Spy()
+    args = tools_config(tmp_path, max_steps=2, max_completion_length=24, use_vllm=True, vllm_max_model_length=512,
+                        vllm_importance_sampling_mode="token_truncate", gradient_checkpointing=False)  # fmt: skip
+    kwargs = {"tools": [add]} if agents == "tools" else {"environment_factory": Counter}
+    grpo = GRPOTrainer(lm, reward_funcs=[spy.reward, even_ids], args=args, train_dataset=tools_dataset(start=[3, 1]),
+                       processing_class=make_chat_tokenizer(), **kwargs)  # fmt: skip
+    ppo = grpo.ppo
+    assert ppo.config.use_vllm and ppo.config.importance_sampling_correction == "tis"
+    steps, pushes = [], []
+    step, push = ppo.step, ppo.generation.push
+
+    def recording_step(queries, responses, scores, **kwargs):
+        policy = copy.deepcopy(grpo.model).eval()  # the weights this generation was sampled from
+        steps.append((queries, responses, kwargs, policy))
+        return step(queries, responses, scores, **kwargs)
+
+    def recording_push(named):
+        pushes.append(len(steps))
+        return push(named)
+
+    ppo.step, ppo.generation.push = recording_step, recording_push
+    try:
+        grpo.train()
+    finally:
+        ppo.generation.close()
+
+    assert len(steps) == len(spy.rewards) == 2 and pushes == [1]
+    schema = [get_json_schema(add if agents == "tools" else Counter().increment)]
+    for (queries, responses, kwargs, policy), seen, logged in zip(steps, spy.rewards, grpo.state.log_history):
+        masks, logprobs = kwargs["response_masks"], kwargs["generation_logprobs"]
+        policy64 = successor_model({}).double().eval()
+        policy64.load_state_dict({k: v.double() for k, v in policy.state_dict().items()})
+        calls = 0
+        for i, (query, response, mask, row_logprobs) in enumerate(zip(queries, responses, masks, logprobs)):
+            messages = seen["prompts"][i] + seen["completions"][i]
+            calls += sum(m["role"] == "tool" for m in seen["completions"][i])
+            assert query.tolist() == render_ids(seen["prompts"][i], schema, True)
+            episode = type("E", (), {"messages": messages})
+            assert (response.tolist(), mask.tolist()) == expected_layout(episode, schema)
+            with torch.no_grad():
+                logits = policy64(input_ids=torch.cat([query, response])[None]).logits[0, len(query) - 1 : -1]
+            want = torch.log_softmax(logits, -1).gather(1, response[:, None]).squeeze(1)
+            assert (row_logprobs.double() - want)[mask.bool()].abs().max() < 1e-4
+        assert 0 < calls < 8  # some completions called the tool, some did not
+        assert logged["tools/call_frequency"] == pytest.approx(calls / 8)
+        assert logged["sampling/sampling_logp_difference/max"] < 1e-4
+        if agents == "environment":  # Counter's reward: its start plus what increment added
+            got = [env.get_reward() for env in seen["environments"]]
+            assert logged["rewards/Counter/mean"] == pytest.approx(sum(got) / 8)
+    # the second generation was sampled from the updated weights: the first policy's log-probs differ
+    queries, responses, kwargs, _ = steps[1]
+    first64 = successor_model({}).double().eval()
+    first64.load_state_dict({k: v.double() for k, v in steps[0][3].state_dict().items()})
+    with torch.no_grad():
+        logits = first64(input_ids=torch.cat([queries[0], responses[0]])[None]).logits[0, len(queries[0]) - 1 : -1]
+    stale = torch.log_softmax(logits, -1).gather(1, responses[0][:, None]).squeeze(1)
+    assert (kwargs["generation_logprobs"][0].double() - stale)[kwargs["response_masks"][0].bool()].abs().max() > 1e-4
