@@ -44,21 +44,16 @@ def test_train_on_a_vllm_server_samples_from_the_pushed_weights(tmp_path):
         _train_and_check(tmp_path, lm, vllm_mode="server", vllm_server_base_url=url)
 
 
-def _train_and_check(tmp_path, lm, **vllm):
-    """Two generations of ``.train()`` on the engine ``vllm`` configures; the checks of the module docstring."""
-    grpo = trainer(tmp_path / "out", model=lm, reward_funcs=(length_reward,), max_steps=2, max_completion_length=NEW,
-                   use_vllm=True, vllm_importance_sampling_mode="token_truncate", vllm_max_model_length=64,
-                   gradient_checkpointing=False, **vllm)  # fmt: skip
-    ppo = grpo.ppo
-    assert ppo.config.use_vllm and ppo.config.importance_sampling_correction == "tis"
-    assert ppo.config.vllm_mode == vllm.get("vllm_mode", "colocate")
-    steps, pushes = [], []
+def train_recorded(grpo):
+    """``grpo.train()`` with each step()'s ``(queries, responses, kwargs, policy it was sampled from, stats)`` and,
+    per weight push, how many steps came before it; the engine is closed after."""
+    ppo, steps, pushes = grpo.ppo, [], []
     step, push = ppo.step, ppo.generation.push
 
     def recording_step(queries, responses, scores, **kwargs):
         policy = copy.deepcopy(grpo.model).eval()  # the weights this generation was sampled from
         stats = step(queries, responses, scores, **kwargs)
-        steps.append((queries, responses, kwargs["generation_logprobs"], policy, stats))
+        steps.append((queries, responses, kwargs, policy, stats))
         return stats
 
     def recording_push(named):
@@ -70,8 +65,21 @@ def _train_and_check(tmp_path, lm, **vllm):
         grpo.train()
     finally:
         ppo.generation.close()
+    return steps, pushes
 
+
+def _train_and_check(tmp_path, lm, **vllm):
+    """Two generations of ``.train()`` on the engine ``vllm`` configures; the checks of the module docstring."""
+    grpo = trainer(tmp_path / "out", model=lm, reward_funcs=(length_reward,), max_steps=2, max_completion_length=NEW,
+                   use_vllm=True, vllm_importance_sampling_mode="token_truncate", vllm_max_model_length=64,
+                   gradient_checkpointing=False, **vllm)  # fmt: skip
+    ppo = grpo.ppo
+    assert ppo.config.use_vllm and ppo.config.importance_sampling_correction == "tis"
+    assert ppo.config.vllm_mode == vllm.get("vllm_mode", "colocate")
+    steps, pushes = train_recorded(grpo)
     assert len(steps) == 2 and pushes == [1]  # the first update pushed once, before the second generation
+    steps = [(queries, responses, kwargs["generation_logprobs"], policy, stats)
+             for queries, responses, kwargs, policy, stats in steps]  # fmt: skip
     for queries, responses, logprobs, policy, _ in steps:
         rows = [torch.cat([q, r]) for q, r in zip(queries, responses)]
         assert_sampled_rows_and_logprobs(rows, logprobs, policy, queries[::K], K, NEW, EOS)
@@ -110,28 +118,11 @@ def test_tool_and_environment_episodes_train_on_a_colocated_vllm_engine(tmp_path
                        processing_class=make_chat_tokenizer(), **kwargs)  # fmt: skip
     ppo = grpo.ppo
     assert ppo.config.use_vllm and ppo.config.importance_sampling_correction == "tis"
-    steps, pushes = [], []
-    step, push = ppo.step, ppo.generation.push
-
-    def recording_step(queries, responses, scores, **kwargs):
-        policy = copy.deepcopy(grpo.model).eval()  # the weights this generation was sampled from
-        steps.append((queries, responses, kwargs, policy))
-        return step(queries, responses, scores, **kwargs)
-
-    def recording_push(named):
-        pushes.append(len(steps))
-        return push(named)
-
-    ppo.step, ppo.generation.push = recording_step, recording_push
-    try:
-        grpo.train()
-    finally:
-        ppo.generation.close()
-
+    steps, pushes = train_recorded(grpo)
     assert len(steps) == len(spy.rewards) == 2 and pushes == [1]
     schema = [get_json_schema(add if agents == "tools" else Counter().increment)]
     tokenizer, calls_per_generation, answered = make_chat_tokenizer(), [], 0
-    for (queries, responses, kwargs, policy), seen, logged in zip(steps, spy.rewards, grpo.state.log_history):
+    for (queries, responses, kwargs, policy, _), seen, logged in zip(steps, spy.rewards, grpo.state.log_history):
         masks, logprobs = kwargs["response_masks"], kwargs["generation_logprobs"]
         policy64 = successor_model({}).double().eval()
         policy64.load_state_dict({k: v.double() for k, v in policy.state_dict().items()})
@@ -159,7 +150,7 @@ def test_tool_and_environment_episodes_train_on_a_colocated_vllm_engine(tmp_path
     assert 0 < calls_per_generation[0] < 8  # some completions called the tool, some did not
     assert answered > 0  # and some read its answer: tool tokens out of the loss
     # the second generation was sampled from the updated weights: the first policy's log-probs differ
-    queries, responses, kwargs, _ = steps[1]
+    queries, responses, kwargs, _, _ = steps[1]
     first64 = successor_model({}).double().eval()
     first64.load_state_dict({k: v.double() for k, v in steps[0][3].state_dict().items()})
     with torch.no_grad():
