@@ -96,8 +96,9 @@ def test_tool_and_environment_episodes_on_two_processes_train_as_one_process(con
         assert all(row["prompt"][0]["content"] in prompt for prompt, _ in report["seen"][process])
     tool_messages = [count for _, count in seen]
     assert 0 < sum(tool_messages) < 8  # some episodes called the tool, some did not
-    lengths = [len(r) for r in rollout0[1] + rollout1[1]]
-    assert len(set(lengths)) > 1  # episodes of different lengths, on each process's collective turns
+    assert rollout0[1] != rollout1[1]  # each process sampled from a seed of its own
+    turns = [[sum(m[i] > m[i + 1] for i in range(len(m) - 1)) + 1 for m in r[3]] for r in (rollout0, rollout1)]
+    assert sorted(turns[0]) != sorted(turns[1])  # the processes played different numbers of model turns
     logged = report["log_history"][0]
     assert logged["tools/call_frequency"] == pytest.approx(sum(tool_messages) / 8)
     if agents == "environment":  # Counter's reward: its start plus 2 per increment call, over both processes

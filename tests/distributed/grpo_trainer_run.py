@@ -9,7 +9,8 @@ class and how many parameters it partitions to --output.
 
 ``--agents``: TRL's ``tools`` (test_agents' ``add``) or ``environment_factory`` (test_grpo_trainer_tools' ``Counter``,
 its ``get_reward`` a reward source) on chat prompts; DIR then holds a sampling successor model of test_agents that
-calls the tool in some completions, and each step() call's response masks and group ids are written too.
+calls the tool in some completions (each process sampling from a seed of its own, so that the processes' episodes
+differ), and each step() call's response masks and group ids are written too.
 """
 
 import argparse
@@ -96,6 +97,8 @@ def main() -> None:
         return step(queries, responses, scores, **kwargs)
 
     trainer.ppo.step = recording_step
+    if args.agents is not None:  # the successor model ignores its prompt: a seed per process makes the episodes differ
+        torch.manual_seed(100 + trainer.accelerator.process_index)
     trainer.train()
     weights = full_named_parameters(trainer.ppo, trainer.model)
     rollouts, seen, all_weights = gather(ROLLOUTS), gather(SEEN), gather(weights)
