@@ -82,7 +82,8 @@ def test_tool_and_environment_episodes_on_two_processes_train_as_one_process(con
     # 384 wide: the embedding and head exceed ZeRO-3's persistence threshold, so they are partitioned; the head scaled
     # so that about half the turns follow the tool-calling map and the others wander (rewards differ within a group).
     model_dir = tmp_path / "model"
-    successor_model(ADD_TURN if agents == "tools" else INCREMENT_TURN, scale=0.017, seed=1, n_embd=384).save_pretrained(model_dir)
+    successors = ADD_TURN if agents == "tools" else INCREMENT_TURN
+    successor_model(successors, scale=0.017, seed=1, n_embd=384).save_pretrained(model_dir)
     launch(config, SCRIPTS / "grpo_trainer_run.py", "--base_model", str(model_dir), "--output",
            str(tmp_path / "two" / "out.pt"), "--agents", agents)  # fmt: skip
     report = torch.load(tmp_path / "two" / "out.pt")

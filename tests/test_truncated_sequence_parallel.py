@@ -131,7 +131,8 @@ def test_a_group_plays_episodes_and_steps_over_the_kept_sets_it_recorded_as_one_
     # the first round's sets are the sampler's: a float64 brute force on the initial weights
     lm, cut = AutoModelForCausalLM.from_pretrained(model_dir), Truncation(top_k=5, top_p=0.9)
     first = parallel["rounds"][0][0]
-    for query, response, mask, (offsets, ids) in zip(first["queries"], first["responses"], first["masks"], first["kept"]):
+    columns = (first[key] for key in ("queries", "responses", "masks", "kept"))
+    for query, response, mask, (offsets, ids) in zip(*columns):
         query, response, actions = torch.tensor(query), torch.tensor(response), torch.tensor(mask).bool()
         want = brute_kept(logits64(lm, query, response)[actions] / 0.7, cut)
         got = [sorted(ids[a:b]) for a, b, m in zip(offsets, offsets[1:], mask) if m]

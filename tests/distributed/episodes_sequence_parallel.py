@@ -45,7 +45,9 @@ def as_lists(kept) -> tuple | None:
 
 
 def from_lists(kept) -> KeptSets | None:
-    return None if kept is None else KeptSets(torch.tensor(kept[0]), torch.tensor(kept[1], dtype=torch.int32), len(kept[0]) - 1)
+    if kept is None:
+        return None
+    return KeptSets(torch.tensor(kept[0]), torch.tensor(kept[1], dtype=torch.int32), len(kept[0]) - 1)
 
 
 def gathered(value, trainer) -> list:
@@ -112,7 +114,8 @@ def main() -> None:
                 torch.save({"refusal": refusal}, os.path.join(args.output_dir, "result.pt"))
             finish(trainer)
             return
-        mine = {"queries": [q.tolist() for q in inputs["queries"]], "responses": [r.tolist() for r in inputs["responses"]],
+        mine = {"queries": [q.tolist() for q in inputs["queries"]],
+                "responses": [r.tolist() for r in inputs["responses"]],
                 "masks": [m.tolist() for m in inputs["response_masks"]], "scores": [float(s) for s in inputs["scores"]],
                 "group_ids": inputs["group_ids"], "kept": [as_lists(k) for k in inputs["kept_sets"]]}  # fmt: skip
         rounds.append(gathered(mine, trainer))
