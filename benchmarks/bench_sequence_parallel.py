@@ -29,7 +29,7 @@ in the tensor peak) and the first and second steps' CPU seconds (user + system, 
 faults (``ru_minflt``: pages the kernel mapped in, for malloc fresh zeroed ones);
 ``--no_tensor_peak`` skips the profiled steps. By default the trainer sets glibc's malloc itself
 (``PPOConfig.keep_freed_cpu_memory``: blocks up to 32 MiB kept on 1 process, a lower mmap threshold and one arena
-on a process of the group; trl_lite/trainer/memory/cpu_memory.py).
+on a process of the group, lifted to 32 MiB during the rollout; trl_lite/trainer/memory/cpu_memory.py).
 ``--return_freed_cpu_memory`` runs every case with ``PPOConfig(keep_freed_cpu_memory=False)`` (glibc's own malloc
 settings); ``--mmap_threshold BYTES`` starts every process with glibc's mmap threshold fixed
 (``MALLOC_MMAP_THRESHOLD_``, which turns its dynamic threshold off; ``MALLOC_TRIM_THRESHOLD_=2147483647``), which

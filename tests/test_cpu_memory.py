@@ -97,7 +97,8 @@ def test_blocks_above_the_threshold_are_mapped_on_their_own(args, mapped_mib):
 
 def make_trainer():
     config = PPOConfig(batch_size=4, mini_batch_size=2, ppo_epochs=2, learning_rate=1e-3)
-    return PPOTrainer(config, AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2()), tokenizer=make_tokenizer())
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2())
+    return PPOTrainer(config, model, tokenizer=make_tokenizer())
 
 
 def _accelerator(device="cpu", sp_size=None):
@@ -219,9 +220,11 @@ def test_the_rollout_runs_its_passes_under_the_lifted_threshold(mallopt_calls, m
     trainer = make_trainer()
     monkeypatch.setattr(cpu_memory, "_lowered_threshold", 8 << 20)  # as set_cpu_malloc leaves a group's process
     del mallopt_calls[:]
+    def marked(name, method):  # the call, recorded in order with the mallopt calls
+        return lambda *args, **kwargs: mallopt_calls.append(name) or method(*args, **kwargs)
+
     for part, name in ((trainer.forward, "rollout_pass"), (trainer.learner, "pass_losses")):
-        method = getattr(part, name)
-        monkeypatch.setattr(part, name, lambda *args, _m=method, _n=name, **kw: mallopt_calls.append(_n) or _m(*args, **kw))
+        monkeypatch.setattr(part, name, marked(name, getattr(part, name)))
     queries, responses, scores = random_batch(4)
     trainer.step(queries, responses, scores)
     rollout = [i for i, call in enumerate(mallopt_calls) if call == "rollout_pass"]
@@ -263,7 +266,8 @@ with transient_blocks_in_heap():
     reused = faults(3)
 before = mallinfo2().hblkhd
 blocks = [torch.empty(3 << 20) for _ in range(2)]
-print(json.dumps({"applied": applied, "mapped": mapped, "reused": reused, "mapped_after": mallinfo2().hblkhd - before}))
+mapped_after = mallinfo2().hblkhd - before
+print(json.dumps({"applied": applied, "mapped": mapped, "reused": reused, "mapped_after": mapped_after}))
 """
 
 

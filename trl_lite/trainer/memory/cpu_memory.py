@@ -19,9 +19,9 @@ worker threads then share with the main thread instead of holding arenas of thei
 
 A pass without grad frees each activation within its layer, so its blocks are transient: from the heap the next
 layer reuses them, while a block mapped on its own is faulted in and zeroed by the kernel at every allocation. In
-a step's first rollout the heap has not yet grown to hold them, so under the group's threshold every one of them
-was mapped (141 maps of 12 MB per process on the benchmark: about 430k page faults, +18% CPU time in the first
-step); :func:`transient_blocks_in_heap` puts the rollout's passes back under the 32 MiB threshold.
+the run's first rollout the heap has not yet grown to hold them, so under the group's threshold every one of them
+was mapped (on the benchmark 136-141 maps of 12 MB per process, 415-456k page faults: the first step took 14-18%
+more CPU time than under 32 MiB); :func:`transient_blocks_in_heap` puts the rollout's passes back under 32 MiB.
 """
 
 from __future__ import annotations
