@@ -25,10 +25,11 @@ Each run also reports the growth of its peak resident size (``VmHWM``, reset bef
 size before each of the first two (unprofiled) steps, and how much of the first step's growth is file-backed
 pages (``RssFile``: library code run for the first time), the memory glibc's malloc holds free in its heaps after
 the first step (``mallinfo2``'s ``fordblks``: freed blocks kept for reuse, resident, counted in the growth but not
-in the tensor peak) and the first and second steps' CPU seconds (user + system, of this process);
+in the tensor peak) and the first and second steps' CPU seconds (user + system, of this process) and minor page
+faults (``ru_minflt``: pages the kernel mapped in, for malloc fresh zeroed ones);
 ``--no_tensor_peak`` skips the profiled steps. By default the trainer sets glibc's malloc itself
 (``PPOConfig.keep_freed_cpu_memory``: blocks up to 32 MiB kept on 1 process, a lower mmap threshold and one arena
-on a process of the group; trl_lite/trainer/memory/cpu_memory.py).
+on a process of the group, lifted to 32 MiB during the rollout; trl_lite/trainer/memory/cpu_memory.py).
 ``--return_freed_cpu_memory`` runs every case with ``PPOConfig(keep_freed_cpu_memory=False)`` (glibc's own malloc
 settings); ``--mmap_threshold BYTES`` starts every process with glibc's mmap threshold fixed
 (``MALLOC_MMAP_THRESHOLD_``, which turns its dynamic threshold off; ``MALLOC_TRIM_THRESHOLD_=2147483647``), which
@@ -85,13 +86,13 @@ def worker(args) -> None:
         before, file_before = resident_mb("VmRSS"), resident_mb("RssFile")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # the peak resident size (VmHWM) starts again from the current one
-        start, cpu_start = time.perf_counter(), cpu_seconds()
+        start, cpu_start, faults_start = time.perf_counter(), cpu_seconds(), minor_faults()
         stats = trainer.step(queries, responses, scores)
         if not growth:
             seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu_start  # the first step's times
-            heap_free = malloc_free_mb()
+            heap_free, faults = malloc_free_mb(), minor_faults() - faults_start
         else:
-            second_cpu = cpu_seconds() - cpu_start
+            second_cpu, second_faults = cpu_seconds() - cpu_start, minor_faults() - faults_start
         growth.append((resident_mb("VmHWM") - before, resident_mb("RssFile") - file_before))
     peaks = []
     for _ in range(0 if args.no_tensor_peak else 2):
@@ -107,6 +108,7 @@ def worker(args) -> None:
         "tensor_peak_mb": peak, "tensor_peaks_mb": peaks, "step_seconds": seconds, "loss": stats["ppo/loss/total"],
         "resident_growth_mb": growth[0][0], "file_growth_mb": growth[0][1], "second_growth_mb": growth[1][0],
         "heap_free_mb": heap_free, "cpu_seconds": cpu, "second_cpu_seconds": second_cpu,
+        "faults": faults, "second_faults": second_faults,
     }  # fmt: skip
     print(RESULT_MARKER + json.dumps(result), flush=True)
     trainer.accelerator.wait_for_everyone()
@@ -124,6 +126,11 @@ def cpu_seconds() -> float:
     """This process's user + system CPU time so far, in seconds."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far (the kernel mapping a page in: for malloc, a fresh zeroed page)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 class _MallInfo2(ctypes.Structure):
@@ -233,8 +240,8 @@ def main() -> None:
     print("| processes | DeepSpeed | sp_size | threads each | tensor peak per process (MB) | of 1 process | "
           "of 1 DeepSpeed process | 2 peaks (MB) | resident growth, first step (MB) | of 1 process | of it file-backed "
           "(MB) | malloc's free heap (MB) | resident growth, second step (MB) | of 1 process | step (s) | "
-          "step CPU (s) | second step CPU (s) |")  # fmt: skip
-    print("| ---: | --- |" + " ---: |" * 15)
+          "step CPU (s) | second step CPU (s) | page faults, first step | second step |")  # fmt: skip
+    print("| ---: | --- |" + " ---: |" * 17)
     for r in [alone, alone_deepspeed, *group]:
         if args.no_tensor_peak:
             peak = ratio = ratio_deepspeed = both = "-"
@@ -251,7 +258,8 @@ def main() -> None:
               f"{r['threads']} | {peak} | {ratio} | {ratio_deepspeed} | {both} | "
               f"{r['resident_growth_mb']:.0f} | {resident:.2f} | {r['file_growth_mb']:.0f} | {heap_free} | "
               f"{r['second_growth_mb']:.0f} | {second} | {r['step_seconds']:.1f} | "
-              f"{r['cpu_seconds']:.1f} | {r['second_cpu_seconds']:.1f} |")  # fmt: skip
+              f"{r['cpu_seconds']:.2f} | {r['second_cpu_seconds']:.2f} | {r['faults'] / 1e3:.0f}k | "
+              f"{r['second_faults'] / 1e3:.0f}k |")  # fmt: skip
     print(f"loss: 1 process {alone['loss']:.6f}, 1 DeepSpeed process {alone_deepspeed['loss']:.6f}, "
           f"sequence-parallel {group[0]['loss']:.6f}")  # fmt: skip
 

@@ -9,9 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_models import make_gpt2, make_tokenizer, random_batch
+
+from trl_lite import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
 
 from trl_lite.trainer.memory import cpu_memory
-from trl_lite.trainer.memory.cpu_memory import keep_freed_cpu_memory, set_cpu_malloc
+from trl_lite.trainer.memory.cpu_memory import keep_freed_cpu_memory, set_cpu_malloc, transient_blocks_in_heap
 
 # Runs in a fresh interpreter: the setting is process-wide and must not leak into other tests.
 # Like a mini-batch, each round allocates, touches and frees one and then three 20 MiB tensors
@@ -92,6 +95,12 @@ def test_blocks_above_the_threshold_are_mapped_on_their_own(args, mapped_mib):
             assert result["mapped"][str(mib)] == 0, result
 
 
+def make_trainer():
+    config = PPOConfig(batch_size=4, mini_batch_size=2, ppo_epochs=2, learning_rate=1e-3)
+    model = AutoModelForCausalLMWithValueHead.from_pretrained(make_gpt2())
+    return PPOTrainer(config, model, tokenizer=make_tokenizer())
+
+
 def _accelerator(device="cpu", sp_size=None):
     parallelism = None if sp_size is None else SimpleNamespace(sp_size=sp_size)
     return SimpleNamespace(device=torch.device(device), parallelism_config=parallelism)
@@ -102,6 +111,7 @@ def mallopt_calls(monkeypatch):
     """The mallopt calls set_cpu_malloc makes, recorded instead of made (the test process's malloc stays)."""
     calls = []
     monkeypatch.setattr(cpu_memory, "_mallopt", lambda: lambda param, value: calls.append((param, value)) or 1)
+    monkeypatch.setattr(cpu_memory, "_lowered_threshold", None)  # what this test sets, undone after it
     for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX", "GLIBC_TUNABLES"):
         monkeypatch.delenv(name, raising=False)
     return calls
@@ -168,3 +178,104 @@ def test_bad_settings_are_rejected_before_any_call(mallopt_calls, kwargs):
     with pytest.raises(ValueError, match=name):
         keep_freed_cpu_memory(**kwargs)
     assert mallopt_calls == []
+
+
+def test_a_group_process_lifts_its_threshold_during_passes_without_grad(mallopt_calls):
+    assert set_cpu_malloc(SimpleNamespace(keep_freed_cpu_memory=True), _accelerator(sp_size=2)) is True
+    del mallopt_calls[:]
+    with transient_blocks_in_heap():
+        assert mallopt_calls == [(-3, 32 << 20)]
+    assert mallopt_calls == [(-3, 32 << 20), (-3, 8 << 20)]
+    del mallopt_calls[:]
+    with pytest.raises(RuntimeError, match="a pass failed"), transient_blocks_in_heap():
+        raise RuntimeError("a pass failed")
+    assert mallopt_calls == [(-3, 32 << 20), (-3, 8 << 20)]  # restored on the way out as well
+
+
+@pytest.mark.parametrize("keep, device, sp_size, variable", [
+    (True, "cpu", None, None), (True, "cpu", 1, None), (False, "cpu", 2, None), (True, "cuda", 2, None),
+    (True, "cpu", 2, "MALLOC_MMAP_THRESHOLD_"),
+])  # fmt: skip
+def test_passes_without_grad_change_nothing_in_any_other_process(mallopt_calls, monkeypatch, keep, device, sp_size,
+                                                                variable):  # fmt: skip
+    if variable is not None:
+        monkeypatch.setenv(variable, "1048576")
+    set_cpu_malloc(SimpleNamespace(keep_freed_cpu_memory=keep), _accelerator(device, sp_size))
+    del mallopt_calls[:]
+    with transient_blocks_in_heap():
+        pass
+    assert mallopt_calls == []
+
+
+def test_a_setting_of_the_callers_own_after_the_groups_is_left_alone(mallopt_calls):
+    set_cpu_malloc(SimpleNamespace(keep_freed_cpu_memory=True), _accelerator(sp_size=2))
+    assert keep_freed_cpu_memory(4 << 20) is True
+    del mallopt_calls[:]
+    with transient_blocks_in_heap():
+        pass
+    assert mallopt_calls == []
+
+
+def test_the_rollout_runs_its_passes_under_the_lifted_threshold(mallopt_calls, monkeypatch):
+    trainer = make_trainer()
+    monkeypatch.setattr(cpu_memory, "_lowered_threshold", 8 << 20)  # as set_cpu_malloc leaves a group's process
+    del mallopt_calls[:]
+    def marked(name, method):  # the call, recorded in order with the mallopt calls
+        return lambda *args, **kwargs: mallopt_calls.append(name) or method(*args, **kwargs)
+
+    for part, name in ((trainer.forward, "rollout_pass"), (trainer.learner, "pass_losses")):
+        monkeypatch.setattr(part, name, marked(name, getattr(part, name)))
+    queries, responses, scores = random_batch(4)
+    trainer.step(queries, responses, scores)
+    rollout = [i for i, call in enumerate(mallopt_calls) if call == "rollout_pass"]
+    training = [i for i, call in enumerate(mallopt_calls) if call == "pass_losses"]
+    assert len(rollout) == 2 and len(training) == 4, mallopt_calls  # 4 rows in mini-batches of 2; 2 epochs
+    lifted, lowered = mallopt_calls.index((-3, 32 << 20)), mallopt_calls.index((-3, 8 << 20))
+    assert lifted < rollout[0] and rollout[-1] < lowered < training[0], mallopt_calls
+    assert [call for call in mallopt_calls if isinstance(call, tuple)] == [(-3, 32 << 20), (-3, 8 << 20)]
+
+
+# A process of a group (8 MiB threshold, set as the trainer does) allocates, fills and frees a 12 MiB block four
+# times: each one is mapped on its own and faulted in page by page (3,072 pages). Within transient_blocks_in_heap
+# the first comes from the heap and the next three reuse it. After it two blocks alive at once: the heap's free
+# block serves one, the other is mapped on its own again (the 8 MiB threshold is back).
+TRANSIENT_CHILD = """
+import ctypes, json, resource, torch
+from types import SimpleNamespace
+from trl_lite.trainer.memory.cpu_memory import set_cpu_malloc, transient_blocks_in_heap
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+mallinfo2 = ctypes.CDLL(None).mallinfo2
+mallinfo2.restype = MallInfo2
+
+def faults(rounds):
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(rounds):
+        block = torch.empty(3 << 20)  # float32: 12 MiB
+        block.fill_(1.0)
+        del block
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start
+
+group = SimpleNamespace(device=torch.device("cpu"), parallelism_config=SimpleNamespace(sp_size=2))
+applied = set_cpu_malloc(SimpleNamespace(keep_freed_cpu_memory=True), group)
+mapped = faults(4)
+with transient_blocks_in_heap():
+    faults(1)  # grows the heap once
+    reused = faults(3)
+before = mallinfo2().hblkhd
+blocks = [torch.empty(3 << 20) for _ in range(2)]
+mapped_after = mallinfo2().hblkhd - before
+print(json.dumps({"applied": applied, "mapped": mapped, "reused": reused, "mapped_after": mapped_after}))
+"""
+
+
+def test_blocks_of_a_pass_without_grad_are_reused_from_the_heap():
+    out = subprocess.run([sys.executable, "-c", TRANSIENT_CHILD], capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["applied"] is True
+    assert result["reused"] < 100, result
+    assert result["mapped_after"] >= 12 << 20, result
+    if not _transparent_huge_pages_always():
+        assert result["mapped"] > 4 * 3000, result

@@ -321,9 +321,9 @@ class PPOConfig:
             "the process instead of returning it to the OS (a process-wide malloc setting, see "
             "trl_lite.trainer.memory.cpu_memory): saves the kernel's page faults on every vocabulary-sized tensor, "
             "about a fifth of a step on the w1 benchmark. Resident memory stays at its peak. A process of a "
-            "sequence-parallel group keeps only blocks up to 8 MiB, with one malloc arena (docs/sequence_parallel.md, "
-            "'Resident memory'). A process started with MALLOC_MMAP_THRESHOLD_ keeps that setting. Also makes CPU "
-            "steps reuse one LM-head logits buffer, kept between steps."
+            "sequence-parallel group keeps only blocks up to 8 MiB outside the rollout, with one malloc arena "
+            "(docs/sequence_parallel.md, 'Resident memory'). A process started with MALLOC_MMAP_THRESHOLD_ keeps "
+            "that setting. Also makes CPU steps reuse one LM-head logits buffer, kept between steps."
         },
     )
     lm_head_chunk_size: int | None = field(

@@ -22,6 +22,7 @@ from ...models.dropout import has_dropout
 from ...models.packed_attention import ROW_LENGTHS, attend_per_row, rows_mask, takes_row_lengths, without_cudnn
 from ...models.varlen_attention import packed_rows
 from ..layout.rows import InputLayout, Rows, at_positions, make_rows, pad_token_id, to_compact, to_device
+from ..memory.cpu_memory import transient_blocks_in_heap
 from ..memory.oom_backoff import MemoryBackoff
 from ..memory.prefix_sharing import PrefixSharing, Schedule, obstacle, units_passes
 from ..memory.token_budget import split_by_tokens
@@ -401,7 +402,8 @@ class ForwardPass:
 
         # A pass that runs out of memory: every pass again with half the budget (see oom_backoff).
         try:
-            out = self.memory.until_done(passes)
+            with transient_blocks_in_heap():  # a sequence-parallel process's activations: reused, not mapped anew
+                out = self.memory.until_done(passes)
             if self._kept_passes is not None:
                 self._rollout_kept = self._kept_of_passes(batch, width)
         finally:
