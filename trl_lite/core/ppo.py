@@ -10,7 +10,7 @@ KL_PENALTIES = ("kl", "abs", "mse", "full")
 # docs/algorithm.md section 13: how per-token losses of a mini-batch become one number, and TRL's names for them.
 LOSS_TYPES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "global_token_mean")
 LOSS_TYPE_ALIASES = {"bnpo": "token_mean", "grpo": "seq_mean_token_mean", "dr_grpo": "seq_mean_token_sum_norm", "dapo": "global_token_mean"}
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_sum")
 
 
 def kl_estimate(
@@ -101,14 +101,18 @@ def importance_ratio(
 
     ``"token"``: ``exp(lp - lp_old)``. ``"sequence"`` (GSPO): row ``i`` uses
     ``s_i = exp(masked_mean_t(lp - lp_old))`` at every position, the gradient flowing through the
-    mean (a row without action tokens gets ``s_i = 1``). Shape: ``(B, L)`` three times -> ``(B, L)``.
+    mean (a row without action tokens gets ``s_i = 1``). ``"sequence_sum"`` (TRL 1.x's RLOO): the ratio of
+    the whole response's probabilities, ``s_i = exp(masked_sum_t(lp - lp_old))``, at every position.
+    Shape: ``(B, L)`` three times -> ``(B, L)``.
     """
     log_ratio = logprobs - old_logprobs
     if level == "token":
         return torch.exp(log_ratio)
-    if level == "sequence":
-        row_mean = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        return torch.exp(row_mean).unsqueeze(-1).expand_as(log_ratio)
+    if level in ("sequence", "sequence_sum"):
+        row_log_ratio = (log_ratio * mask).sum(-1)
+        if level == "sequence":
+            row_log_ratio = row_log_ratio / mask.sum(-1).clamp(min=1)
+        return torch.exp(row_log_ratio).unsqueeze(-1).expand_as(log_ratio)
     raise ValueError(f"level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {level!r}.")
 
 

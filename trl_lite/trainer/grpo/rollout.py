@@ -17,6 +17,7 @@ import torch
 
 from ..step.transfer import to_host_together
 from .prompts import completions_of, prompt_ids
+from .rewards import RewardLog
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Generation:
     table: dict[str, list] = field(default_factory=dict)
     group_ids: list[int] | None = None  # multi-turn episodes: a group is its prompt (its members' queries may differ)
     kept_sets: list | None = None  # multi-turn episodes under truncated sampling: their samplers' kept sets
+    reward_metrics: dict = field(default_factory=dict)  # log_metric: name -> (sum, count) on this process
 
     @property
     def has_actions(self) -> bool:
@@ -91,8 +93,9 @@ class GRPORollout:
         sampled = self._episodes(rows, k) if self.agents is not None else self._sample(rows, k)
         responses = sampled.responses
         columns = {key: [row[key] for row in rows for _ in range(k)] for key in rows[0] if key not in ("prompt", "completion", "completion_ids")}  # fmt: skip
+        log = RewardLog()
         per_func = self.rewards(sampled.prompts, sampled.completions, [r.tolist() for r in responses], columns,
-                                **sampled.reward_kwargs, **reward_kwargs)  # fmt: skip
+                                **sampled.reward_kwargs, **log.kwargs(), **reward_kwargs)  # fmt: skip
         rewards = self.rewards.combine(per_func)
         truncated = sampled.truncated
         scores = _scores_for_step(rewards, k)
@@ -105,10 +108,11 @@ class GRPORollout:
         table = {}
         if self.keep_table:  # log_completions: the prompts and completions as text, with each function's reward
             table = {"prompt": self.tokenizer.batch_decode(sampled.queries, skip_special_tokens=True),
-                     "completion": sampled.texts, **{name: per_func[:, j].tolist() for j, name in enumerate(self.rewards.names)}}  # fmt: skip
+                     "completion": sampled.texts, **{name: per_func[:, j].tolist() for j, name in enumerate(self.rewards.names)},
+                     **log.columns}  # fmt: skip
         group_ids = [i // k for i in range(len(responses))] if self.agents is not None else None
         return Generation(sampled.queries, responses, [torch.tensor(s) for s in scores.tolist()], masks,
-                          sampled.logprobs, metric_rows, table, group_ids, sampled.kept_sets)  # fmt: skip
+                          sampled.logprobs, metric_rows, table, group_ids, sampled.kept_sets, log.sums())  # fmt: skip
 
     def _sample(self, rows: list[dict], k: int) -> Sampled:
         """One ``generate`` call: ``k`` single-turn completions per row."""

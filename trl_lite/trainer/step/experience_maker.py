@@ -213,7 +213,8 @@ class ExperienceMaker:
         if config.advantage_estimator == "rloo":
             sequence_advantages = rloo_advantages(sequence_rewards, groups, num_groups)
         else:
-            sequence_advantages = grpo_advantages(sequence_rewards, groups, config.grpo_scale_rewards, num_groups=num_groups)
+            sequence_advantages = grpo_advantages(sequence_rewards, groups, config.grpo_scale_rewards,
+                                                  config.grpo_std_eps, num_groups=num_groups)  # fmt: skip
         return sequence_to_tokens(sequence_advantages, mask).detach()
 
     def generation_columns(self, generation_logprobs, mask, shift: int) -> torch.Tensor | None:
