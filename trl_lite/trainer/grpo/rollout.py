@@ -1,9 +1,9 @@
 """One GRPO generation: prompts -> ``num_generations`` completions each on the trainer's engine -> rewards -> the
 inputs of ``PPOTrainer.step`` and TRL's metrics of the generation.
 
-Rows no reward function scored (all ``None``) and, with ``mask_truncated_completions``, truncated completions are
-dropped from the loss (a zero response mask); an unscored row's score is its group's NaN-aware mean, so it adds
-nothing to the group's centred rewards. With TRL's ``tools`` / ``environment_factory`` each completion is a
+A row no reward function scored (all ``None``) goes to ``step()`` with a NaN score: it stays in the loss with
+advantage 0 and is left out of its group's mean and std (TRL 1.x's rule, docs/algorithm_objectives.md section 12).
+With ``mask_truncated_completions``, truncated completions are dropped from the loss (a zero response mask). With TRL's ``tools`` / ``environment_factory`` each completion is a
 multi-turn episode (:mod:`.agents`): the tool and template tokens are out of the loss and out of the lengths.
 """
 
@@ -96,10 +96,9 @@ class GRPORollout:
         log = RewardLog()
         per_func = self.rewards(sampled.prompts, sampled.completions, [r.tolist() for r in responses], columns,
                                 **sampled.reward_kwargs, **log.kwargs(), **reward_kwargs)  # fmt: skip
-        rewards = self.rewards.combine(per_func)
+        rewards = self.rewards.combine(per_func)  # NaN: unscored, out of its group's baseline, advantage 0 (TRL's)
         truncated = sampled.truncated
-        scores = _scores_for_step(rewards, k)
-        dropped = torch.isnan(rewards) | (truncated if self.mask_truncated else torch.zeros_like(truncated))
+        dropped = truncated if self.mask_truncated else torch.zeros_like(truncated)
         masks = sampled.model_masks
         if dropped.any():
             masks = [(m if m is not None else torch.ones_like(r)) * (0 if drop else 1)
@@ -111,7 +110,7 @@ class GRPORollout:
                      "completion": sampled.texts, **{name: per_func[:, j].tolist() for j, name in enumerate(self.rewards.names)},
                      **log.columns}  # fmt: skip
         group_ids = [i // k for i in range(len(responses))] if self.agents is not None else None
-        return Generation(sampled.queries, responses, [torch.tensor(s) for s in scores.tolist()], masks,
+        return Generation(sampled.queries, responses, [torch.tensor(s) for s in rewards.tolist()], masks,
                           sampled.logprobs, metric_rows, table, group_ids, sampled.kept_sets, log.sums())  # fmt: skip
 
     def _sample(self, rows: list[dict], k: int) -> Sampled:
@@ -203,12 +202,3 @@ def _nan_mean_std(values: np.ndarray) -> tuple[float, float]:
     present = values[~np.isnan(values)]
     mean = present.mean() if len(present) else math.nan
     return mean, (math.sqrt(((present - mean) ** 2).sum() / (len(present) - 1)) if len(present) > 1 else math.nan)
-
-
-def _scores_for_step(rewards: torch.Tensor, k: int) -> torch.Tensor:
-    """The rewards with each unscored (NaN) row set to its group's NaN-aware mean (0 for a group with none scored).
-    Shape: ``(rows,) -> (rows,)``, rows in groups of ``k``."""
-    grouped = rewards.view(-1, k)
-    means = torch.nanmean(grouped, dim=1, keepdim=True).nan_to_num(0.0).expand_as(grouped)
-    return torch.where(torch.isnan(grouped), means, grouped).reshape(-1)
-
