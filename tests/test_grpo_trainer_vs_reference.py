@@ -4,7 +4,8 @@ own code that these references follow):
 
 - GRPO: advantages ``(r - mean) / (std + 1e-4)`` over each group's scored rows (an unscored row, NaN: advantage 0,
   kept in the loss), the clipped token ratio, ``beta`` times k3 to the reference, the entropy bonus as the
-  micro-batch's token mean, each ``loss_type``'s normalisation per micro-batch (``dapo``: the generation's tokens);
+  micro-batch's token mean, each ``loss_type``'s normalisation per micro-batch (``dapo``: the generation's tokens;
+  ``grpo``: every completion of the micro-batch, a masked one counting 0);
   TRL's ``kl`` metric, the token mean of k3;
 - RLOO: the leave-one-out advantage of ``reward - beta * sum_t (lp_old - lp_ref)`` over the scored siblings, one
   clipped ratio per completion ``exp(sum_t (lp - lp_old))``, the mean over the micro-batch's completions, two
@@ -105,6 +106,7 @@ CASES = {
     "grpo_kl_entropy_temperature": dict(loss_type="grpo", beta=0.1, entropy_coef=0.05, temperature=0.7),
     "dr_grpo_unscaled_unscored": dict(loss_type="dr_grpo", scale_rewards="none", beta=0.05),
     "bnpo_masked_truncated": dict(loss_type="bnpo", mask_truncated_completions=True, entropy_coef=0.05),
+    "grpo_masked_truncated": dict(loss_type="grpo", mask_truncated_completions=True, beta=0.1),  # TRL: masked count 0
 }
 
 

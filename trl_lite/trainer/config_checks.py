@@ -43,7 +43,7 @@ def validate_config(config) -> None:
     _check_log_with(config.log_with)
     for name in ("adap_kl_ctrl", "early_stopping", "use_score_scaling", "use_score_norm", "whiten_rewards",
                  "gradient_checkpointing", "remove_unused_columns", "optimize_device_cache", "keep_freed_cpu_memory",
-                 "grpo_scale_rewards", "compute_reference_kl", "entropy_token_mean"):
+                 "grpo_scale_rewards", "compute_reference_kl", "entropy_token_mean", "seq_mean_all_rows"):
         if not isinstance(getattr(config, name), bool):
             raise TypeError(f"{name} must be True or False, got {getattr(config, name)!r}.")
     budget = config.max_tokens_per_minibatch

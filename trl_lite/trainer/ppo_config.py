@@ -161,6 +161,10 @@ class PPOConfig:
     entropy_coef: float = field(
         default=0.0, metadata={"help": "Entropy bonus: loss -= entropy_coef * agg(entropy of the action tokens)."}
     )
+    seq_mean_all_rows: bool = field(
+        default=False, metadata={"help": "'seq_mean_token_mean': the mean over every row of the mini-batch, a row "
+                                 "without action tokens counting 0 (TRL 1.x's GRPO and RLOO); False: over the rows with one."},
+    )
     entropy_token_mean: bool = field(
         default=False, metadata={"help": "The entropy bonus's agg is the mini-batch's token mean whatever loss_type "
                                  "(TRL 1.x GRPOTrainer's); False: loss_type's aggregation."},

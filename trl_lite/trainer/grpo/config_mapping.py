@@ -186,6 +186,7 @@ def to_ppo_config(args, num_processes: int) -> PPOConfig:
         importance_sampling_level=args.importance_sampling_level, loss_type=args.loss_type,
         max_response_length=args.max_completion_length, entropy_coef=args.entropy_coef,
         entropy_token_mean=True,  # TRL's bonus: the micro-batch's mean entropy whatever loss_type
+        seq_mean_all_rows=True,  # TRL's 'grpo' mean over completions counts masked ones as 0
         ratio_threshold=1e30,  # TRL skips no mini-batch (PPOConfig takes a finite number)
         # sampling
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p or 0.0,

@@ -30,6 +30,7 @@ class PolicyObjective:
     max_response_length: int | None = None
     entropy_coef: float = 0.0
     entropy_token_mean: bool = False
+    seq_mean_all_rows: bool = False
 
     @classmethod
     def from_config(cls, config) -> PolicyObjective:
@@ -42,6 +43,7 @@ class PolicyObjective:
             max_response_length=config.max_response_length,
             entropy_coef=config.entropy_coef,
             entropy_token_mean=config.entropy_token_mean,
+            seq_mean_all_rows=config.seq_mean_all_rows,
         )
 
     @property
@@ -51,7 +53,8 @@ class PolicyObjective:
 
     def aggregate(self, losses: torch.Tensor, mask: torch.Tensor, tokens_per_minibatch=None, denominator=None) -> torch.Tensor:
         """``losses (b, L)`` of a mini-batch as one number, by ``loss_type`` (:func:`trl_lite.core.aggregate_loss`)."""
-        return aggregate_loss(losses, mask, self.loss_type, self.max_response_length, tokens_per_minibatch, denominator)
+        return aggregate_loss(losses, mask, self.loss_type, self.max_response_length, tokens_per_minibatch, denominator,
+                              self.seq_mean_all_rows)  # fmt: skip
 
     def __call__(
         self,
@@ -91,7 +94,7 @@ class PolicyObjective:
         pg_loss, pg_stats = ppo_policy_loss(
             logprobs, old_logprobs, advantages, mask, self.cliprange, self.cliprange_high, self.dual_clip,
             self.importance_sampling_level, self.loss_type, self.max_response_length, tokens_per_minibatch,
-            token_weights, denominator,
+            token_weights, denominator, self.seq_mean_all_rows,
         )  # fmt: skip
         loss = pg_loss
         stats = {"loss/policy": pg_loss.detach()}
