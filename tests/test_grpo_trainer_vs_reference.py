@@ -4,9 +4,9 @@ own code that these references follow):
 
 - GRPO: advantages ``(r - mean) / (std + 1e-4)`` over each group's scored rows (an unscored row, NaN: advantage 0,
   kept in the loss), the clipped token ratio, ``beta`` times k3 to the reference, the entropy bonus as the
-  micro-batch's token mean, each ``loss_type``'s normalisation per micro-batch (``dapo``: the generation's tokens;
-  ``grpo``: every completion of the micro-batch, a masked one counting 0);
-  TRL's ``kl`` metric, the token mean of k3;
+  micro-batch's token mean, ``scale_rewards="batch"`` (the batch's std), each ``loss_type``'s normalisation per
+  micro-batch (``dapo``: the generation's tokens; ``grpo``: every completion of the micro-batch, a masked one
+  counting 0); TRL's ``kl`` metric, the token mean of k3;
 - RLOO: the leave-one-out advantage of ``reward - beta * sum_t (lp_old - lp_ref)`` over the scored siblings, one
   clipped ratio per completion ``exp(sum_t (lp - lp_old))``, the mean over the micro-batch's completions, two
   iterations (the second one clips).
@@ -66,8 +66,15 @@ def float64_rows(model, queries, responses, temperature):
     return lps, entropies
 
 
-def group_advantages(rewards, scale, leave_one_out=False):
-    """TRL's advantages of each group of K, NaN-aware, in float64 (plain Python)."""
+def group_advantages(rewards, scale, leave_one_out=False, batch=False):
+    """TRL's advantages of each group of K, NaN-aware, in float64 (plain Python); ``batch``: the group-centred
+    rewards divided by the std of the whole batch's scored rewards + 1e-4 (TRL's ``scale_rewards="batch"``)."""
+    if batch:
+        centred = group_advantages(rewards, scale=False)
+        scored = [r for r in rewards if not math.isnan(r)]
+        mean = sum(scored) / len(scored)
+        std = math.sqrt(sum((r - mean) ** 2 for r in scored) / (len(scored) - 1))
+        return [a / (std + 1e-4) for a in centred]
     out = []
     for g in range(0, len(rewards), K):
         group = rewards[g : g + K]
@@ -107,6 +114,7 @@ CASES = {
     "dr_grpo_unscaled_unscored": dict(loss_type="dr_grpo", scale_rewards="none", beta=0.05),
     "bnpo_masked_truncated": dict(loss_type="bnpo", mask_truncated_completions=True, entropy_coef=0.05),
     "grpo_masked_truncated": dict(loss_type="grpo", mask_truncated_completions=True, beta=0.1),  # TRL: masked count 0
+    "dapo_batch_scaled_unscored": dict(loss_type="dapo", scale_rewards="batch"),
 }
 
 
@@ -134,7 +142,8 @@ def test_grpo_update_and_kl_match_trls_objective_in_float64(tmp_path, model_name
 
     # The reference: TRL's loss of each micro-batch, summed over the generation's GA micro-batches.
     temperature, beta, coef = cfg.get("temperature", 1.0), cfg.get("beta", 0.0), cfg.get("entropy_coef", 0.0)
-    advantages = group_advantages(rewards, cfg.get("scale_rewards", "group") == "group")
+    scale = cfg.get("scale_rewards", "group")
+    advantages = group_advantages(rewards, scale == "group", batch=scale == "batch")
     lps, entropies = float64_rows(policy, queries, responses, temperature)
     with torch.no_grad():
         ref_lps, _ = float64_rows(reference, queries, responses, temperature)

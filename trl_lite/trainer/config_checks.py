@@ -114,6 +114,8 @@ def _validate_objective(config) -> None:
             raise ValueError(f"dual_clip must be None or a number > 1, got {config.dual_clip}.")
     _check_float("entropy_coef", config.entropy_coef, minimum=0.0)
     _check_float("grpo_std_eps", config.grpo_std_eps, minimum=0.0)
+    if config.grpo_std_scope not in ("group", "batch"):
+        raise ValueError(f"grpo_std_scope must be 'group' or 'batch', got {config.grpo_std_scope!r}.")
     for name in ("max_response_length", "overlong_buffer_len", "log_completions_every"):
         if getattr(config, name) is not None:
             _check_positive_int(name, getattr(config, name))
