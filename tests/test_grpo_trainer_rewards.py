@@ -213,3 +213,14 @@ def test_reward_weights_must_match_the_functions(tmp_path):
         trainer(tmp_path, reward_weights=[1.0, 2.0])
     with pytest.raises(TypeError, match=r"reward_funcs\[0\] must be a callable"):
         RewardFunctions([3])
+
+
+def test_frac_reward_zero_std_is_per_group_or_of_the_whole_batch_as_the_advantages_scale(tmp_path):
+    def by_prompt(prompts, completions, completion_ids, **kwargs):
+        return [float(sum(map(ord, p))) for p in prompts]  # equal within each group, different between prompts
+
+    for scale, want in (("group", 1.0), ("batch", 0.0)):
+        run = trainer(tmp_path / scale, reward_funcs=(by_prompt,), max_steps=1, scale_rewards=scale)
+        generation = run.rollout.run(run.prompts.next_rows())
+        (metrics,) = run.rollout.metrics([generation.metric_rows], 4)
+        assert metrics["reward_std"] > 0 and metrics["frac_reward_zero_std"] == want

@@ -147,7 +147,7 @@ class GRPOTrainer:
                                    args.max_completion_length, args.mask_truncated_completions,
                                    logprobs=self.ppo_config.importance_sampling_correction is not None,
                                    chat_template_kwargs=args.chat_template_kwargs, keep_table=args.log_completions,
-                                   agents=agents)  # fmt: skip
+                                   agents=agents, batch_scale=getattr(args, "scale_rewards", None) == "batch")  # fmt: skip
         self.state = TrainerState(is_local_process_zero=self.accelerator.is_local_main_process,
                                   is_world_process_zero=self.accelerator.is_main_process)  # fmt: skip
         self.control = TrainerControl()

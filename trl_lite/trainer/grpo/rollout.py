@@ -70,12 +70,14 @@ class GRPORollout:
     ``num_generations``: completions per prompt; ``max_completion_length``: their most tokens; ``mask_truncated``:
     TRL's ``mask_truncated_completions``; ``logprobs``: whether ``step()`` gets the engine's log-probs (TIS);
     ``keep_table``: whether each generation keeps its texts and rewards for ``log_completions``; ``agents``: an
-    :class:`.agents.AgentRollouts` (TRL's ``tools`` / ``environment_factory``) or None for single-turn completions.
+    :class:`.agents.AgentRollouts` (TRL's ``tools`` / ``environment_factory``) or None for single-turn completions;
+    ``batch_scale``: TRL's ``scale_rewards="batch"``, whose ``frac_reward_zero_std`` is whether the whole
+    generation's rewards have no spread (1 or 0).
     """
 
     def __init__(self, ppo_trainer, tokenizer, rewards, num_generations: int, max_completion_length: int,
                  mask_truncated: bool = False, logprobs: bool = False, chat_template_kwargs: dict | None = None,
-                 keep_table: bool = False, agents=None):  # fmt: skip
+                 keep_table: bool = False, agents=None, batch_scale: bool = False):  # fmt: skip
         self.ppo = ppo_trainer
         self.tokenizer = tokenizer
         self.rewards = rewards
@@ -86,6 +88,7 @@ class GRPORollout:
         self.chat_template_kwargs = chat_template_kwargs or {}
         self.keep_table = keep_table
         self.agents = agents
+        self.batch_scale = batch_scale
 
     def run(self, rows: list[dict], num_generations: int | None = None, **reward_kwargs) -> Generation:
         """Generate, decode and score ``num_generations`` (default: the run's) completions per row."""
@@ -173,6 +176,8 @@ class GRPORollout:
             metrics[f"rewards/{name}/mean"], metrics[f"rewards/{name}/std"] = _nan_mean_std(per_func[:, j])
         metrics["reward"], metrics["reward_std"] = _nan_mean_std(rewards)
         group_std = [_nan_mean_std(group)[1] for group in rewards.reshape(-1, k)]
+        if self.batch_scale:  # TRL: the std the advantages were divided by, the batch's
+            group_std = [metrics["reward_std"]]
         metrics["frac_reward_zero_std"] = sum(abs(std) < 1e-8 for std in group_std) / len(group_std)
         if table.shape[1] > 4 + functions:  # tool counts; TRL's: calls per completion, failed calls per call
             calls, failures = table[:, 4 + functions].sum(), table[:, 5 + functions].sum()
