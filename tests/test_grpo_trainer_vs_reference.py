@@ -199,29 +199,33 @@ def test_rloo_clips_one_ratio_per_completion_with_trls_advantages_over_two_itera
             ref = [sum(row) for row in float64_rows(reference, queries, responses, 1.0)[0]]
         rho = [r - beta * (o - f) for r, o, f in zip(rewards, old, ref)]  # NaN stays NaN: unscored
         advantages = group_advantages(rho, scale=False, leave_one_out=True)
-        clipped = 0
+        shares = []  # per micro-batch, the share of its completions where the clip binds (TRL's clip_ratio/region_mean)
         for _ in range(2):  # num_iterations: the second pass clips against the first one's start
             policy.zero_grad()
             lps = [sum(row) for row in float64_rows(policy, queries, responses, 1.0)[0]]
             for begin in range(0, ROWS, MB):
-                losses = []
+                losses, binds = [], 0
                 for i in range(begin, begin + MB):
                     ratio = torch.exp(lps[i] - old[i])
-                    clipped += int(not 1 - epsilon <= float(ratio.detach()) <= 1 + epsilon)
+                    r, a = float(ratio.detach()), advantages[i]
+                    binds += int((a > 0 and r > 1 + epsilon) or (a < 0 and r < 1 - epsilon))
                     losses.append(torch.max(-advantages[i] * ratio, -advantages[i] * ratio.clamp(1 - epsilon, 1 + epsilon)))
                 (sum(losses) / MB / GA).backward()
+                shares.append(binds / MB)
             with torch.no_grad():
                 for p in policy.parameters():
                     p -= lr * p.grad
-        assert clipped > 0  # the check covers the clip
+        assert max(shares) > 0  # the check covers the clip
         assert_close_to(update, policy, lr, start)
+        assert float(stats["ppo/policy/clipfrac_seq"]) == pytest.approx(sum(shares) / len(shares), abs=1e-9)
         kl = float(sum(o - f for o, f in zip(old, ref))) / sum(LENGTHS)
         assert trainer._kl(stats) == pytest.approx(kl, rel=1e-4)  # TRL's RLOO kl: mean per-token lp_old - lp_ref
 
 
 def test_sequence_sum_ratio_of_the_objective_against_a_per_token_loop():
-    """``importance_sampling_level="sequence_sum"`` on given tensors where the clip binds, loss and gradient."""
-    g = torch.Generator().manual_seed(0)
+    """``importance_sampling_level="sequence_sum"`` on given tensors where the clip binds (a row) and where a ratio
+    is out of the range on the side that does not bind (another): loss, gradient and the share of rows clipped."""
+    g = torch.Generator().manual_seed(5)
     rows, width = 5, 6
     lengths = [6, 2, 4, 1, 5]
     mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).double()
@@ -233,13 +237,16 @@ def test_sequence_sum_ratio_of_the_objective_against_a_per_token_loop():
     loss, stats = objective(lp, old, advantages[:, None] * mask, mask)
     (got,) = torch.autograd.grad(loss, lp)
     lp_ref = lp.detach().clone().requires_grad_(True)
-    total, clipped = 0.0, 0
+    total, clipped, binds = 0.0, 0, 0
     for i in range(rows):
         ratio = torch.exp(sum(lp_ref[i, t] - old[i, t] for t in range(lengths[i])))
         clipped += int(not 0.9 <= float(ratio.detach()) <= 1.2)
+        binds += int((advantages[i] > 0 and float(ratio) > 1.2) or (advantages[i] < 0 and float(ratio) < 0.9))
         total = total + torch.max(-advantages[i] * ratio, -advantages[i] * ratio.clamp(0.9, 1.2))
     want_loss = total / rows
     (want,) = torch.autograd.grad(want_loss, lp_ref)
-    assert 0 < clipped < rows
+    assert 0 < binds < clipped < rows
+    # TRL's clip_ratio/region_mean of one ratio per completion: the share of the completions where the clip binds
+    assert float(stats["policy/clipfrac_seq"]) == pytest.approx(binds / rows, abs=1e-12)
     assert float(loss) == pytest.approx(float(want_loss), abs=1e-12)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

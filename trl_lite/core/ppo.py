@@ -244,7 +244,8 @@ def ppo_policy_loss(
     before aggregation; ``denominator``, ``all_rows``: see :func:`aggregate_loss`. Shape: ``(B, L)`` four times (and ``token_weights``) -> loss ``()`` and
     detached statistics ``()``: clipfrac, clipfrac_low, clipfrac_high, dual_clipfrac, approxkl
     (``0.5 masked_mean((lp - lp_old)^2)``), policykl (``masked_mean(lp_old - lp)``), ratio (masked
-    mean of the ratio the loss used).
+    mean of the ratio the loss used); with a sequence-level ratio also clipfrac_seq, clipfrac_low_seq and
+    clipfrac_high_seq, the shares of the rows (all ``B``) whose one ratio was clipped (TRL 1.x's ``clip_ratio/*``).
     """
     ratio = importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level)
     losses, regions = clipped_surrogate(ratio, advantages, cliprange, cliprange_high, dual_clip)
@@ -263,6 +264,10 @@ def ppo_policy_loss(
             "policykl": masked_mean(-log_ratio, mask),
             "ratio": masked_mean(ratio, mask),
         }
+        if importance_sampling_level != "token":  # one ratio per row: the share of the rows clipped
+            for key, name in (("clipped", "clipfrac_seq"), ("clipped_low", "clipfrac_low_seq"),
+                              ("clipped_high", "clipfrac_high_seq")):  # fmt: skip
+                stats[name] = (regions[key] & (mask > 0)).any(-1).to(logprobs.dtype).mean()
     return loss, stats
 
 

@@ -244,6 +244,13 @@ class GRPOTrainer:
             return float(self.prompts.epoch)
         return self.prompts.epoch + self.prompts.index / (per_epoch * self.prompts.per_generation)
 
+    def _step_metrics(self) -> dict[str, str]:
+        """TRL's names of the step statistics; with one ratio per completion (GSPO, RLOO) the clip ratios are
+        shares of the completions, as TRL's."""
+        if self.ppo_config.importance_sampling_level == "token":
+            return STEP_METRICS
+        return {**STEP_METRICS, **{name: f"{key}_seq" for name, key in STEP_METRICS.items() if name.startswith("clip")}}
+
     def _generation_step(self) -> dict[str, float]:
         """One generation and its update: TRL's metrics of it."""
         generation = self.rollout.run(self.prompts.next_rows(), trainer_state=self.state)
@@ -256,7 +263,7 @@ class GRPOTrainer:
                                   response_masks=generation.response_masks,
                                   generation_logprobs=generation.generation_logprobs, group_ids=generation.group_ids,
                                   kept_sets=generation.kept_sets)  # fmt: skip
-            for name, key in STEP_METRICS.items():
+            for name, key in self._step_metrics().items():
                 metrics[name] = float(stats[key])
             metrics.update({name: float(stats[key]) for name, key in SAMPLING_METRICS.items() if key in stats})
             if self.args.beta != 0.0:

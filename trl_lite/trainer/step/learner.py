@@ -192,6 +192,8 @@ class Learner:
     def stat_keys(self, kl_in_loss: bool) -> tuple:
         """Names (without ``ppo/``) of the mini-batch statistics of this run."""
         keys = _POLICY_STAT_KEYS + (() if self.config.critic_free else _VALUE_STAT_KEYS)
+        if self.config.importance_sampling_level != "token":
+            keys += ("policy/clipfrac_seq", "policy/clipfrac_low_seq", "policy/clipfrac_high_seq")
         keys += ("policy/entropy_loss",) if self.config.entropy_coef else ()
         return keys + (("policy/kl_loss", "policy/kl") if kl_in_loss else ())
 
