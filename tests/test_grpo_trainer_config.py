@@ -99,7 +99,7 @@ def test_every_field_is_honoured_or_refused_and_the_refusal_sees_all_the_others(
 
 
 @pytest.mark.parametrize("name, value, accepted", [
-    ("loss_type", "cispo", "dapo"), ("loss_type", "sapo", "grpo"), ("scale_rewards", "batch", "group"),
+    ("loss_type", "cispo", "dapo"), ("loss_type", "sapo", "grpo"), ("scale_rewards", "max", "batch"),
     ("optim", "sgd", "adamw_torch"), ("save_strategy", "epoch", "steps"), ("eval_strategy", "epoch", "no"),
     ("remove_unused_columns", True, "False"),
 ])  # fmt: skip
@@ -155,5 +155,8 @@ def test_the_mapping_onto_ppo_config():
     )  # fmt: skip
     assert {name: getattr(ppo, name) for name in want} == want
     assert to_ppo_config(GRPOConfig(output_dir="out", loss_type="bnpo"), 1).loss_type == "token_mean"
+    by_batch = to_ppo_config(GRPOConfig(output_dir="out", scale_rewards="batch"), 1)
+    assert (by_batch.grpo_scale_rewards, by_batch.grpo_std_scope, by_batch.grpo_std_eps) == (True, "batch", 1e-4)
+    assert (ppo.grpo_std_scope, ppo.seq_mean_all_rows, ppo.entropy_token_mean) == ("group", True, True)
     assert to_ppo_config(GRPOConfig(output_dir="out", bf16=True, use_cpu=True), 1).accelerator_kwargs == {
         "mixed_precision": "bf16", "cpu": True}

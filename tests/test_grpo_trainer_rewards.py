@@ -1,6 +1,7 @@
 """GRPOTrainer's reward functions as TRL 1.x takes them: sync and async callables with TRL's signature, a
 sequence-classification model or its path, a mix with weights; dataset columns passed through; TRL's None rule
-(NaN-aware, an unscored row out of the loss); and a bad reward function stopped with its name, row and value
+(NaN-aware: an unscored row stays in the loss with advantage 0, out of its group's statistics); reward
+functions logging with TRL's ``log_metric`` / ``log_extra``; and a bad reward function stopped with its name, row and value
 before any weight changes."""
 
 import math
@@ -12,7 +13,7 @@ from tiny_models import make_gpt2_critic
 
 from trl_lite.trainer.grpo.prompts import prompt_ids
 from trl_lite.trainer.grpo.rewards import RewardFunctions
-from trl_lite.trainer.grpo.rollout import _scores_for_step
+from trl_lite.core import grpo_advantages
 
 PROMPTS = ["the movie", "a film"]
 COMPLETIONS = ["was good good", "was bad"]
@@ -35,12 +36,23 @@ def test_sync_async_and_weights_give_trls_weighted_sum():
     assert torch.equal(rewards.combine(per_func), torch.tensor([0.5 * 1.0 + 2.0 * 10.0, 0.5 * 2.0]))
 
 
-def test_a_row_no_function_scored_is_nan_and_its_score_is_the_groups_mean():
-    rewards = RewardFunctions([lambda prompts, completions, completion_ids, **kw: [None, 1.0, 3.0, None, None, None]])
-    combined = rewards.combine(rewards(["p"] * 6, ["c"] * 6, [[5]] * 6, {}))
-    assert [math.isnan(v) for v in combined.tolist()] == [True, False, False, True, True, True]
-    # groups of 3: the unscored row takes the mean of its group's scored rows; a group with none scored, 0
-    assert _scores_for_step(combined, 3).tolist() == [2.0, 1.0, 3.0, 0.0, 0.0, 0.0]
+def test_a_row_no_function_scored_is_nan_and_gets_advantage_zero_out_of_its_groups_statistics():
+    values = [None, 1.0, 3.0, 4.0, None, None, None, 2.0, None]
+    rewards = RewardFunctions([lambda prompts, completions, completion_ids, **kw: values])
+    combined = rewards.combine(rewards(["p"] * 9, ["c"] * 9, [[5]] * 9, {}))
+    assert [math.isnan(v) for v in combined.tolist()] == [v is None for v in values]
+    # TRL's rule in float64, group by group (of 3): mean and unbiased std of the scored rows, eps 1e-4; 0 for an
+    # unscored row, for a group with one scored row (TRL's NaN std) and a group with none
+    expected = []
+    for g in range(3):
+        scored = [v for v in values[3 * g : 3 * g + 3] if v is not None]
+        mean = sum(scored) / len(scored) if scored else 0.0
+        std = math.sqrt(sum((v - mean) ** 2 for v in scored) / (len(scored) - 1)) if len(scored) > 1 else None
+        expected += [0.0 if v is None or std is None else (v - mean) / (std + 1e-4) for v in values[3 * g : 3 * g + 3]]
+    got = grpo_advantages(combined.double(), torch.arange(9) // 3, True, 1e-4)
+    assert got.tolist() == pytest.approx(expected, abs=1e-12)
+    centred = grpo_advantages(combined.double(), torch.arange(9) // 3, False)
+    assert centred.tolist() == pytest.approx([0.0, -1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], abs=1e-12)
 
 
 def test_dataset_columns_and_the_trainer_state_reach_the_functions():
@@ -158,16 +170,42 @@ def test_conversational_prompts_go_through_the_chat_template(tmp_path):
     assert isinstance(completion[0]["content"], str)
 
 
-def test_unscored_rows_are_out_of_the_loss_and_the_logged_reward_is_nan_aware(tmp_path):
+def test_unscored_rows_stay_in_the_loss_with_a_nan_score_and_the_logged_reward_is_nan_aware(tmp_path):
     def half(prompts, completions, completion_ids, **kwargs):
-        return [None if i % 2 else 2.0 for i in range(len(prompts))]
+        return [None if i % 2 else float(i) for i in range(len(prompts))]
 
     run = trainer(tmp_path, reward_funcs=(half,), max_steps=1)
     generation = run.rollout.run(run.prompts.next_rows())
-    assert [int(m.any()) for m in generation.response_masks] == [1, 0] * 4
-    assert [float(s) for s in generation.scores] == [2.0] * 8
+    assert generation.response_masks is None  # every completion is trained on (TRL: advantage 0 for unscored ones)
+    scores = [float(s) for s in generation.scores]
+    assert scores[::2] == [0.0, 2.0, 4.0, 6.0] and all(math.isnan(s) for s in scores[1::2])
     (metrics,) = run.rollout.metrics([generation.metric_rows], 4)
-    assert metrics["reward"] == 2.0 and metrics["rewards/half/mean"] == 2.0
+    assert metrics["reward"] == 3.0 and metrics["rewards/half/mean"] == 3.0
+    before = weights(run)
+    run.train()
+    assert math.isfinite(run.state.log_history[0]["loss"])
+    assert any((run.model.state_dict()[k] - v).abs().max() > 0 for k, v in before.items())
+
+
+def test_reward_functions_log_metrics_and_completion_columns_as_in_trl(tmp_path):
+    def scored(prompts, completions, completion_ids, log_metric, log_extra, **kwargs):
+        lengths = [float(len(ids)) for ids in completion_ids]
+        log_metric("mean_length_seen", sum(lengths) / len(lengths))
+        log_metric("mean_length_seen", 0.0)  # logged twice in one generation: the mean of both
+        log_extra("length", lengths)
+        return lengths
+
+    run = trainer(tmp_path, reward_funcs=(scored,), max_steps=2, log_completions=True)
+    seen = []
+    rollout_run = run.rollout.run
+    run.rollout.run = lambda *a, **kw: seen.append(rollout_run(*a, **kw)) or seen[-1]
+    run.train()
+    for generation, logged in zip(seen, run.state.log_history):
+        lengths = [float(len(r)) for r in generation.responses]
+        assert logged["mean_length_seen"] == pytest.approx(sum(lengths) / len(lengths) / 2)
+        assert generation.table["length"] == lengths
+    evaluated = run.evaluate(dataset(2))
+    assert evaluated["eval_mean_length_seen"] == pytest.approx(evaluated["eval_completions/mean_length"] / 2)
 
 
 def test_reward_weights_must_match_the_functions(tmp_path):
@@ -175,3 +213,14 @@ def test_reward_weights_must_match_the_functions(tmp_path):
         trainer(tmp_path, reward_weights=[1.0, 2.0])
     with pytest.raises(TypeError, match=r"reward_funcs\[0\] must be a callable"):
         RewardFunctions([3])
+
+
+def test_frac_reward_zero_std_is_per_group_or_of_the_whole_batch_as_the_advantages_scale(tmp_path):
+    def by_prompt(prompts, completions, completion_ids, **kwargs):
+        return [float(sum(map(ord, p))) for p in prompts]  # equal within each group, different between prompts
+
+    for scale, want in (("group", 1.0), ("batch", 0.0)):
+        run = trainer(tmp_path / scale, reward_funcs=(by_prompt,), max_steps=1, scale_rewards=scale)
+        generation = run.rollout.run(run.prompts.next_rows())
+        (metrics,) = run.rollout.metrics([generation.metric_rows], 4)
+        assert metrics["reward_std"] > 0 and metrics["frac_reward_zero_std"] == want

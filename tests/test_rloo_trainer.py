@@ -90,8 +90,9 @@ def test_the_mapping_is_rloo_with_the_kl_in_the_reward():
     config = to_ppo_config(args, 1)
     assert (config.advantage_estimator, config.num_samples_per_query, config.kl_in_reward, config.kl_penalty) == ("rloo", 4, True, "kl")
     assert (config.init_kl_coef, config.adap_kl_ctrl, config.cliprange, config.cliprange_high) == (0.2, False, 0.3, 0.4)
-    assert (config.loss_type, config.max_response_length, config.score_clip) == ("seq_mean_token_sum_norm", 16, 5.0)
-    assert config.importance_sampling_level == "token" and config.importance_sampling_correction is None
+    # TRL's RLOO loss: one clipped ratio per completion (exp of its summed log-ratio), averaged over completions
+    assert (config.loss_type, config.max_response_length, config.score_clip) == ("seq_mean_token_mean", 16, 5.0)
+    assert config.importance_sampling_level == "sequence_sum" and config.importance_sampling_correction is None
     assert config.batch_size == 4 and config.mini_batch_size == 4
 
 

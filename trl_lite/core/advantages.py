@@ -30,14 +30,26 @@ def _group_sums(values: torch.Tensor, group_ids: torch.Tensor, num_groups: int |
     return sums[index], counts[index]
 
 
+def _scored(rewards: torch.Tensor, group_ids: torch.Tensor, num_groups: int | None):
+    """Where ``rewards`` is not NaN (an unscored row), the rewards with 0 there, and per row its group's sum
+    and count of the scored rows. Shapes ``(B,)``."""
+    scored = ~torch.isnan(rewards)
+    values = torch.where(scored, rewards, torch.zeros_like(rewards))
+    sums, _ = _group_sums(values, group_ids, num_groups)
+    counts, _ = _group_sums(scored.to(rewards.dtype), group_ids, num_groups)
+    return scored, values, sums, counts
+
+
 def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, num_groups: int | None = None) -> torch.Tensor:
     """REINFORCE leave-one-out: ``A_i = r_i - mean_{j in G(i), j != i} r_j``.
 
-    Every group needs at least 2 rows (a row of a group of 1 gets NaN). Shape: rewards and
-    group_ids ``(B,)`` -> ``(B,)``. ``num_groups``: see :func:`_group_sums`.
+    A NaN reward is an unscored row (TRL's ``None`` reward): it is left out of its siblings' baselines
+    and its advantage is 0, as is that of the one scored row of a group (no sibling to compare with).
+    Shape: rewards and group_ids ``(B,)`` -> ``(B,)``. ``num_groups``: see :func:`_group_sums`.
     """
-    sums, counts = _group_sums(rewards, group_ids, num_groups)
-    return rewards - (sums - rewards) / (counts - 1)
+    scored, values, sums, counts = _scored(rewards, group_ids, num_groups)
+    advantages = values - (sums - values) / (counts - 1)
+    return torch.where(scored & (counts > 1), advantages, torch.zeros_like(advantages))
 
 
 def grpo_advantages(
@@ -47,18 +59,20 @@ def grpo_advantages(
     """GRPO: ``A_i = (r_i - mean_G r) / (std_G r + eps)``, the unbiased std of the group; without
     ``scale_rewards`` only the group mean is subtracted.
 
-    With ``scale_rewards`` every group needs at least 2 rows. Shape: ``(B,)`` twice -> ``(B,)``.
-    ``num_groups``: see :func:`_group_sums`.
+    A NaN reward is an unscored row (TRL's ``None`` reward): the mean and std are those of the group's scored
+    rows, and its advantage is 0, as are those of a group with one scored row when scaled (no spread to
+    measure; TRL's NaN std). Shape: ``(B,)`` twice -> ``(B,)``. ``num_groups``: see :func:`_group_sums`.
     """
-    if num_groups is None:  # made dense once, for both sums
+    if num_groups is None:  # made dense once, for every sum
         _, group_ids = torch.unique(group_ids, return_inverse=True)
         num_groups = int(group_ids.max()) + 1 if group_ids.numel() else 0
-    sums, counts = _group_sums(rewards, group_ids, num_groups)
-    centred = rewards - sums / counts
+    scored, values, sums, counts = _scored(rewards, group_ids, num_groups)
+    centred = torch.where(scored, values - sums / counts.clamp(min=1), torch.zeros_like(values))
     if not scale_rewards:
         return centred
     squares, _ = _group_sums(centred**2, group_ids, num_groups)
-    return centred / ((squares / (counts - 1)).sqrt() + eps)
+    scaled = centred / ((squares / (counts - 1)).sqrt() + eps)
+    return torch.where(counts > 1, scaled, torch.zeros_like(scaled))
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:

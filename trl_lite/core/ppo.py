@@ -10,7 +10,7 @@ KL_PENALTIES = ("kl", "abs", "mse", "full")
 # docs/algorithm.md section 13: how per-token losses of a mini-batch become one number, and TRL's names for them.
 LOSS_TYPES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "global_token_mean")
 LOSS_TYPE_ALIASES = {"bnpo": "token_mean", "grpo": "seq_mean_token_mean", "dr_grpo": "seq_mean_token_sum_norm", "dapo": "global_token_mean"}
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "sequence_sum")
 
 
 def kl_estimate(
@@ -101,14 +101,18 @@ def importance_ratio(
 
     ``"token"``: ``exp(lp - lp_old)``. ``"sequence"`` (GSPO): row ``i`` uses
     ``s_i = exp(masked_mean_t(lp - lp_old))`` at every position, the gradient flowing through the
-    mean (a row without action tokens gets ``s_i = 1``). Shape: ``(B, L)`` three times -> ``(B, L)``.
+    mean (a row without action tokens gets ``s_i = 1``). ``"sequence_sum"`` (TRL 1.x's RLOO): the ratio of
+    the whole response's probabilities, ``s_i = exp(masked_sum_t(lp - lp_old))``, at every position.
+    Shape: ``(B, L)`` three times -> ``(B, L)``.
     """
     log_ratio = logprobs - old_logprobs
     if level == "token":
         return torch.exp(log_ratio)
-    if level == "sequence":
-        row_mean = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        return torch.exp(row_mean).unsqueeze(-1).expand_as(log_ratio)
+    if level in ("sequence", "sequence_sum"):
+        row_log_ratio = (log_ratio * mask).sum(-1)
+        if level == "sequence":
+            row_log_ratio = row_log_ratio / mask.sum(-1).clamp(min=1)
+        return torch.exp(row_log_ratio).unsqueeze(-1).expand_as(log_ratio)
     raise ValueError(f"level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {level!r}.")
 
 
@@ -169,12 +173,14 @@ def aggregate_loss(
     max_response_length: int | None = None,
     tokens_per_minibatch: float | torch.Tensor | None = None,
     denominator: float | torch.Tensor | None = None,
+    all_rows: bool = False,
 ) -> torch.Tensor:
     """One number from the per-token losses of a mini-batch (docs/algorithm.md section 13, ``loss_type``).
 
     - ``"token_mean"``: ``sum M l / sum M``;
     - ``"seq_mean_token_mean"``: mean of ``sum_t M l / sum_t M`` over the rows that hold an action token
-      (a row without one carries no loss and is left out);
+      (a row without one carries no loss and is left out); with ``all_rows`` over every row, a row without
+      an action token counting 0 (TRL 1.x's ``GRPOTrainer`` and ``RLOOTrainer``);
     - ``"seq_mean_token_sum_norm"``: ``sum M l / (B * max_response_length)``;
     - ``"global_token_mean"``: ``sum M l / tokens_per_minibatch``, where the caller gives the action
       tokens of the whole backward batch on all processes divided by the number of mini-batches that
@@ -200,6 +206,8 @@ def aggregate_loss(
         return masked_mean(losses, mask)
     if loss_type == "seq_mean_token_mean":
         tokens = mask.sum(-1)
+        if all_rows:
+            return ((losses * mask).sum(-1) / tokens.clamp(min=1)).sum() / max(losses.shape[0], 1)
         has_actions = (tokens > 0).to(losses.dtype)
         # A row without an action token carries no loss: it is left out of the mean, not counted as 0.
         row_means = (losses * mask).sum(-1) / tokens.clamp(min=1)
@@ -227,21 +235,23 @@ def ppo_policy_loss(
     tokens_per_minibatch: float | torch.Tensor | None = None,
     token_weights: torch.Tensor | None = None,
     denominator: float | torch.Tensor | None = None,
+    all_rows: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate policy loss (docs/algorithm.md sections 6 and 13), aggregated by ``loss_type``.
 
     Defaults give section 6: ``masked_mean(max(-A ratio, -A clamp(ratio, 1 +- eps)))``.
     ``token_weights`` (detached, e.g. the TIS weights of section 15) multiply each token's loss
-    before aggregation; ``denominator``: see :func:`aggregate_loss`. Shape: ``(B, L)`` four times (and ``token_weights``) -> loss ``()`` and
+    before aggregation; ``denominator``, ``all_rows``: see :func:`aggregate_loss`. Shape: ``(B, L)`` four times (and ``token_weights``) -> loss ``()`` and
     detached statistics ``()``: clipfrac, clipfrac_low, clipfrac_high, dual_clipfrac, approxkl
     (``0.5 masked_mean((lp - lp_old)^2)``), policykl (``masked_mean(lp_old - lp)``), ratio (masked
-    mean of the ratio the loss used).
+    mean of the ratio the loss used); with a sequence-level ratio also clipfrac_seq, clipfrac_low_seq and
+    clipfrac_high_seq, the shares of the rows (all ``B``) whose one ratio was clipped (TRL 1.x's ``clip_ratio/*``).
     """
     ratio = importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level)
     losses, regions = clipped_surrogate(ratio, advantages, cliprange, cliprange_high, dual_clip)
     if token_weights is not None:
         losses = losses * token_weights
-    loss = aggregate_loss(losses, mask, loss_type, max_response_length, tokens_per_minibatch, denominator)
+    loss = aggregate_loss(losses, mask, loss_type, max_response_length, tokens_per_minibatch, denominator, all_rows)
     with torch.no_grad():
         log_ratio = logprobs - old_logprobs
         fraction = {k: masked_mean(v.to(logprobs.dtype), mask) for k, v in regions.items()}
@@ -254,6 +264,10 @@ def ppo_policy_loss(
             "policykl": masked_mean(-log_ratio, mask),
             "ratio": masked_mean(ratio, mask),
         }
+        if importance_sampling_level != "token":  # one ratio per row: the share of the rows clipped
+            for key, name in (("clipped", "clipfrac_seq"), ("clipped_low", "clipfrac_low_seq"),
+                              ("clipped_high", "clipfrac_high_seq")):  # fmt: skip
+                stats[name] = (regions[key] & (mask > 0)).any(-1).to(logprobs.dtype).mean()
     return loss, stats
 
 

@@ -43,7 +43,7 @@ def validate_config(config) -> None:
     _check_log_with(config.log_with)
     for name in ("adap_kl_ctrl", "early_stopping", "use_score_scaling", "use_score_norm", "whiten_rewards",
                  "gradient_checkpointing", "remove_unused_columns", "optimize_device_cache", "keep_freed_cpu_memory",
-                 "grpo_scale_rewards", "compute_reference_kl"):
+                 "grpo_scale_rewards", "compute_reference_kl", "entropy_token_mean", "seq_mean_all_rows"):
         if not isinstance(getattr(config, name), bool):
             raise TypeError(f"{name} must be True or False, got {getattr(config, name)!r}.")
     budget = config.max_tokens_per_minibatch
@@ -113,6 +113,9 @@ def _validate_objective(config) -> None:
         if not config.dual_clip > 1.0:
             raise ValueError(f"dual_clip must be None or a number > 1, got {config.dual_clip}.")
     _check_float("entropy_coef", config.entropy_coef, minimum=0.0)
+    _check_float("grpo_std_eps", config.grpo_std_eps, minimum=0.0)
+    if config.grpo_std_scope not in ("group", "batch"):
+        raise ValueError(f"grpo_std_scope must be 'group' or 'batch', got {config.grpo_std_scope!r}.")
     for name in ("max_response_length", "overlong_buffer_len", "log_completions_every"):
         if getattr(config, name) is not None:
             _check_positive_int(name, getattr(config, name))

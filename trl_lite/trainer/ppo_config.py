@@ -128,6 +128,14 @@ class PPOConfig:
     grpo_scale_rewards: bool = field(
         default=True, metadata={"help": "'grpo': divide by the group's score std (False: only subtract the mean)."}
     )
+    grpo_std_scope: str = field(
+        default="group",
+        metadata={"help": "'grpo' with grpo_scale_rewards: the std divided by, of each group's scores ('group') or "
+                  "of the whole batch's on every process ('batch', TRL's scale_rewards='batch')."},
+    )
+    grpo_std_eps: float = field(
+        default=1e-6, metadata={"help": "'grpo': added to the group's score std before dividing (TRL's GRPOTrainer: 1e-4)."}
+    )
     # Policy-loss variants (docs/algorithm.md section 13); every default reproduces section 6
     cliprange_high: float | None = field(
         default=None,
@@ -140,7 +148,8 @@ class PPOConfig:
     )
     importance_sampling_level: str = field(
         default="token",
-        metadata={"help": "'token' (PPO) or 'sequence' (GSPO: one ratio per row, exp of the masked mean log-ratio)."},
+        metadata={"help": "'token' (PPO), 'sequence' (GSPO: one ratio per row, exp of the masked mean log-ratio) or "
+                  "'sequence_sum' (TRL's RLOO: one ratio per row, exp of the masked summed log-ratio)."},
     )
     loss_type: str = field(
         default="token_mean",
@@ -156,6 +165,16 @@ class PPOConfig:
     )
     entropy_coef: float = field(
         default=0.0, metadata={"help": "Entropy bonus: loss -= entropy_coef * agg(entropy of the action tokens)."}
+    )
+    seq_mean_all_rows: bool = field(
+        default=False,
+        metadata={"help": "'seq_mean_token_mean': the mean over every row of the mini-batch, a row without action "
+                  "tokens counting 0 (TRL 1.x's GRPO and RLOO); False: over the rows with one."},
+    )
+    entropy_token_mean: bool = field(
+        default=False,
+        metadata={"help": "The entropy bonus's agg is the mini-batch's token mean whatever loss_type (TRL 1.x "
+                  "GRPOTrainer's); False: loss_type's aggregation."},
     )
     # Rollout score shaping (docs/algorithm.md section 14), before section 2
     missing_eos_penalty: float | None = field(

@@ -69,6 +69,7 @@ from .step_inputs import (
     kept_sets_of,
     resolve_group_ids,
     staleness,
+    unscored_allowed,
     validate_generation_logprobs,
     validate_ptx_inputs,
     validate_step_inputs,
@@ -332,7 +333,7 @@ class PPOTrainer(ClassicHelpersMixin):
         """Every check of ``step()``'s arguments, before any state changes; the batch they make."""
         config = self.config
         actions = validate_step_inputs(
-            queries, responses, scores, response_masks,
+            queries, responses, scores, response_masks, unscored_allowed(config),
             batch_size=config.batch_size, vocab_size=self._vocab_size, is_encoder_decoder=self.is_encoder_decoder,
         )  # fmt: skip
         groups = resolve_group_ids(group_ids, queries, config)  # dense ids on the host

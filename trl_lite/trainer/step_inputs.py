@@ -249,10 +249,18 @@ def resolve_group_ids(group_ids, queries, config) -> torch.Tensor | None:
     return index
 
 
+def unscored_allowed(config) -> bool:
+    """Whether ``step()`` takes NaN scores (unscored rows, docs/algorithm_objectives.md section 12): with the group
+    estimators 'grpo' and 'rloo', without running-moment score scaling (a NaN would enter the moments)."""
+    return config.advantage_estimator in ("grpo", "rloo") and not config.use_score_scaling
+
+
 def validate_step_inputs(
-    queries, responses, scores, response_masks, *, batch_size: int, vocab_size: int | None, is_encoder_decoder: bool
+    queries, responses, scores, response_masks, unscored: bool = False, *, batch_size: int, vocab_size: int | None,
+    is_encoder_decoder: bool,
 ) -> None:
     """Reject a malformed batch with a message naming the argument and row, before any state changes.
+    ``unscored``: a NaN score is accepted (:func:`unscored_allowed`); infinities never are.
 
     Returns per row its action tokens (host ints; the token budget's passes are planned from them)."""
     n = batch_size
@@ -292,9 +300,13 @@ def validate_step_inputs(
                 f"scores[{i}] must be one number: a float, a 0-d tensor or a 1-element 1-D tensor, got shape {tuple(score_t.shape)}."
             )
         score_tensors.append(score_t.float())
-    if not _all_hold(score_tensors, torch.isfinite):
-        i = next(i for i, t in enumerate(score_tensors) if not torch.isfinite(t).all())
-        raise ValueError(f"scores[{i}] must be finite, got {score_tensors[i].item()}.")
+    def acceptable(t):
+        return torch.isfinite(t) | (torch.isnan(t) if unscored else False)
+
+    if not _all_hold(score_tensors, acceptable):
+        i = next(i for i, t in enumerate(score_tensors) if not acceptable(t).all())
+        accepted = "finite, or NaN for an unscored row" if unscored else "finite"
+        raise ValueError(f"scores[{i}] must be {accepted}, got {score_tensors[i].item()}.")
     if response_masks is not None:
         if not isinstance(response_masks, (list, tuple)) or len(response_masks) != n:
             given = len(response_masks) if isinstance(response_masks, (list, tuple)) else type(response_masks).__name__

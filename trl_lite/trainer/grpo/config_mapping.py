@@ -44,7 +44,8 @@ HONOURED = TRAINING_ARGUMENTS_HONOURED | GRPO_HONOURED
 # Honoured fields with a restricted set of values: field -> accepted values.
 ACCEPTED_VALUES = {
     "loss_type": ("dapo", "grpo", "dr_grpo", "bnpo"),
-    "scale_rewards": ("group", "none", True, False),
+    "scale_rewards": ("group", "batch", "none", True, False),
+    "importance_sampling_level": ("token", "sequence"),
     "optim": ("adamw_torch", "adamw_torch_fused"),
     "logging_strategy": ("steps", "no"),
     "save_strategy": ("steps", "no"),
@@ -180,10 +181,14 @@ def to_ppo_config(args, num_processes: int) -> PPOConfig:
         learning_rate=args.learning_rate, max_grad_norm=args.max_grad_norm or None,
         # GRPO's advantages and loss
         advantage_estimator="grpo", num_samples_per_query=args.num_generations,
-        grpo_scale_rewards=args.scale_rewards == "group", kl_in_reward=False, init_kl_coef=args.beta,
+        grpo_scale_rewards=args.scale_rewards != "none", grpo_std_eps=1e-4,
+        grpo_std_scope="batch" if args.scale_rewards == "batch" else "group", kl_in_reward=False,
+        init_kl_coef=args.beta,
         adap_kl_ctrl=False, cliprange=args.epsilon, cliprange_high=args.epsilon_high, dual_clip=args.delta,
         importance_sampling_level=args.importance_sampling_level, loss_type=args.loss_type,
         max_response_length=args.max_completion_length, entropy_coef=args.entropy_coef,
+        entropy_token_mean=True,  # TRL's bonus: the micro-batch's mean entropy whatever loss_type
+        seq_mean_all_rows=True,  # TRL's 'grpo' mean over completions counts masked ones as 0
         ratio_threshold=1e30,  # TRL skips no mini-batch (PPOConfig takes a finite number)
         # sampling
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p or 0.0,

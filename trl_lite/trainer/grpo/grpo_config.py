@@ -103,7 +103,7 @@ class GRPOConfig(TrainingArguments):
     multi_objective_aggregation: str = field(
         default="sum_then_normalize", metadata=_help("Only 'sum_then_normalize' is supported.")
     )
-    scale_rewards: str = field(default="group", metadata=_help("'group' (True) or 'none' (False)."))
+    scale_rewards: str = field(default="group", metadata=_help("'group' (True), 'batch' or 'none' (False)."))
     loss_type: str = field(default="dapo", metadata=_help("'dapo', 'grpo', 'dr_grpo' or 'bnpo'."))
     mask_truncated_completions: bool = field(default=False, metadata=_help("Truncated completions out of the loss."))
     sync_ref_model: bool = field(default=False, metadata=_help("Not supported by trl_lite."))

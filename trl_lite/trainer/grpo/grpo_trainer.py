@@ -43,7 +43,7 @@ from .checkpoints import load_checkpoint, resolve_checkpoint, save_checkpoint
 from .config_mapping import optimizer_steps_per_generation, to_ppo_config
 from .grpo_config import GRPOConfig
 from .prompts import PromptOrder
-from .rewards import RewardFunctions
+from .rewards import RewardFunctions, mean_logged_metrics
 from .rollout import GRPORollout
 
 # step() statistics reported under TRL's names (kl only with beta != 0, as TRL).
@@ -147,7 +147,7 @@ class GRPOTrainer:
                                    args.max_completion_length, args.mask_truncated_completions,
                                    logprobs=self.ppo_config.importance_sampling_correction is not None,
                                    chat_template_kwargs=args.chat_template_kwargs, keep_table=args.log_completions,
-                                   agents=agents)  # fmt: skip
+                                   agents=agents, batch_scale=getattr(args, "scale_rewards", None) == "batch")  # fmt: skip
         self.state = TrainerState(is_local_process_zero=self.accelerator.is_local_main_process,
                                   is_world_process_zero=self.accelerator.is_main_process)  # fmt: skip
         self.control = TrainerControl()
@@ -157,6 +157,7 @@ class GRPOTrainer:
                                                 optimizer, self.lr_scheduler)  # fmt: skip
         self._metrics: dict[str, list[float]] = {}
         self._pending_rows: list[torch.Tensor] = []  # each generation's metric rows, until _flush_metrics
+        self._pending_logged: list[dict] = []  # each generation's log_metric sums of this process, likewise
         self._last_table: dict[str, list] = {}
 
     @staticmethod
@@ -243,10 +244,18 @@ class GRPOTrainer:
             return float(self.prompts.epoch)
         return self.prompts.epoch + self.prompts.index / (per_epoch * self.prompts.per_generation)
 
+    def _step_metrics(self) -> dict[str, str]:
+        """TRL's names of the step statistics; with one ratio per completion (GSPO, RLOO) the clip ratios are
+        shares of the completions, as TRL's."""
+        if self.ppo_config.importance_sampling_level == "token":
+            return STEP_METRICS
+        return {**STEP_METRICS, **{name: f"{key}_seq" for name, key in STEP_METRICS.items() if name.startswith("clip")}}
+
     def _generation_step(self) -> dict[str, float]:
         """One generation and its update: TRL's metrics of it."""
         generation = self.rollout.run(self.prompts.next_rows(), trainer_state=self.state)
         self._pending_rows.append(generation.metric_rows)
+        self._pending_logged.append(generation.reward_metrics)
         metrics = {}
         self._last_table = generation.table
         if generation.has_actions:  # else every completion is out of the loss: nothing to train on (no step)
@@ -254,7 +263,7 @@ class GRPOTrainer:
                                   response_masks=generation.response_masks,
                                   generation_logprobs=generation.generation_logprobs, group_ids=generation.group_ids,
                                   kept_sets=generation.kept_sets)  # fmt: skip
-            for name, key in STEP_METRICS.items():
+            for name, key in self._step_metrics().items():
                 metrics[name] = float(stats[key])
             metrics.update({name: float(stats[key]) for name, key in SAMPLING_METRICS.items() if key in stats})
             if self.args.beta != 0.0:
@@ -262,20 +271,32 @@ class GRPOTrainer:
         return metrics
 
     def _kl(self, stats: dict) -> float:
-        """TRL's ``kl``: the mean k3 estimate the loss used."""
-        return float(stats["ppo/policy/kl_loss"])
+        """TRL's ``kl``: the token mean of the k3 estimate the loss used (whatever ``loss_type``)."""
+        return float(stats["ppo/policy/kl"])
 
     def _flush_metrics(self) -> None:
         """The generation metrics of the generations since the last flush (and ``num_input_tokens_seen``): made
         only where they are read (a log, a checkpoint, an evaluation, the end), in one gather over processes."""
         if not self._pending_rows:
             return
-        for metrics in self.rollout.metrics(self._pending_rows, self.args.num_generations):
+        logged = self._logged_metrics(self._pending_logged)
+        for metrics, by_functions in zip(self.rollout.metrics(self._pending_rows, self.args.num_generations), logged):
             self.state.num_input_tokens_seen += int(metrics.pop("_tokens"))
             metrics["num_tokens"] = float(self.state.num_input_tokens_seen)
-            for name, value in metrics.items():
+            for name, value in {**metrics, **by_functions}.items():
                 self._metrics.setdefault(name, []).append(value)
-        self._pending_rows = []
+        self._pending_rows, self._pending_logged = [], []
+
+    def _logged_metrics(self, pending: list[dict]) -> list[dict[str, float]]:
+        """What the reward functions logged with ``log_metric`` in each pending generation, averaged over every
+        process's values (TRL's rule); on several processes one object gather for all of them."""
+        accelerator = self.accelerator
+        if accelerator.num_processes == 1:
+            return [mean_logged_metrics([sums]) for sums in pending]
+        from accelerate.utils import gather_object
+
+        per_process = gather_object([pending])  # one list of generations per process
+        return [mean_logged_metrics([generations[g] for generations in per_process]) for g in range(len(pending))]
 
     def _log_window(self) -> None:
         """Log the means of the metrics since the last log (TRL's window), the learning rate and the epoch."""
@@ -301,7 +322,7 @@ class GRPOTrainer:
         rows = len(table.get("prompt", []))
         shown = rows if self.args.num_completions_to_print is None else min(rows, self.args.num_completions_to_print)
         for i in range(shown):
-            tqdm.write(" | ".join(f"{key}: {values[i]!r}" for key, values in table.items()))
+            tqdm.write(" | ".join(f"{key}: {values[i] if i < len(values) else None!r}" for key, values in table.items()))
 
     # --- Evaluation and saving -------------------------------------------------------------------
     @torch.no_grad()
@@ -320,8 +341,9 @@ class GRPOTrainer:
         for start in range(0, len(share), size):
             generation = self.rollout.run(share[start : start + size], num_generations=k, trainer_state=self.state)
             (metrics,) = self.rollout.metrics([generation.metric_rows], k)
+            (by_functions,) = self._logged_metrics([generation.reward_metrics])
             metrics.pop("_tokens")
-            for name, value in metrics.items():
+            for name, value in {**metrics, **by_functions}.items():
                 sums.setdefault(name, []).append(value)
         results = {f"{metric_key_prefix}_{name}": sum(v) / len(v) for name, v in sums.items()}
         self.log(results)

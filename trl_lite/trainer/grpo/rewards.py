@@ -82,7 +82,7 @@ class RewardFunctions:
         """The rewards of each row by each function: ``(rows, functions)`` float32, NaN where one returned None.
 
         ``columns``: the dataset's other columns, one value per row, passed as keyword arguments (``extra`` too:
-        TRL's ``trainer_state``).
+        TRL's ``trainer_state``, ``log_extra`` and ``log_metric``).
         """
         rows = len(prompts)
         out = torch.full((rows, len(self.funcs)), math.nan, dtype=torch.float32)
@@ -156,6 +156,41 @@ class RewardFunctions:
         rewards = (per_func * self.weights.unsqueeze(0)).nansum(dim=1)
         rewards[torch.isnan(per_func).all(dim=1)] = math.nan
         return rewards
+
+
+class RewardLog:
+    """What reward functions log during one generation through TRL's keyword arguments: ``log_extra(column,
+    values)`` (columns of the completions table, one value per completion) and ``log_metric(name, value)`` (a
+    scalar; the generation's value is the mean of what was logged under the name on every process)."""
+
+    def __init__(self):
+        self.columns: dict[str, list] = {}
+        self.metrics: dict[str, list[float]] = {}
+
+    def log_extra(self, column: str, values) -> None:
+        self.columns.setdefault(str(column), []).extend(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics.setdefault(str(name), []).append(float(value))
+
+    def kwargs(self) -> dict:
+        """The keyword arguments that TRL 1.x passes to every reward function."""
+        return {"log_extra": self.log_extra, "log_metric": self.log_metric}
+
+    def sums(self) -> dict[str, tuple[float, int]]:
+        """Per metric name: the sum and the count of the values logged on this process."""
+        return {name: (sum(values), len(values)) for name, values in self.metrics.items()}
+
+
+def mean_logged_metrics(per_process: list[dict[str, tuple[float, int]]]) -> dict[str, float]:
+    """One generation's logged metrics over processes (each its :meth:`RewardLog.sums`): total / count per name."""
+    totals: dict[str, list[float]] = {}
+    for sums in per_process:
+        for name, (total, count) in sums.items():
+            entry = totals.setdefault(name, [0.0, 0])
+            entry[0] += total
+            entry[1] += count
+    return {name: total / count for name, (total, count) in sorted(totals.items()) if count}
 
 
 def _name(func) -> str:

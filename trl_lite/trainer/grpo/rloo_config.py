@@ -11,10 +11,9 @@ vLLM importance-sampling correction). So the class is made from ``GRPOConfig``'s
 - advantages: ``advantage_estimator="rloo"``, ``A_i = rho_i - mean_{j != i} rho_j`` over the group's
   ``rho = reward - beta * sum_t (lp_old - lp_ref)`` (TRL: the KL in the reward, the k1 estimate summed per
   completion; ``kl_in_reward=True, kl_penalty="kl"``);
-- loss: trl_lite's clipped token-level ratio summed per completion over ``max_completion_length`` (``loss_type
-  ="dr_grpo"``); TRL clips one ratio per completion, ``exp`` of the summed log-ratio. Before an update moves the
-  policy (the first mini-batch of each generation) both gradients are ``mean_i A_i sum_t grad lp_it``, TRL's
-  ``max_completion_length`` times larger;
+- loss: TRL's: one clipped ratio per completion, ``exp`` of its summed log-ratio
+  (``importance_sampling_level="sequence_sum"``), ``-min(s_i A_i, clip(s_i) A_i)`` averaged over the
+  micro-batch's completions (``loss_type="grpo"``, the row mean of a per-row constant);
 - ``normalize_advantages=True`` is refused (trl_lite's group estimators do not whiten); ``reward_clip_range``
   only as ``(-c, c)`` (``score_clip=c``).
 """
@@ -53,7 +52,7 @@ RLOO_OWN = {
 }
 # The GRPO settings of an RLOO run (TRL's RLOO has none of these fields).
 AS_GRPO = {
-    "loss_type": "dr_grpo", "scale_rewards": "none", "delta": None, "importance_sampling_level": "token",
+    "loss_type": "grpo", "scale_rewards": "none", "delta": None, "importance_sampling_level": "sequence_sum",
     "entropy_coef": 0.0, "vllm_importance_sampling_correction": False, "vllm_importance_sampling_cap": None,
 }  # fmt: skip
 HONOURED = (config_mapping.HONOURED & set(RLOO_FIELDS)) | {"normalize_advantages", "reward_clip_range"} | (

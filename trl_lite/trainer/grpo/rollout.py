@@ -1,9 +1,9 @@
 """One GRPO generation: prompts -> ``num_generations`` completions each on the trainer's engine -> rewards -> the
 inputs of ``PPOTrainer.step`` and TRL's metrics of the generation.
 
-Rows no reward function scored (all ``None``) and, with ``mask_truncated_completions``, truncated completions are
-dropped from the loss (a zero response mask); an unscored row's score is its group's NaN-aware mean, so it adds
-nothing to the group's centred rewards. With TRL's ``tools`` / ``environment_factory`` each completion is a
+A row no reward function scored (all ``None``) goes to ``step()`` with a NaN score: it stays in the loss with
+advantage 0 and is left out of its group's mean and std (TRL 1.x's rule, docs/algorithm_objectives.md section 12).
+With ``mask_truncated_completions``, truncated completions are dropped from the loss (a zero response mask). With TRL's ``tools`` / ``environment_factory`` each completion is a
 multi-turn episode (:mod:`.agents`): the tool and template tokens are out of the loss and out of the lengths.
 """
 
@@ -17,6 +17,7 @@ import torch
 
 from ..step.transfer import to_host_together
 from .prompts import completions_of, prompt_ids
+from .rewards import RewardLog
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Generation:
     table: dict[str, list] = field(default_factory=dict)
     group_ids: list[int] | None = None  # multi-turn episodes: a group is its prompt (its members' queries may differ)
     kept_sets: list | None = None  # multi-turn episodes under truncated sampling: their samplers' kept sets
+    reward_metrics: dict = field(default_factory=dict)  # log_metric: name -> (sum, count) on this process
 
     @property
     def has_actions(self) -> bool:
@@ -68,12 +70,14 @@ class GRPORollout:
     ``num_generations``: completions per prompt; ``max_completion_length``: their most tokens; ``mask_truncated``:
     TRL's ``mask_truncated_completions``; ``logprobs``: whether ``step()`` gets the engine's log-probs (TIS);
     ``keep_table``: whether each generation keeps its texts and rewards for ``log_completions``; ``agents``: an
-    :class:`.agents.AgentRollouts` (TRL's ``tools`` / ``environment_factory``) or None for single-turn completions.
+    :class:`.agents.AgentRollouts` (TRL's ``tools`` / ``environment_factory``) or None for single-turn completions;
+    ``batch_scale``: TRL's ``scale_rewards="batch"``, whose ``frac_reward_zero_std`` is whether the whole
+    generation's rewards have no spread (1 or 0).
     """
 
     def __init__(self, ppo_trainer, tokenizer, rewards, num_generations: int, max_completion_length: int,
                  mask_truncated: bool = False, logprobs: bool = False, chat_template_kwargs: dict | None = None,
-                 keep_table: bool = False, agents=None):  # fmt: skip
+                 keep_table: bool = False, agents=None, batch_scale: bool = False):  # fmt: skip
         self.ppo = ppo_trainer
         self.tokenizer = tokenizer
         self.rewards = rewards
@@ -84,6 +88,7 @@ class GRPORollout:
         self.chat_template_kwargs = chat_template_kwargs or {}
         self.keep_table = keep_table
         self.agents = agents
+        self.batch_scale = batch_scale
 
     def run(self, rows: list[dict], num_generations: int | None = None, **reward_kwargs) -> Generation:
         """Generate, decode and score ``num_generations`` (default: the run's) completions per row."""
@@ -91,12 +96,12 @@ class GRPORollout:
         sampled = self._episodes(rows, k) if self.agents is not None else self._sample(rows, k)
         responses = sampled.responses
         columns = {key: [row[key] for row in rows for _ in range(k)] for key in rows[0] if key not in ("prompt", "completion", "completion_ids")}  # fmt: skip
+        log = RewardLog()
         per_func = self.rewards(sampled.prompts, sampled.completions, [r.tolist() for r in responses], columns,
-                                **sampled.reward_kwargs, **reward_kwargs)  # fmt: skip
-        rewards = self.rewards.combine(per_func)
+                                **sampled.reward_kwargs, **log.kwargs(), **reward_kwargs)  # fmt: skip
+        rewards = self.rewards.combine(per_func)  # NaN: unscored, out of its group's baseline, advantage 0 (TRL's)
         truncated = sampled.truncated
-        scores = _scores_for_step(rewards, k)
-        dropped = torch.isnan(rewards) | (truncated if self.mask_truncated else torch.zeros_like(truncated))
+        dropped = truncated if self.mask_truncated else torch.zeros_like(truncated)
         masks = sampled.model_masks
         if dropped.any():
             masks = [(m if m is not None else torch.ones_like(r)) * (0 if drop else 1)
@@ -105,10 +110,11 @@ class GRPORollout:
         table = {}
         if self.keep_table:  # log_completions: the prompts and completions as text, with each function's reward
             table = {"prompt": self.tokenizer.batch_decode(sampled.queries, skip_special_tokens=True),
-                     "completion": sampled.texts, **{name: per_func[:, j].tolist() for j, name in enumerate(self.rewards.names)}}  # fmt: skip
+                     "completion": sampled.texts, **{name: per_func[:, j].tolist() for j, name in enumerate(self.rewards.names)},
+                     **log.columns}  # fmt: skip
         group_ids = [i // k for i in range(len(responses))] if self.agents is not None else None
-        return Generation(sampled.queries, responses, [torch.tensor(s) for s in scores.tolist()], masks,
-                          sampled.logprobs, metric_rows, table, group_ids, sampled.kept_sets)  # fmt: skip
+        return Generation(sampled.queries, responses, [torch.tensor(s) for s in rewards.tolist()], masks,
+                          sampled.logprobs, metric_rows, table, group_ids, sampled.kept_sets, log.sums())  # fmt: skip
 
     def _sample(self, rows: list[dict], k: int) -> Sampled:
         """One ``generate`` call: ``k`` single-turn completions per row."""
@@ -170,6 +176,8 @@ class GRPORollout:
             metrics[f"rewards/{name}/mean"], metrics[f"rewards/{name}/std"] = _nan_mean_std(per_func[:, j])
         metrics["reward"], metrics["reward_std"] = _nan_mean_std(rewards)
         group_std = [_nan_mean_std(group)[1] for group in rewards.reshape(-1, k)]
+        if self.batch_scale:  # TRL: the std the advantages were divided by, the batch's
+            group_std = [metrics["reward_std"]]
         metrics["frac_reward_zero_std"] = sum(abs(std) < 1e-8 for std in group_std) / len(group_std)
         if table.shape[1] > 4 + functions:  # tool counts; TRL's: calls per completion, failed calls per call
             calls, failures = table[:, 4 + functions].sum(), table[:, 5 + functions].sum()
@@ -199,12 +207,3 @@ def _nan_mean_std(values: np.ndarray) -> tuple[float, float]:
     present = values[~np.isnan(values)]
     mean = present.mean() if len(present) else math.nan
     return mean, (math.sqrt(((present - mean) ** 2).sum() / (len(present) - 1)) if len(present) > 1 else math.nan)
-
-
-def _scores_for_step(rewards: torch.Tensor, k: int) -> torch.Tensor:
-    """The rewards with each unscored (NaN) row set to its group's NaN-aware mean (0 for a group with none scored).
-    Shape: ``(rows,) -> (rows,)``, rows in groups of ``k``."""
-    grouped = rewards.view(-1, k)
-    means = torch.nanmean(grouped, dim=1, keepdim=True).nan_to_num(0.0).expand_as(grouped)
-    return torch.where(torch.isnan(grouped), means, grouped).reshape(-1)
-

@@ -213,7 +213,11 @@ class ExperienceMaker:
         if config.advantage_estimator == "rloo":
             sequence_advantages = rloo_advantages(sequence_rewards, groups, num_groups)
         else:
-            sequence_advantages = grpo_advantages(sequence_rewards, groups, config.grpo_scale_rewards, num_groups=num_groups)
+            by_batch = config.grpo_scale_rewards and config.grpo_std_scope == "batch"
+            sequence_advantages = grpo_advantages(sequence_rewards, groups, config.grpo_scale_rewards and not by_batch,
+                                                  config.grpo_std_eps, num_groups=num_groups)  # fmt: skip
+            if by_batch:  # TRL's scale_rewards="batch": the group-centred rewards over the batch's std
+                sequence_advantages = sequence_advantages / (self.batch_std(sequence_rewards) + config.grpo_std_eps)
         return sequence_to_tokens(sequence_advantages, mask).detach()
 
     def generation_columns(self, generation_logprobs, mask, shift: int) -> torch.Tensor | None:
@@ -248,6 +252,20 @@ class ExperienceMaker:
         weights = truncated_importance_weights(logprobs, generation, mask, config.importance_sampling_cap)
         stats["rollout/is_weight/mean"] = masked_mean(weights, mask)
         return stats, weights
+
+    def batch_std(self, values):
+        """The unbiased std of the non-NaN ``values (B,)`` of every process (a NaN is an unscored row)."""
+        scored = ~torch.isnan(values)
+        present = torch.where(scored, values, torch.zeros_like(values))
+        accelerator, share = self.accelerator, self.sequence.row_share
+        sums = torch.stack([present.sum(), scored.sum().to(values.dtype)])
+        if accelerator.num_processes > 1:  # a sequence-parallel group's processes hold the same rows: shares
+            sums = accelerator.reduce(sums * share, reduction="sum")
+        mean = sums[0] / sums[1]
+        squares = torch.where(scored, values - mean, torch.zeros_like(values)).pow(2).sum().reshape(1)
+        if accelerator.num_processes > 1:
+            squares = accelerator.reduce(squares * share, reduction="sum")
+        return (squares[0] / (sums[1] - 1)).sqrt()
 
     def whiten(self, values, mask, shift_mean=True):
         """``masked_whiten`` with the statistics of the action tokens of every process. Shape ``(B, L)``.

@@ -147,6 +147,7 @@ class Learner:
         stats["ppo/skipped_minibatches"] = torch.tensor(float(self.skipped_minibatches - skipped_before))
         if experience.kl_in_loss and experience.ref_logprobs is None:
             stats["ppo/policy/kl_loss"] = torch.tensor(float("nan"))  # its coefficient is 0: not measured
+            stats["ppo/policy/kl"] = torch.tensor(float("nan"))
         stats["ppo/minibatches"] = torch.tensor(float(len(pass_tokens)))
         # The path the policy's training passes took (head_path.HeadPath.taken).
         taken = self.forward.head.taken(self.model, self.forward.buffer_rows(experience.rows))
@@ -191,8 +192,10 @@ class Learner:
     def stat_keys(self, kl_in_loss: bool) -> tuple:
         """Names (without ``ppo/``) of the mini-batch statistics of this run."""
         keys = _POLICY_STAT_KEYS + (() if self.config.critic_free else _VALUE_STAT_KEYS)
+        if self.config.importance_sampling_level != "token":
+            keys += ("policy/clipfrac_seq", "policy/clipfrac_low_seq", "policy/clipfrac_high_seq")
         keys += ("policy/entropy_loss",) if self.config.entropy_coef else ()
-        return keys + (("policy/kl_loss",) if kl_in_loss else ())
+        return keys + (("policy/kl_loss", "policy/kl") if kl_in_loss else ())
 
     # ------------------------------------------------------------------------------------------
     # One mini-batch
@@ -292,7 +295,7 @@ class Learner:
             entropy = entropy_from_logits(logits if self.config.entropy_coef else logits.detach(), self.forward.temperature)
         pg_loss, stats = self.objective(
             logprobs, old_logprobs, advantages, mask, entropy, ref_logprobs, kl_coef, token_weights, tokens_per_minibatch,
-            policy_share,
+            policy_share, value_share,
         )
         stats["loss/total"] = pg_loss.detach()
         if vpreds is None:

@@ -29,6 +29,8 @@ class PolicyObjective:
     loss_type: str = "token_mean"
     max_response_length: int | None = None
     entropy_coef: float = 0.0
+    entropy_token_mean: bool = False
+    seq_mean_all_rows: bool = False
 
     @classmethod
     def from_config(cls, config) -> PolicyObjective:
@@ -40,6 +42,8 @@ class PolicyObjective:
             loss_type=config.loss_type,
             max_response_length=config.max_response_length,
             entropy_coef=config.entropy_coef,
+            entropy_token_mean=config.entropy_token_mean,
+            seq_mean_all_rows=config.seq_mean_all_rows,
         )
 
     @property
@@ -49,7 +53,8 @@ class PolicyObjective:
 
     def aggregate(self, losses: torch.Tensor, mask: torch.Tensor, tokens_per_minibatch=None, denominator=None) -> torch.Tensor:
         """``losses (b, L)`` of a mini-batch as one number, by ``loss_type`` (:func:`trl_lite.core.aggregate_loss`)."""
-        return aggregate_loss(losses, mask, self.loss_type, self.max_response_length, tokens_per_minibatch, denominator)
+        return aggregate_loss(losses, mask, self.loss_type, self.max_response_length, tokens_per_minibatch, denominator,
+                              self.seq_mean_all_rows)  # fmt: skip
 
     def __call__(
         self,
@@ -63,21 +68,24 @@ class PolicyObjective:
         token_weights: torch.Tensor | None = None,
         tokens_per_minibatch: float | torch.Tensor | None = None,
         denominator: float | torch.Tensor | None = None,
+        token_denominator: float | torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The policy's loss of one mini-batch and its detached statistics.
 
         ``loss = agg(w * l_clip) [+ kl_coef * agg(k3(lp, ref))] [- entropy_coef * agg(H)]`` with ``w`` the
         ``token_weights`` (TIS, section 15), ``ref_logprobs`` given when the KL is in the loss (section 12)
-        and ``entropy`` (differentiable) needed when ``entropy_coef > 0``. ``tokens_per_minibatch``:
+        and ``entropy`` (differentiable) needed when ``entropy_coef > 0``; with ``entropy_token_mean`` the entropy
+        term is the mini-batch's token mean whatever ``loss_type`` (TRL 1.x GRPOTrainer's bonus). ``tokens_per_minibatch``:
         see :func:`trl_lite.core.aggregate_loss` (``global_token_mean`` only; None: the mini-batch is its
         own backward batch, as in a lone ``train_minibatch`` call, and its action tokens are the count).
         ``denominator``: these rows are one pass of a backward batch split by a token budget, and every
         term is their share of the backward batch's (docs/algorithm.md section 18, see
-        :func:`trl_lite.core.aggregate_loss`).
+        :func:`trl_lite.core.aggregate_loss`); ``token_denominator`` then is the backward batch's action tokens
+        (the entropy term's with ``entropy_token_mean``).
         Shapes: every tensor ``(b, L)``. Statistics: ``loss/policy`` (the clipped surrogate alone),
         ``policy/clipfrac[_low|_high]``, ``policy/dual_clipfrac``, ``policy/approxkl``, ``policy/policykl``,
-        ``policy/ratio``, ``policy/advantages_mean``, ``policy/entropy``, and ``policy/kl_loss`` /
-        ``policy/entropy_loss`` when those terms are on.
+        ``policy/ratio``, ``policy/advantages_mean``, ``policy/entropy``, and ``policy/kl_loss`` (with
+        ``policy/kl``, the token mean of k3) / ``policy/entropy_loss`` when those terms are on.
         """
         if self.needs_global_token_count and tokens_per_minibatch is None and denominator is None:
             tokens_per_minibatch = mask.sum()
@@ -86,7 +94,7 @@ class PolicyObjective:
         pg_loss, pg_stats = ppo_policy_loss(
             logprobs, old_logprobs, advantages, mask, self.cliprange, self.cliprange_high, self.dual_clip,
             self.importance_sampling_level, self.loss_type, self.max_response_length, tokens_per_minibatch,
-            token_weights, denominator,
+            token_weights, denominator, self.seq_mean_all_rows,
         )  # fmt: skip
         loss = pg_loss
         stats = {"loss/policy": pg_loss.detach()}
@@ -96,11 +104,16 @@ class PolicyObjective:
             if entropy is not None:
                 stats["policy/entropy"] = masked_mean(entropy.detach(), mask)
         if ref_logprobs is not None:
-            kl_loss = self.aggregate(k3_kl(logprobs, ref_logprobs), mask, tokens_per_minibatch, denominator)
+            k3 = k3_kl(logprobs, ref_logprobs)
+            kl_loss = self.aggregate(k3, mask, tokens_per_minibatch, denominator)
             loss = loss + kl_coef * kl_loss
             stats["policy/kl_loss"] = kl_loss.detach()
+            stats["policy/kl"] = masked_mean(k3.detach(), mask)
         if self.entropy_coef:
-            entropy_loss = self.aggregate(entropy, mask, tokens_per_minibatch, denominator)
+            if self.entropy_token_mean:
+                entropy_loss = aggregate_loss(entropy, mask, "token_mean", denominator=token_denominator)
+            else:
+                entropy_loss = self.aggregate(entropy, mask, tokens_per_minibatch, denominator)
             loss = loss - self.entropy_coef * entropy_loss
             stats["policy/entropy_loss"] = entropy_loss.detach()
         return loss, stats

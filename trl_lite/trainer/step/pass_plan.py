@@ -155,7 +155,7 @@ def group_denominators(objective, experience, group, actions, global_count: floa
     if objective.loss_type == "token_mean":
         policy = max(tokens, 1)
     elif objective.loss_type == "seq_mean_token_mean":
-        policy = max(sum(actions[i] > 0 for i in group), 1)
+        policy = max(len(group) if objective.seq_mean_all_rows else sum(actions[i] > 0 for i in group), 1)
     elif objective.loss_type == "seq_mean_token_sum_norm":
         policy = len(group) * objective.max_response_length
     else:

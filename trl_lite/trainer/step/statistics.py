@@ -104,8 +104,9 @@ class StepStatistics:
             "objective/kl_coef": torch.tensor(experience.kl_coef),
             "objective/entropy": (-experience.logprobs * mask).sum(-1).mean(),
             "ppo/mean_non_score_reward": masked_mean(experience.non_score_reward, mask),
-            "ppo/mean_scores": scores.mean(),
-            "ppo/std_scores": scores.std() if len(scores) > 1 else torch.tensor(0.0),
+            # NaN: an unscored row ('grpo'/'rloo'), left out of both
+            "ppo/mean_scores": scores.nanmean(),
+            "ppo/std_scores": _nan_std(scores) if len(scores) > 1 else torch.tensor(0.0),
             "ppo/policy/advantages": Selected(experience.advantages, is_action),
             "tokens/queries_len_mean": query_len.mean(),
             "tokens/queries_len_std": query_len.std() if len(rows) > 1 else torch.tensor(0.0),
@@ -275,3 +276,10 @@ def _cell(value):
     if isinstance(value, (np.ndarray, np.generic)):
         return value.item() if value.size == 1 else value.tolist()
     return value
+
+
+def _nan_std(values: torch.Tensor) -> torch.Tensor:
+    """The unbiased std of the non-NaN ``values`` (NaN with fewer than 2), without a read of the host."""
+    scored = ~torch.isnan(values)
+    centred = torch.where(scored, values - values.nanmean(), torch.zeros_like(values))
+    return ((centred**2).sum() / (scored.sum() - 1)).sqrt()
