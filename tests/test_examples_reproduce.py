@@ -34,7 +34,8 @@ def test_grpo_arithmetic_trains_the_same_weights_from_its_seed(tmp_path):
     dirs = (tmp_path / "first", tmp_path / "again")
     run_twice("grpo_arithmetic.py", *ARITHMETIC, output_dirs=dirs)
     for model in ("sft_model", "model"):
-        assert (dirs[1] / model / "model.safetensors").read_bytes() == (dirs[0] / model / "model.safetensors").read_bytes()
+        first, again = (directory / model / "model.safetensors" for directory in dirs)
+        assert again.read_bytes() == first.read_bytes(), model
 
     def results(directory):  # metrics.json less the times
         metrics = json.loads((directory / "metrics.json").read_text())

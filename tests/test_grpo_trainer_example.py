@@ -36,8 +36,9 @@ def run_example(output_dir: Path, hash_seed: str) -> subprocess.CompletedProcess
     """The script with TINY flags in a fresh process (torch's default generator seeded at random, as in any process)
     with Python's hash seed `hash_seed`."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONHASHSEED": hash_seed}
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "scripts" / "grpo_trainer_smollm2.py"), *TINY,
-                           "--output_dir", str(output_dir)], env=env, capture_output=True, text=True, timeout=1200)  # fmt: skip
+    script = ROOT / "examples" / "scripts" / "grpo_trainer_smollm2.py"
+    done = subprocess.run([sys.executable, str(script), *TINY, "--output_dir", str(output_dir)], env=env,
+                          capture_output=True, text=True, timeout=1200)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
