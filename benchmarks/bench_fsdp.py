@@ -91,8 +91,7 @@ def worker(args) -> None:
     result = {"rank": rank, "step_s": seconds, "params": _param_bytes(policy), "grads": grads.get("bytes"),
               "optimizer": _optimizer_state_bytes(trainer.optimizer), "reference": _param_bytes(reference)}  # fmt: skip
     print(RESULT_MARKER + json.dumps(result), flush=True)
-    trainer.accelerator.wait_for_everyone()
-    os._exit(0)
+    trainer.accelerator.end_training()  # the trainer's exit handler then lets gloo's workers finish (docs/scale_out.md)
 
 
 def launch(config: str, processes: int, argv: list[str]) -> list[dict]:

@@ -272,7 +272,7 @@ def _flags_of(script: Path) -> frozenset[str]:
     """The flags a script accepts, read from its source and the argument dataclasses it parses.
 
     argparse's `"--name"` literals, the fields of the dataclasses the script (or a helper module of its folder)
-    defines for HfArgumentParser, and PPOConfig's fields where the script parses PPOConfig."""
+    defines for HfArgumentParser, and PPOConfig's (GRPOConfig's, RLOOConfig's) fields where the script parses it."""
     sources = [script.read_text(encoding="utf-8")]
     for module in re.findall(r"^(?:from|import) (\w+)", sources[0], flags=re.M):
         sibling = script.parent / f"{module}.py"
@@ -291,6 +291,10 @@ def _flags_of(script: Path) -> frozenset[str]:
                              if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name))
         if re.search(r"HfArgumentParser\([^)]*PPOConfig", source):
             flags.update(f"--{name}" for name in _config_fields())
+        for parsed in re.findall(r"HfArgumentParser\([^)]*\b(GRPOConfig|RLOOConfig)\b", source):
+            import trl_lite
+
+            flags.update(f"--{field.name}" for field in dataclasses.fields(getattr(trl_lite, parsed)))
     flags.update({"--help", "-h"})
     return frozenset(flags)
 

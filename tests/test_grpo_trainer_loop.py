@@ -154,6 +154,23 @@ def test_a_lora_policy_from_peft_config_trains_only_its_adapter(tmp_path):
     assert os.path.isfile(tmp_path / "checkpoint-2" / "adapter_config.json")
 
 
+def test_the_adapter_of_peft_config_is_drawn_from_args_seed(tmp_path):
+    from peft import LoraConfig
+
+    def initial_adapter(seed):
+        base = make_gpt2()  # seeds torch itself: the generator is set at random below, as a fresh process finds it
+        torch.seed()
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0)
+        run = GRPOTrainer(model=base, reward_funcs=[count_good], train_dataset=dataset(), processing_class=tokenizer(),
+                          args=config(tmp_path, seed=seed), peft_config=lora)  # fmt: skip
+        return {k: v.clone() for k, v in run.model.state_dict().items() if "lora_A" in k}
+
+    first, again, other = initial_adapter(3), initial_adapter(3), initial_adapter(4)
+    assert first and first.keys() == again.keys()
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert not any(torch.equal(first[k], other[k]) for k in first)
+
+
 TRL_SCRIPT = """
 from datasets import Dataset
 from trl_lite import GRPOConfig, GRPOTrainer  # was: from trl import GRPOConfig, GRPOTrainer

@@ -35,6 +35,7 @@ from transformers.trainer_callback import (
 from transformers.trainer_pt_utils import get_parameter_names
 from transformers.trainer_utils import TrainOutput
 
+from ...core import set_seed
 from ..accelerate_setup import launched_processes
 from ..ppo_trainer import PPOTrainer
 from ..step_inputs import NoDatasetWarning
@@ -101,6 +102,9 @@ class GRPOTrainer:
             raise TypeError(f"tools must be a list of functions, got {type(tools).__name__}.")
         train_dataset = train_dataset if train_dataset is not None else environment_rows(environment_factory, args)
         self.args = args
+        # As transformers' Trainer does first: what is drawn from here on (weights a model loaded by name lacks, the
+        # adapter of peft_config) comes from args.seed, not from torch's default generator, seeded anew per process.
+        set_seed(args.seed)
         model = self._load_model(model, args)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path, padding_side="left")
