@@ -36,6 +36,7 @@ def test_two_processes_train_as_one_process_on_their_rollouts_together(config, t
     order = grpo_trainer_run.build(str(base_model_dir), str(tmp_path / "one"), per_device_train_batch_size=8, trainer=trainer)
     assert order.ppo_config.advantage_estimator == trainer
     assert [row["prompt"] for row in order.prompts.next_rows()] == [seen0[0], seen1[0]]
+    assert report["sampling_seeds"] == [order.args.seed, order.args.seed + 1]  # TRL's seed per process
     w0, w1 = report["weights"]
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
 
@@ -97,7 +98,8 @@ def test_tool_and_environment_episodes_on_two_processes_train_as_one_process(con
         assert all(row["prompt"][0]["content"] in prompt for prompt, _ in report["seen"][process])
     tool_messages = [count for _, count in seen]
     assert 0 < sum(tool_messages) < 8  # some episodes called the tool, some did not
-    assert rollout0[1] != rollout1[1]  # each process sampled from a seed of its own
+    assert report["sampling_seeds"] == [order.args.seed, order.args.seed + 1]
+    assert rollout0[1] != rollout1[1]  # each process sampled from a seed of its own (the trainer's, not the driver's)
     turns = [[sum(m[i] > m[i + 1] for i in range(len(m) - 1)) + 1 for m in r[3]] for r in (rollout0, rollout1)]
     assert sorted(turns[0]) != sorted(turns[1])  # the processes played different numbers of model turns
     logged = report["log_history"][0]

@@ -9,8 +9,9 @@ class and how many parameters it partitions to --output.
 
 ``--agents``: TRL's ``tools`` (test_agents' ``add``) or ``environment_factory`` (test_grpo_trainer_tools' ``Counter``,
 its ``get_reward`` a reward source) on chat prompts; DIR then holds a sampling successor model of test_agents that
-calls the tool in some completions (each process sampling from a seed of its own, so that the processes' episodes
-differ), and each step() call's response masks and group ids are written too.
+calls the tool in some completions (the trainer gives each process a sampling seed of its own, so the processes'
+episodes differ), and each step() call's response masks and group ids are written too. Every run also writes each
+process's sampling seed.
 """
 
 import argparse
@@ -97,17 +98,16 @@ def main() -> None:
         return step(queries, responses, scores, **kwargs)
 
     trainer.ppo.step = recording_step
-    if args.agents is not None:  # the successor model ignores its prompt: a seed per process makes the episodes differ
-        torch.manual_seed(100 + trainer.accelerator.process_index)
+    sampling_seed = torch.initial_seed()  # the trainer's seed per process (args.seed + the process's index)
     trainer.train()
     weights = full_named_parameters(trainer.ppo, trainer.model)
-    rollouts, seen, all_weights = gather(ROLLOUTS), gather(SEEN), gather(weights)
+    rollouts, seen, all_weights, seeds = gather(ROLLOUTS), gather(SEEN), gather(weights), gather(sampling_seed)
     partitioned = sum(p.numel() == 0 for p in trainer.model.parameters())  # ZeRO-3 shards outside a gather
     if trainer.accelerator.is_main_process:
         os.makedirs(os.path.dirname(args.output), exist_ok=True)
         torch.save({"rollouts": rollouts, "seen": seen, "weights": all_weights, "log_history": trainer.state.log_history,
                     "num_processes": trainer.accelerator.num_processes, "partitioned_parameters": partitioned,
-                    "model_class": type(trainer.ppo.model).__name__}, args.output)  # fmt: skip
+                    "model_class": type(trainer.ppo.model).__name__, "sampling_seeds": seeds}, args.output)  # fmt: skip
     finish(trainer)
 
 

@@ -163,6 +163,9 @@ class GRPOTrainer:
         self._pending_rows: list[torch.Tensor] = []  # each generation's metric rows, until _flush_metrics
         self._pending_logged: list[dict] = []  # each generation's log_metric sums of this process, likewise
         self._last_table: dict[str, list] = {}
+        # As TRL's GRPOTrainer does once it is built: each process samples from a seed of its own (args.seed + its
+        # index), so that the processes' completions are drawn apart, not from one stream of draws.
+        set_seed(args.seed + self.accelerator.process_index)
 
     @staticmethod
     def _load_model(model, args: GRPOConfig):
