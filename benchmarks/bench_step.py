@@ -21,6 +21,8 @@ Usage:
 import argparse
 import os
 import platform
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -33,6 +35,9 @@ from step_workloads import (
     DTYPES, H100_BF16_PEAK_GFLOPS, WORKLOAD_GROUPS, LongWorkload, Qwen2Workload, SmolLM2Workload, Workload,
     matmul_peak_gflops,
 )  # fmt: skip
+
+sys.path.insert(0, str(REPO_ROOT / "examples" / "scripts"))
+from run_record import COMMIT_AT_START  # noqa: E402  (the examples' records name their commit the same way)
 
 # (result key, column title, number format, whether a ratio-to-floor column follows)
 TABLE_COLUMNS = (
@@ -122,15 +127,17 @@ def machine_description(device: str) -> str:
 
 
 def write_results(path: Path, heading: str, body: str) -> None:
-    """Replace the `## heading` section of the markdown file at `path` with `body`, keeping other sections."""
-    title = "# trl_lite benchmark results\n\nWritten by `benchmarks/bench_step.py`; do not edit by hand.\n"
+    """Replace the `## heading` section of the markdown file at `path` with `body`, keeping the file's header and
+    every other section as they are (indented lines included)."""
+    header = "# trl_lite benchmark results\n"
     sections = {}
     if path.exists():
-        for chunk in path.read_text().split("\n## ")[1:]:
+        header, *chunks = path.read_text().split("\n## ")
+        for chunk in chunks:
             name, _, rest = chunk.partition("\n")
-            sections[name.strip()] = rest.strip()
-    sections[heading] = body.strip()
-    text = title + "".join(f"\n## {name}\n\n{content}\n" for name, content in sections.items())
+            sections[name.strip()] = rest.strip("\n")
+    sections[heading] = body.strip("\n")
+    text = header.rstrip("\n") + "\n" + "".join(f"\n## {name}\n\n{content}\n" for name, content in sections.items())
     path.write_text(text)
 
 
@@ -205,9 +212,10 @@ def main(argv=None) -> None:
     settings = (
         f"{args.steps} timed steps after {args.warmup} warm-up; load average at end "
         + " ".join(f"{x:.2f}" for x in os.getloadavg())
-        + f"; {time.strftime('%Y-%m-%d')}"
+        + f"; {time.strftime('%Y-%m-%d')}; commit {COMMIT_AT_START}"
     )
-    body = f"Machine: {machine}\n\n{settings}\n\n{describe_workloads(workloads)}\n\n{table}"
+    command = "    python benchmarks/bench_step.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    body = f"{command.rstrip()}\n\nMachine: {machine}\n\n{settings}\n\n{describe_workloads(workloads)}\n\n{table}"
     heading = f"{args.device} {args.dtype}: {' '.join(args.workloads)}"
     if args.threads is not None:
         heading += f", torch threads {args.threads}"

@@ -113,10 +113,15 @@ def test_one_step_benchmark_reports_step_and_floor(tmp_path):
     table = bench.format_table(results)
     assert "| tiny | step |" in table and "| tiny | step-padded |" in table and "| tiny | floor | " in table
     output = tmp_path / "RESULTS.md"
+    header = "# results\n\nWhat this file holds, in the maintainers' words.\n"
+    output.write_text(header + "\n## example: run.py\n\n    python run.py\n\nMachine: m\n")
     bench.write_results(output, "cpu fp32: other", "kept")
     bench.write_results(output, "cpu fp32: tiny", table)
+    bench.write_results(output, "cpu fp32: other", "replaced")
     text = output.read_text()
-    assert "## cpu fp32: other\n\nkept" in text and "| tiny | step |" in text
+    assert text.startswith(header)  # the header and other writers' sections stay as they were, indentation included
+    assert "\n## example: run.py\n\n    python run.py\n\nMachine: m\n" in text
+    assert "## cpu fp32: other\n\nreplaced\n" in text and "kept" not in text and "| tiny | step |" in text
 
 
 # w4 shrunken: a Qwen2 with w4's head grouping (14 query heads over 2 key/value heads), tied embeddings
