@@ -47,6 +47,14 @@ def rederived(caught) -> list:
     return [w for w in caught if "re-derived" in str(w.message)]
 
 
+def step_rederived(trainer, queries, responses, **kwargs):
+    """``captured_step``'s experience, and the re-derivation warnings the step gave (every warning recorded)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, experience = captured_step(trainer, queries, responses, **kwargs)
+    return experience, rederived(caught)
+
+
 def moved(trainer, seed: int = 11, scale: float = 0.05):
     """Change the policy's weights (its output embedding, tied to the input's for GPT-2) as an update would."""
     head = trainer.model.pretrained_model.get_output_embeddings().weight
@@ -64,10 +72,8 @@ def test_a_policy_moved_since_sampling_is_scored_over_the_samplers_sets(arch):
     sampler = copy.deepcopy(trainer.model.pretrained_model)
     moved(trainer)
     now = copy.deepcopy(trainer.model.pretrained_model)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _, experience = captured_step(trainer, QUERIES, responses)
-    assert not rederived(caught)
+    experience, messages = step_rederived(trainer, QUERIES, responses)
+    assert not messages
     differ = False
     for i, (query, response) in enumerate(zip(QUERIES, responses)):
         z_then, z_now = logits64(sampler, query, response), logits64(now, query, response)
@@ -112,10 +118,8 @@ def test_sliced_and_copied_responses_find_their_records_and_an_edited_one_is_re_
     sampler = copy.deepcopy(trainer.model.pretrained_model)
     moved(trainer)
     now = copy.deepcopy(trainer.model.pretrained_model)  # the policy of the rollout pass (step() updates it)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _, experience = captured_step(trainer, QUERIES, responses)
-    assert not rederived(caught)
+    experience, messages = step_rederived(trainer, QUERIES, responses)
+    assert not messages
     for i, (query, response) in enumerate(zip(QUERIES, responses)):
         z_now = logits64(now, query, response)
         then = brute_kept(logits64(sampler, query, response) / T, Truncation(**cut))
@@ -130,10 +134,7 @@ def test_sliced_and_copied_responses_find_their_records_and_an_edited_one_is_re_
     sampler = copy.deepcopy(trainer.model.pretrained_model)
     moved(trainer, seed=12)
     now = copy.deepcopy(trainer.model.pretrained_model)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _, experience = captured_step(trainer, QUERIES, batch)
-    messages = rederived(caught)
+    experience, messages = step_rederived(trainer, QUERIES, batch)
     assert len(messages) == 1 and "1 of 4 responses" in str(messages[0].message)
     for i, (query, response) in enumerate(zip(QUERIES, batch)):
         z_now = logits64(now, query, response)
@@ -142,10 +143,8 @@ def test_sliced_and_copied_responses_find_their_records_and_an_edited_one_is_re_
         assert torch.allclose(experience.logprobs[i, : len(response)].double(), over_set(z_now, response, sets),
                               atol=2e-5), i  # fmt: skip
     # Nothing recorded for these rows any more (step() took the records): re-derived, and not said again.
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _, experience = captured_step(trainer, QUERIES, batch)
-    assert not rederived(caught) and experience.rows.kept is not None
+    experience, messages = step_rederived(trainer, QUERIES, batch)
+    assert not messages and experience.rows.kept is not None
     assert len(trainer.generation.records) == 0
 
 
@@ -163,8 +162,6 @@ def test_explicit_kept_sets_are_checked_and_replayed():
         trainer.step(QUERIES, responses, [torch.tensor(1.0)] * 4, kept_sets=records[:3])
     # A set of the token alone: lp_old is 0 there (log 1), whatever the policy.
     alone = [KeptSets.one_row(r.reshape(-1, 1), torch.ones(len(r), dtype=torch.int64)) for r in responses]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _, experience = captured_step(trainer, QUERIES, responses, kept_sets=alone)
-    assert not rederived(caught)
+    experience, messages = step_rederived(trainer, QUERIES, responses, kept_sets=alone)
+    assert not messages
     assert float(experience.logprobs.abs().max()) == 0.0

@@ -7,7 +7,6 @@ travel with the responses through the group's generate(), so every process repla
 
 import subprocess
 import sys
-import warnings
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from test_agents import CALLS, successor_model, turn
 from test_distributed import REPO, deepspeed_cpu_collectives, launch  # noqa: F401 (fixture)
 from test_sequence_parallel import KL_ATOL, assert_same_training, run_alone, run_launched
 from test_truncated_head import brute_kept
-from test_truncated_replay import logits64, over_set, rederived
+from test_truncated_replay import logits64, over_set, step_rederived
 from test_truncated_step import CUTS, QUERIES, T, captured_step, make_lm, make_trainer
 from transformers import AutoModelForCausalLM
 
@@ -84,10 +83,8 @@ def test_a_groups_generate_gathers_the_kept_sets_its_processes_recorded(tmp_path
         trainer.generation.sequence = None
     assert len(trainer.generation.records) >= len({tuple(r.tolist()) for r in responses})
     batch = [responses[0], single, responses[2], responses[3]]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        _, experience = captured_step(trainer, QUERIES, batch)
-    assert not rederived(caught)
+    experience, messages = step_rederived(trainer, QUERIES, batch)
+    assert not messages
     for i, (query, response) in enumerate(zip(QUERIES, batch)):
         z = logits64(lm, query, response)
         sets = brute_kept(z / T, Truncation(**cut))
